@@ -1,0 +1,44 @@
+"""Engine configuration."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "dflash"
+    model: str | None = None  # drafter directory (None with the default target: the shipped drafter)
+    num_speculative_tokens: int | None = None  # drafts per step; None: the drafter's block_size - 1
+    window: int | None = None  # drafter sees only the last `window` context positions
+
+    def __post_init__(self) -> None:
+        if self.method != "dflash":
+            raise ValueError(f"speculative method {self.method!r} is not supported (supported: 'dflash')")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+    @classmethod
+    def from_dict(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        if isinstance(value, SpeculativeConfig):
+            return value
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        return cls(**value)
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64  # sequences decoded together in one step
+    max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # KV pages per pool; None: sized from max_num_seqs and max_model_len
+    max_num_batched_tokens: int = 8192  # prompt tokens admitted per prefill
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "page_size", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError("num_pages must be >= 2 (page 0 is reserved)")

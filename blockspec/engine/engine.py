@@ -1,0 +1,167 @@
+"""The engine: requests in, steps of batched speculative decoding, outputs out. The LLM
+facade and the HTTP server both drive it through add_request / step / abort."""
+
+import torch
+
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.runner import ModelRunner
+from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.sequence import Sequence
+from blockspec.engine.speculative import StepOutput, decode_step
+from blockspec.loading.hf import Target
+from blockspec.models.dflash import DFlashDrafter
+from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from blockspec.sampling import SamplingParams
+
+CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
+GPU_KV_FRACTION = 0.5  # of free device memory
+
+
+class LLMEngine:
+    def __init__(self, target: Target, drafter: DFlashDrafter | None, spec: SpeculativeConfig | None,
+                 config: EngineConfig) -> None:
+        self.target, self.drafter, self.config = target, drafter, config
+        self.tokenizer = target.tokenizer
+        model = target.model
+        self.device = model.lm_head.weight.device
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
+        self.max_width = 1
+        if drafter is not None:
+            n = spec.num_speculative_tokens or drafter.block_size - 1
+            self.max_width = min(n + 1, drafter.block_size)
+        num_pages = config.num_pages or self.default_num_pages()
+        pages_per_seq = -(-(self.max_model_len + self.max_width) // config.page_size)
+        if num_pages - 1 < pages_per_seq:
+            raise ValueError(f"{num_pages} KV pages of {config.page_size} tokens cannot hold one sequence of "
+                             f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len")
+        dtype = model.lm_head.weight.dtype
+        s = model.spec
+        target_cache = allocate_kv_cache(len(model.model.layers), num_pages, config.page_size, s.num_kv_heads,
+                                         s.head_dim, dtype, self.device)
+        drafter_cache = None
+        if drafter is not None:
+            ds = drafter.spec
+            drafter_cache = allocate_kv_cache(len(drafter.layers), num_pages, config.page_size, ds.num_kv_heads,
+                                              ds.head_dim, dtype, self.device)
+        self.runner = ModelRunner(model, drafter, target_cache, drafter_cache, config.page_size,
+                                  spec.window if spec else None)
+        self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.width)
+        self.requests: dict[str, Sequence] = {}
+
+    def page_bytes(self) -> int:
+        models = [self.target.model] + ([self.drafter] if self.drafter is not None else [])
+        per_token = sum(2 * len(m.layers if m is self.drafter else m.model.layers) * m.spec.num_kv_heads
+                        * m.spec.head_dim for m in models)
+        return per_token * self.config.page_size * self.target.model.lm_head.weight.element_size()
+
+    def default_num_pages(self) -> int:
+        wanted = self.config.max_num_seqs * -(-(self.max_model_len + self.max_width) // self.config.page_size) + 1
+        if self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] * GPU_KV_FRACTION
+        else:
+            budget = CPU_KV_BUDGET
+        return max(2, min(wanted, int(budget // self.page_bytes())))
+
+    def width(self, seq: Sequence) -> int:
+        """Rows the next step verifies: anchor + drafts, never past max_tokens or the context."""
+        remaining = seq.params.max_tokens - seq.num_generated
+        room = self.max_model_len - len(seq.token_ids)
+        return max(1, min(self.max_width, remaining, room))
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass prompts as token-id lists")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        return None, ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                             "(prompt and at least one generated token)")
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+        seq = Sequence(text, ids, params, generator, request_id)
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Admit and prefill what fits, then one decoding step for every running sequence.
+        Returns the sequences that got tokens; finished ones leave the engine."""
+        admitted = [s for s in self.scheduler.admit() if s.pending_prefill]
+        if admitted:
+            self.runner.prefill(admitted)
+        seqs = self.scheduler.schedule_step()
+        if not seqs:
+            return []
+        outputs = decode_step(self.runner, seqs, [self.width(s) for s in seqs])
+        for seq, out in zip(seqs, outputs):
+            self.commit(seq, out)
+        return seqs
+
+    def commit(self, seq: Sequence, out: StepOutput) -> None:
+        committed = 0
+        for token in out.new_token_ids:
+            seq.token_ids.append(token)
+            committed += 1
+            reason = self.stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+                break
+        seq.num_cached += committed
+        seq.acceptance_lengths.append(committed)
+        if seq.params.return_drafts:
+            seq.draft_token_ids.append(out.draft_token_ids)
+        if not seq.params.stop:  # with stop strings, stop_reason keeps the text per token
+            seq.text = self.detokenize(seq)
+
+    def stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.target.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            seq.text = self.detokenize(seq)
+            hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                return "stop"
+        if seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def detokenize(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        drafts = seq.draft_token_ids if seq.params.return_drafts else None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[CompletionOutput(0, seq.text, seq.output_token_ids, seq.finish_reason)],
+            finished=seq.finished,
+            metrics=RequestMetrics(list(seq.acceptance_lengths), drafts),
+        )

@@ -1,0 +1,76 @@
+"""Continuous batching: admit waiting sequences while KV pages last, give every running
+sequence the pages its next step needs, and preempt (free and recompute later) the newest
+sequences when pages run out. A preempted sequence keeps its tokens, so recomputing its KV
+changes nothing in its output."""
+
+from collections import deque
+from collections.abc import Callable
+
+from blockspec.config import EngineConfig
+from blockspec.engine.kv_cache import PageAllocator
+from blockspec.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: PageAllocator, width: Callable[[Sequence], int]) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.width = width  # rows the sequence's next step verifies
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting sequences to running; they need a prefill of `pending_prefill`."""
+        admitted, num_tokens = [], 0
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_prefill = len(seq.pending_prefill)
+            if admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens:
+                break
+            # Admit only with room for the first step too, or it would be preempted at once.
+            if not self.allocator.can_allocate(seq.block_table, seq.num_cached + self.width(seq)):
+                break
+            self.allocator.allocate(seq.block_table, len(seq.token_ids) - 1)
+            seq.status = Status.RUNNING
+            admitted.append(self.waiting.popleft())
+            num_tokens += num_prefill
+        self.running.extend(admitted)
+        return admitted
+
+    def schedule_step(self) -> list[Sequence]:
+        """Allocate the pages of every running sequence's next step, preempting from the
+        newest end when the pool is short. Returns the sequences that step."""
+        pending, scheduled = list(self.running), []
+        while pending:
+            seq = pending.pop(0)
+            needed = seq.num_cached + self.width(seq)
+            while not self.allocator.can_allocate(seq.block_table, needed) and pending:
+                self.preempt(pending.pop())
+            if self.allocator.can_allocate(seq.block_table, needed):
+                self.allocator.allocate(seq.block_table, needed)
+                scheduled.append(seq)
+            else:
+                self.preempt(seq)
+        self.running = scheduled
+        return list(scheduled)  # a copy: finishing a sequence edits self.running
+
+    def preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.allocator.free(seq.block_table)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

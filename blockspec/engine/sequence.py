@@ -1,0 +1,59 @@
+"""One request: its tokens, status, block table and decoding statistics.
+
+Invariant while running: the target has processed (and the drafter holds context K/V for)
+positions 0 .. num_cached-1, and token_ids has exactly one token more: the anchor, the
+newest token, which the next step verifies at position num_cached."""
+
+import enum
+import itertools
+
+import torch
+
+from blockspec.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator, request_id: str | None = None) -> None:
+        self.request_id = request_id if request_id is not None else str(next(_ids))
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.status = Status.WAITING
+        self.num_cached = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.text = ""  # detokenized output, kept when stop strings need it
+        self.acceptance_lengths: list[int] = []
+        self.draft_token_ids: list[list[int]] = []
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def anchor(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def pending_prefill(self) -> list[int]:
+        """Tokens the target must process before the next step: all but the anchor."""
+        return self.token_ids[self.num_cached:-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,54 @@
+"""Rotary position embedding with the scaling variants of Hugging Face configs.
+
+The inverse frequencies of scaled variants (linear, llama3, yarn) come from transformers'
+own `ROPE_INIT_FUNCTIONS`, so a checkpoint's rope settings mean here what they mean there.
+"""
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def inv_freq_and_scale(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        return 1.0 / (params["rope_theta"] ** exponent), 1.0
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int) -> None:
+        super().__init__()
+        inv_freq, self.scale = inv_freq_and_scale(config, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables for `positions` (any shape), each [..., head_dim]."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., heads, head_dim]; cos/sin: [..., head_dim] (broadcast over heads)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

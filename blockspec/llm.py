@@ -1,0 +1,84 @@
+"""The user-facing facade: LLM(model, speculative_config, device, dtype).generate/chat/stream."""
+
+from collections.abc import Iterator
+from dataclasses import fields
+
+import torch
+
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import LLMEngine
+from blockspec.loading.dflash import load_drafter
+from blockspec.loading.hf import load_target
+from blockspec.outputs import RequestOutput
+from blockspec.sampling import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(names)})")
+    return names[dtype]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, speculative_config: dict | SpeculativeConfig | None = None,
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+                 **engine_args) -> None:
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = resolve_dtype(dtype, self.device)
+        unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
+        if model is None:
+            raise ValueError("no model given (the embedded default target is not available yet)")
+        target = load_target(model, self.dtype, self.device)
+        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+        drafter = None
+        if spec is not None:
+            if spec.model is None:
+                raise ValueError("speculative_config needs 'model': the DFlash drafter directory")
+            drafter = load_drafter(spec.model, target.model, self.dtype, self.device)
+        self.engine = LLMEngine(target, drafter, spec, EngineConfig(**engine_args))
+        self.tokenizer = target.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self.engine.output(s) for s in seqs]
+
+    def chat_prompt(self, conversation: Conversation) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, conversations: Conversation | list[Conversation],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        conversations = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that gave it tokens, until it finishes."""
+        seq = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        while not seq.finished:
+            if seq in self.engine.step():
+                yield self.engine.output(seq)

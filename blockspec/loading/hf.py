@@ -1,0 +1,71 @@
+"""Hugging Face model directories: config, safetensors weights, tokenizer, eos ids."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, read_json
+from blockspec.models.llama import CausalLM
+
+TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class Target:
+    model: CausalLM
+    tokenizer: PreTrainedTokenizerBase | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = ""
+
+
+def load_config(path: Path):
+    checkpoint_dir(path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / 'config.json'}: not a usable model config ({e})") from e
+
+
+def as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def eos_token_ids(path: Path, config) -> list[int]:
+    gen = path / "generation_config.json"
+    if gen.is_file() and "eos_token_id" in (data := read_json(gen)):
+        return as_list(data["eos_token_id"])
+    return as_list(getattr(config, "eos_token_id", None))
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def build_target(config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 source: Path) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(config)
+    tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    weights = {n: t for n, t in weights.items() if n not in tied and "rotary_emb" not in n}
+    fill_module(model, weights, dtype, device, source, optional=tied)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config, model.spec.head_dim).to(device)  # built on meta above
+    return model.eval()
+
+
+def load_target(path: str | Path, dtype: torch.dtype, device: torch.device) -> Target:
+    path = Path(path)
+    config = load_config(path)
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    if arch not in TARGET_ARCHITECTURES:
+        raise CheckpointError(f"{path}: architecture {arch} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})")
+    model = build_target(config, load_weights(path), dtype, device, path)
+    return Target(model, load_tokenizer(path), eos_token_ids(path, config), path.name)

@@ -1,0 +1,97 @@
+"""Safetensors checkpoints: reading (single file or sharded with an index), filling a model
+built on the meta device, and writing shards of bounded size."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, malformed or does not fit its model."""
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such model directory")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: config.json is missing")
+    return path
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def weight_files(path: Path) -> list[Path]:
+    if (path / INDEX).is_file():
+        files = sorted(set(read_json(path / INDEX).get("weight_map", {}).values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing or not files:
+            raise CheckpointError(f"{path}: shards listed in {INDEX} are missing: {missing or 'none listed'}")
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for file in weight_files(path):
+        try:
+            weights.update(load_file(file))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: not a valid safetensors file ({e})") from e
+    return weights
+
+
+def fill_module(module: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device, source: Path, optional: tuple[str, ...] = ()) -> None:
+    """Assign checkpoint tensors to a module built on the meta device; every parameter must
+    come from the checkpoint (except `optional` ones) with exactly its shape."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    missing = [n for n in params if n not in weights and n not in optional]
+    if missing:
+        raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing[:8]}")
+    unexpected = sorted(set(weights) - set(params))
+    if unexpected:
+        raise CheckpointError(f"{source}: tensors the model does not have: {unexpected[:8]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+    state = {n: t.to(device=device, dtype=dtype) for n, t in weights.items()}
+    module.load_state_dict(state, strict=False, assign=True)
+
+
+def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: int) -> None:
+    """Write `model.safetensors` or, above `max_shard_bytes`, numbered shards plus an index."""
+    shards, current, size = [], {}, 0
+    for name, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor.contiguous()
+        size += nbytes
+    shards.append(current)
+    path.mkdir(parents=True, exist_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

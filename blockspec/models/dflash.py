@@ -1,0 +1,91 @@
+"""The DFlash drafter (published `DFlashDraftModel` layout): Qwen3 decoder layers whose
+attention sees the target's context through K/V injection, a block of
+[anchor, MASK, ...] rows attending bidirectionally, and the target's embedding and LM head.
+
+Context K/V: for each committed position t, c[t] = hidden_norm(fc(feat[t])) and every layer's
+K = rope(k_norm(k_proj(c))), V = v_proj(c). All layers read the same c, so their k/v
+projections are stacked into one weight and computed with one GEMM (`fused_kv`)."""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.layers.attention import AttentionMetadata, write_kv
+from blockspec.layers.norm import RMSNorm, rms_norm
+from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
+from blockspec.models.llama import DecoderLayer, KVCache, layer_spec
+
+
+def dflash_value(config, name: str, default=None):
+    """A DFlash field: `dflash_config` first, then the top level (both forms are published)."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    return dflash.get(name, getattr(config, name, default))
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spaced from layer 1 to layer L-3 (one drafter layer: L // 2)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config, num_target_layers: int, target_hidden_size: int) -> None:
+        super().__init__()
+        self.config = config
+        self.spec = dataclasses.replace(layer_spec(config), qk_norm=True)
+        n = config.num_hidden_layers
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+        self.sliding_window = getattr(config, "sliding_window", None)
+        self.layers = nn.ModuleList(DecoderLayer(self.spec, t) for t in self.layer_types)
+        ids = dflash_value(config, "target_layer_ids")
+        self.target_layer_ids = tuple(ids if ids is not None else default_target_layer_ids(num_target_layers, n))
+        h = self.spec.hidden_size
+        self.fc = nn.Linear(len(self.target_layer_ids) * target_hidden_size, h, bias=False)
+        self.hidden_norm = RMSNorm(h, self.spec.eps)
+        self.norm = RMSNorm(h, self.spec.eps)
+        self.rotary = RotaryEmbedding(config, self.spec.head_dim)
+        self.block_size = int(dflash_value(config, "block_size", 16))
+        self.mask_token_id = dflash_value(config, "mask_token_id")
+        self.input_embedding_scale = float(dflash_value(config, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(dflash_value(config, "output_multiplier", 1.0))
+        self.logit_softcap = dflash_value(config, "final_logit_softcapping")
+
+    def fuse_kv(self) -> None:
+        """Stack every layer's k/v projection (rows [K0; V0; K1; V1; ...]) and k_norm weight.
+        Call after the weights are loaded."""
+        attns = [layer.self_attn for layer in self.layers]
+        self.fused_kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
+        biased = attns[0].k_proj.bias is not None
+        self.fused_kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if biased else None
+        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])[:, None, None]  # [L, 1, 1, D]
+
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_caches: list[KVCache]) -> None:
+        """Append context K/V for committed positions. features: [N, n*H_t]; positions, slots: [N]."""
+        c = self.hidden_norm(self.fc(features))
+        s = self.spec
+        kv = F.linear(c, self.fused_kv_weight, self.fused_kv_bias)
+        kv = kv.view(-1, len(self.layers), 2, s.num_kv_heads, s.head_dim).transpose(0, 1)  # [L, N, 2, Hkv, D]
+        k = apply_rotary(rms_norm(kv[:, :, 0], self.k_norm_weight, s.eps), *self.rotary(positions, c.dtype))
+        for i, (k_cache, v_cache) in enumerate(kv_caches):
+            write_kv(k_cache, v_cache, k[i], kv[i, :, 1], slot_mapping)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        """embeds: the target's embedding of the block rows [B, S, H]; returns normed hidden."""
+        x = embeds * self.input_embedding_scale
+        rope = self.rotary(positions, x.dtype)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, rope, cache, attn)
+        return self.norm(x)
+
+    def adjust_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits * self.output_multiplier
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits

