@@ -4,4 +4,4 @@ from blockspec.llm import LLM
 from blockspec.outputs import CompletionOutput, RequestOutput
 from blockspec.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -25,17 +25,28 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in names:
         raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(names)})")
     return names[dtype]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, speculative_config: dict | SpeculativeConfig | None = None,
-                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 **engine_args) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative_config: dict | SpeculativeConfig | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        **engine_args,
+    ) -> None:
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = resolve_dtype(dtype, self.device)
         unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
@@ -53,8 +64,11 @@ class LLM:
         self.engine = LLMEngine(target, drafter, spec, EngineConfig(**engine_args))
         self.tokenizer = target.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -71,8 +85,9 @@ class LLM:
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def chat(self, conversations: Conversation | list[Conversation],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, conversations: Conversation | list[Conversation], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         conversations = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
         return self.generate([self.chat_prompt(c) for c in conversations], sampling_params)
 

@@ -27,9 +27,15 @@ class SamplingParams:
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                f"max_tokens must be >= 1, got {self.max_tokens}",
+            ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative ints"),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be non-negative ints",
+            ),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}"),
         ]
         for ok, message in checks:
@@ -70,8 +76,9 @@ def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts:
     return match.int().cumprod(dim=1).sum(dim=1)
 
 
-def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                     generator: torch.Generator) -> tuple[int, int]:
+def rejection_sample(
+    drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
+) -> tuple[int, int]:
     """Speculative sampling for one sequence: accept d_i with probability min(1, p/q); on the
     first rejection draw from normalize(max(p - q, 0)); if all are accepted, the bonus is
     drawn from p's last row. drafts: [R]; p: [R+1, V]; q: [R, V]. Returns (accepted, token)."""

@@ -18,39 +18,76 @@ FAMILIES = {
 ROPES = {
     "none": None,
     "linear": {"rope_type": "linear", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
 }
 
 
-def make_target(path: Path, family: str = "llama", tied: bool = False, rope: str = "none", vocab: int = 128,
-                layers: int = 4, seed: int = 0) -> Path:
+def make_target(
+    path: Path,
+    family: str = "llama",
+    tied: bool = False,
+    rope: str = "none",
+    vocab: int = 128,
+    layers: int = 4,
+    seed: int = 0,
+) -> Path:
     config_cls, model_cls = FAMILIES[family]
     rope_params = {"rope_theta": 10000.0, "rope_type": "default"}
     if ROPES[rope]:
         rope_params.update(ROPES[rope])
     config = config_cls(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=tied,
-        rope_parameters=rope_params, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        rope_parameters=rope_params,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(seed)
     model_cls(config).save_pretrained(path)
     return path
 
 
-def make_drafter(path: Path, target_path: Path, layers: int = 2, block_size: int = 8,
-                 target_layer_ids: list[int] | None = None, seed: int = 0, mask_token_id: int | None = None) -> Path:
+def make_drafter(
+    path: Path,
+    target_path: Path,
+    layers: int = 2,
+    block_size: int = 8,
+    target_layer_ids: list[int] | None = None,
+    seed: int = 0,
+    mask_token_id: int | None = None,
+) -> Path:
     target = load_target(target_path, torch.float32, torch.device("cpu")).model
     tc = target.config
     dflash = {"mask_token_id": tc.vocab_size - 1 if mask_token_id is None else mask_token_id}
     if target_layer_ids is not None:
         dflash["target_layer_ids"] = target_layer_ids
     config = Qwen3Config(
-        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, block_size=block_size, dflash_config=dflash,
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        block_size=block_size,
+        dflash_config=dflash,
     )
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config, tc.num_hidden_layers, tc.hidden_size)

@@ -19,8 +19,9 @@ GPU_KV_FRACTION = 0.5  # of free device memory
 
 
 class LLMEngine:
-    def __init__(self, target: Target, drafter: DFlashDrafter | None, spec: SpeculativeConfig | None,
-                 config: EngineConfig) -> None:
+    def __init__(
+        self, target: Target, drafter: DFlashDrafter | None, spec: SpeculativeConfig | None, config: EngineConfig
+    ) -> None:
         self.target, self.drafter, self.config = target, drafter, config
         self.tokenizer = target.tokenizer
         model = target.model
@@ -34,26 +35,33 @@ class LLMEngine:
         num_pages = config.num_pages or self.default_num_pages()
         pages_per_seq = -(-(self.max_model_len + self.max_width) // config.page_size)
         if num_pages - 1 < pages_per_seq:
-            raise ValueError(f"{num_pages} KV pages of {config.page_size} tokens cannot hold one sequence of "
-                             f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len")
+            raise ValueError(
+                f"{num_pages} KV pages of {config.page_size} tokens cannot hold one sequence of "
+                f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len"
+            )
         dtype = model.lm_head.weight.dtype
         s = model.spec
-        target_cache = allocate_kv_cache(len(model.model.layers), num_pages, config.page_size, s.num_kv_heads,
-                                         s.head_dim, dtype, self.device)
+        target_cache = allocate_kv_cache(
+            len(model.model.layers), num_pages, config.page_size, s.num_kv_heads, s.head_dim, dtype, self.device
+        )
         drafter_cache = None
         if drafter is not None:
             ds = drafter.spec
-            drafter_cache = allocate_kv_cache(len(drafter.layers), num_pages, config.page_size, ds.num_kv_heads,
-                                              ds.head_dim, dtype, self.device)
-        self.runner = ModelRunner(model, drafter, target_cache, drafter_cache, config.page_size,
-                                  spec.window if spec else None)
+            drafter_cache = allocate_kv_cache(
+                len(drafter.layers), num_pages, config.page_size, ds.num_kv_heads, ds.head_dim, dtype, self.device
+            )
+        self.runner = ModelRunner(
+            model, drafter, target_cache, drafter_cache, config.page_size, spec.window if spec else None
+        )
         self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.width)
         self.requests: dict[str, Sequence] = {}
 
     def page_bytes(self) -> int:
         models = [self.target.model] + ([self.drafter] if self.drafter is not None else [])
-        per_token = sum(2 * len(m.layers if m is self.drafter else m.model.layers) * m.spec.num_kv_heads
-                        * m.spec.head_dim for m in models)
+        per_token = sum(
+            2 * len(m.layers if m is self.drafter else m.model.layers) * m.spec.num_kv_heads * m.spec.head_dim
+            for m in models
+        )
         return per_token * self.config.page_size * self.target.model.lm_head.weight.element_size()
 
     def default_num_pages(self) -> int:
@@ -86,8 +94,10 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
-                             "(prompt and at least one generated token)")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                "(prompt and at least one generated token)"
+            )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
         seq = Sequence(text, ids, params, generator, request_id)

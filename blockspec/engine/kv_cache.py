@@ -12,11 +12,20 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 TRASH_PAGE = 0
 
 
-def allocate_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> list[KVCache]:
+def allocate_kv_cache(
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[KVCache]:
     shape = (num_pages * page_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
 
 
 class PageAllocator:

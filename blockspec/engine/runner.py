@@ -25,8 +25,15 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, target: CausalLM, drafter: DFlashDrafter | None, target_cache: list[KVCache],
-                 drafter_cache: list[KVCache] | None, page_size: int, window: int | None = None) -> None:
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: DFlashDrafter | None,
+        target_cache: list[KVCache],
+        drafter_cache: list[KVCache] | None,
+        page_size: int,
+        window: int | None = None,
+    ) -> None:
         self.target, self.drafter = target, drafter
         self.target_cache, self.drafter_cache = target_cache, drafter_cache
         self.page_size = page_size
@@ -103,7 +110,9 @@ class ModelRunner:
         return d.adjust_logits(self.target.compute_logits(hidden[:, 1:]))
 
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], block_ids: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, Batch, torch.Tensor | None]:
+    def verify(
+        self, seqs: list[Sequence], block_ids: torch.Tensor, widths: list[int]
+    ) -> tuple[torch.Tensor, Batch, torch.Tensor | None]:
         """Target logits [B, S, V] for the block rows, the batch and its context features."""
         b = self.batch(seqs, [s.num_cached for s in seqs], widths)
         hidden, features = self.run_target(block_ids, b)

@@ -21,8 +21,14 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator, request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+        request_id: str | None = None,
+    ) -> None:
         self.request_id = request_id if request_id is not None else str(next(_ids))
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
@@ -39,7 +45,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_generated(self) -> int:
@@ -52,7 +58,7 @@ class Sequence:
     @property
     def pending_prefill(self) -> list[int]:
         """Tokens the target must process before the next step: all but the anchor."""
-        return self.token_ids[self.num_cached:-1]
+        return self.token_ids[self.num_cached : -1]
 
     @property
     def finished(self) -> bool:

@@ -25,26 +25,38 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [B, S] slots of the new K/V; None: new K/V are block scratch
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-        layer_type: str, scale: float,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        layer_type: str,
+        scale: float,
     ) -> torch.Tensor:
         """q: [B, S, Hq, D]; k, v: [B, S, Hkv, D]; returns [B, S, Hq, D]."""
         k_cache, v_cache = cache
         if self.slot_mapping is not None:
             write_kv(k_cache, v_cache, k, v, self.slot_mapping)
-        k_all, v_all = gather_kv(k_cache, self.block_tables, self.page_size), gather_kv(
-            v_cache, self.block_tables, self.page_size)
+        k_all, v_all = (
+            gather_kv(k_cache, self.block_tables, self.page_size),
+            gather_kv(v_cache, self.block_tables, self.page_size),
+        )
         if self.slot_mapping is None:
             k_all, v_all = torch.cat([k_all, k], dim=1), torch.cat([v_all, v], dim=1)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
-            attn_mask=self.masks[layer_type], scale=scale, enable_gqa=True,
+            q.transpose(1, 2),
+            k_all.transpose(1, 2),
+            v_all.transpose(1, 2),
+            attn_mask=self.masks[layer_type],
+            scale=scale,
+            enable_gqa=True,
         )
         return out.transpose(1, 2)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     slots = slot_mapping.reshape(-1)
     k_cache.index_copy_(0, slots, k.reshape(-1, *k.shape[-2:]).to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.reshape(-1, *v.shape[-2:]).to(v_cache.dtype))
@@ -56,8 +68,9 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, page_size: int) -
     return pages.flatten(1, 2)
 
 
-def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, causal: bool,
-               window: int | None) -> torch.Tensor:
+def visibility(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor:
     """[B, 1, S, L] mask: key j is visible to query i when it is valid and, for causal
     attention, not after i; with a window, only the last `window` positions are seen."""
     qp, kp = q_pos[:, :, None], k_pos[:, None, :]

@@ -23,9 +23,7 @@ def inv_freq_and_scale(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rope_type == "default":
         exponent = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
         return 1.0 / (params["rope_theta"] ** exponent), 1.0

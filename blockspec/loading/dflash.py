@@ -21,13 +21,17 @@ def validate(drafter: DFlashDrafter, target: CausalLM, source: Path) -> None:
     if drafter.mask_token_id is None:
         problems.append("dflash_config.mask_token_id is missing")
     elif not 0 <= drafter.mask_token_id < tc.vocab_size:
-        problems.append(f"mask_token_id {drafter.mask_token_id} is outside the target vocabulary (size {tc.vocab_size})")
+        problems.append(
+            f"mask_token_id {drafter.mask_token_id} is outside the target vocabulary (size {tc.vocab_size})"
+        )
     bad = [i for i in drafter.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
     if bad or not drafter.target_layer_ids:
         problems.append(f"target_layer_ids {list(drafter.target_layer_ids)} must be in 0..{tc.num_hidden_layers - 1}")
     if drafter.spec.hidden_size != tc.hidden_size:
-        problems.append(f"drafter hidden_size {drafter.spec.hidden_size} != target hidden_size {tc.hidden_size} "
-                        "(the drafter reads the target's embedding and LM head)")
+        problems.append(
+            f"drafter hidden_size {drafter.spec.hidden_size} != target hidden_size {tc.hidden_size} "
+            "(the drafter reads the target's embedding and LM head)"
+        )
     vocab = getattr(drafter.config, "vocab_size", None)
     if vocab is not None and vocab != tc.vocab_size:
         problems.append(f"drafter vocab_size {vocab} != target vocab_size {tc.vocab_size}")
@@ -53,7 +57,8 @@ def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device:
     if fc is not None and fc.shape[-1] != expected:
         raise CheckpointError(
             f"{path}: fc.weight takes {fc.shape[-1]} inputs but {len(drafter.target_layer_ids)} target layers "
-            f"x hidden {tc.hidden_size} = {expected}: this drafter was trained for another target")
+            f"x hidden {tc.hidden_size} = {expected}: this drafter was trained for another target"
+        )
     fill_module(drafter, weights, dtype, device, path)
     drafter.rotary = RotaryEmbedding(config, drafter.spec.head_dim).to(device)  # built on meta above
     drafter.fuse_kv()
@@ -78,7 +83,9 @@ def drafter_config(drafter: DFlashDrafter, target: CausalLM) -> dict:
         "vocab_size": target.config.vocab_size,
         "max_position_embeddings": target.config.max_position_embeddings,
         "rope_theta": rope["rope_theta"],
-        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_scaling": None
+        if rope["rope_type"] == "default"
+        else {k: v for k, v in rope.items() if k != "rope_theta"},
         "tie_word_embeddings": False,
         "block_size": drafter.block_size,
         "num_target_layers": target.config.num_hidden_layers,
@@ -87,8 +94,13 @@ def drafter_config(drafter: DFlashDrafter, target: CausalLM) -> dict:
     }
 
 
-def save_drafter(drafter: DFlashDrafter, target: CausalLM, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                 max_shard_bytes: int = 15 * 2**20) -> None:
+def save_drafter(
+    drafter: DFlashDrafter,
+    target: CausalLM,
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 15 * 2**20,
+) -> None:
     path = Path(path)
     weights = {n: p.detach().to("cpu", dtype) for n, p in drafter.named_parameters()}
     save_sharded(weights, path, max_shard_bytes)

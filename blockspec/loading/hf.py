@@ -48,8 +48,9 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def build_target(config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 source: Path) -> CausalLM:
+def build_target(
+    config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, source: Path
+) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(config)
     tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
@@ -66,6 +67,8 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device) -> T
     config = load_config(path)
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     if arch not in TARGET_ARCHITECTURES:
-        raise CheckpointError(f"{path}: architecture {arch} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})")
+        raise CheckpointError(
+            f"{path}: architecture {arch} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})"
+        )
     model = build_target(config, load_weights(path), dtype, device, path)
     return Target(model, load_tokenizer(path), eos_token_ids(path, config), path.name)

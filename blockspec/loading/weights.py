@@ -55,8 +55,14 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def fill_module(module: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device, source: Path, optional: tuple[str, ...] = ()) -> None:
+def fill_module(
+    module: nn.Module,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    source: Path,
+    optional: tuple[str, ...] = (),
+) -> None:
     """Assign checkpoint tensors to a module built on the meta device; every parameter must
     come from the checkpoint (except `optional` ones) with exactly its shape."""
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -68,7 +74,9 @@ def fill_module(module: nn.Module, weights: dict[str, torch.Tensor], dtype: torc
         raise CheckpointError(f"{source}: tensors the model does not have: {unexpected[:8]}")
     for name, tensor in weights.items():
         if tuple(tensor.shape) != tuple(params[name].shape):
-            raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+            )
     state = {n: t.to(device=device, dtype=dtype) for n, t in weights.items()}
     module.load_state_dict(state, strict=False, assign=True)
 

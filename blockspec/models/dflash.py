@@ -64,8 +64,9 @@ class DFlashDrafter(nn.Module):
         self.fused_kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if biased else None
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])[:, None, None]  # [L, 1, 1, D]
 
-    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                      kv_caches: list[KVCache]) -> None:
+    def write_context(
+        self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv_caches: list[KVCache]
+    ) -> None:
         """Append context K/V for committed positions. features: [N, n*H_t]; positions, slots: [N]."""
         c = self.hidden_norm(self.fc(features))
         s = self.spec
@@ -75,8 +76,9 @@ class DFlashDrafter(nn.Module):
         for i, (k_cache, v_cache) in enumerate(kv_caches):
             write_kv(k_cache, v_cache, k[i], kv[i, :, 1], slot_mapping)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_caches: list[KVCache]
+    ) -> torch.Tensor:
         """embeds: the target's embedding of the block rows [B, S, H]; returns normed hidden."""
         x = embeds * self.input_embedding_scale
         rope = self.rotary(positions, x.dtype)

@@ -61,8 +61,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else nn.Identity()
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, attn: AttentionMetadata
+    ) -> torch.Tensor:
         shape = x.shape[:-1]
         q = self.q_norm(self.q_proj(x).view(*shape, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim))
@@ -91,8 +92,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.eps)
         self.mlp = MLP(s)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                attn: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, attn: AttentionMetadata
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -127,8 +129,14 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[KVCache], capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[KVCache],
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         captured = {}
