@@ -2,6 +2,7 @@
 
 from collections.abc import Iterator
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 
@@ -11,6 +12,9 @@ from blockspec.loading.dflash import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import SamplingParams
+
+DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "SmolLM2-135M-Instruct-DFlash"
+AUTO = "auto"  # speculative_config default: the shipped drafter for the default target, else plain decoding
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
@@ -38,11 +42,20 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return names[dtype]
 
 
+def resolve_speculative_config(
+    value: dict | SpeculativeConfig | str | None, model: str | None
+) -> SpeculativeConfig | None:
+    if value == AUTO:
+        shipped = model is None and (DEFAULT_DRAFTER / "config.json").is_file()
+        return SpeculativeConfig(model=str(DEFAULT_DRAFTER)) if shipped else None
+    return SpeculativeConfig.from_dict(value) if value is not None else None
+
+
 class LLM:
     def __init__(
         self,
-        model: str | None = None,
-        speculative_config: dict | SpeculativeConfig | None = None,
+        model: str | None = None,  # HF directory or .gguf file; None: the embedded SmolLM2
+        speculative_config: dict | SpeculativeConfig | str | None = AUTO,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         **engine_args,
@@ -52,10 +65,8 @@ class LLM:
         unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        if model is None:
-            raise ValueError("no model given (the embedded default target is not available yet)")
         target = load_target(model, self.dtype, self.device)
-        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+        spec = resolve_speculative_config(speculative_config, model)
         drafter = None
         if spec is not None:
             if spec.model is None:

@@ -43,15 +43,15 @@ class AttentionMetadata:
         )
         if self.slot_mapping is None:
             k_all, v_all = torch.cat([k_all, k], dim=1), torch.cat([v_all, v], dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k_all.transpose(1, 2),
-            v_all.transpose(1, 2),
-            attn_mask=self.masks[layer_type],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.transpose(1, 2)
+        return sdpa(q, k_all, v_all, self.masks[layer_type], scale)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, S, Hq, D]; k, v: [B, L, Hkv, D]; mask: [B, 1, S, L]; returns [B, S, Hq, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
 
 
 def write_kv(
@@ -80,3 +80,24 @@ def visibility(
     if window is not None:
         mask = mask & (qp - kp < window)
     return mask[:, None]
+
+
+@dataclass
+class DenseAttention:
+    """Attention without a paged cache (training, reference checks): the keys are the new
+    K/V, preceded by dense context K/V when a layer's `cache` is a (k, v) pair [B, T, Hkv, D]."""
+
+    masks: dict[str, torch.Tensor]  # layer type -> [B, 1, S, T+S] (or [B, 1, S, S] without context)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        layer_type: str,
+        scale: float,
+    ) -> torch.Tensor:
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
+        return sdpa(q, k, v, self.masks[layer_type], scale)

@@ -62,7 +62,15 @@ def build_target(
     return model.eval()
 
 
-def load_target(path: str | Path, dtype: torch.dtype, device: torch.device) -> Target:
+def load_target(path: str | Path | None, dtype: torch.dtype, device: torch.device) -> Target:
+    """A Hugging Face model directory, a .gguf file, or None: the embedded default (SmolLM2)."""
+    if path is None or str(path).endswith(".gguf"):
+        from blockspec.loading.gguf import default_gguf_path, load_gguf  # gguf is only needed here
+
+        path = Path(path) if path is not None else default_gguf_path()
+        ckpt = load_gguf(path, dtype)
+        model = build_target(ckpt.config, ckpt.state_dict, dtype, device, path)
+        return Target(model, ckpt.tokenizer, ckpt.eos_token_ids, path.stem)
     path = Path(path)
     config = load_config(path)
     arch = (getattr(config, "architectures", None) or ["?"])[0]

@@ -62,19 +62,26 @@ class DFlashDrafter(nn.Module):
         self.fused_kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
         biased = attns[0].k_proj.bias is not None
         self.fused_kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if biased else None
-        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])[:, None, None]  # [L, 1, 1, D]
+        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])  # [L, D]
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's context K and V, each [L, *positions.shape, Hkv, D], from features
+        [*positions.shape, n*H_t] in one GEMM. Differentiable when `fuse_kv` ran under autograd."""
+        s = self.spec
+        c = self.hidden_norm(self.fc(features))
+        kv = F.linear(c, self.fused_kv_weight, self.fused_kv_bias)
+        kv = kv.view(*c.shape[:-1], len(self.layers), 2, s.num_kv_heads, s.head_dim).movedim(-4, 0)
+        k = kv[..., 0, :, :]
+        k = rms_norm(k, self.k_norm_weight.view(len(self.layers), *[1] * (k.dim() - 2), s.head_dim), s.eps)
+        return apply_rotary(k, *self.rotary(positions, c.dtype)), kv[..., 1, :, :]
 
     def write_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv_caches: list[KVCache]
     ) -> None:
         """Append context K/V for committed positions. features: [N, n*H_t]; positions, slots: [N]."""
-        c = self.hidden_norm(self.fc(features))
-        s = self.spec
-        kv = F.linear(c, self.fused_kv_weight, self.fused_kv_bias)
-        kv = kv.view(-1, len(self.layers), 2, s.num_kv_heads, s.head_dim).transpose(0, 1)  # [L, N, 2, Hkv, D]
-        k = apply_rotary(rms_norm(kv[:, :, 0], self.k_norm_weight, s.eps), *self.rotary(positions, c.dtype))
+        k, v = self.context_kv(features, positions)
         for i, (k_cache, v_cache) in enumerate(kv_caches):
-            write_kv(k_cache, v_cache, k[i], kv[i, :, 1], slot_mapping)
+            write_kv(k_cache, v_cache, k[i], v[i], slot_mapping)
 
     def forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_caches: list[KVCache]

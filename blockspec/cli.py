@@ -1,0 +1,125 @@
+"""`blockspec generate|chat|serve|bench|train`."""
+
+import argparse
+import sys
+import time
+
+from blockspec.llm import AUTO, LLM
+from blockspec.outputs import RequestOutput
+from blockspec.sampling import SamplingParams
+
+GREEN, RESET = "\033[42m\033[30m", "\033[0m"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--draft", default=AUTO, help="DFlash drafter directory, or 'none' for plain decoding")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (block width - 1)")
+    p.add_argument("--block-size", type=int, default=None, help="block width (num_speculative_tokens + 1)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
+    n = args.num_speculative_tokens if args.block_size is None else args.block_size - 1
+    spec = None if args.draft == "none" else args.draft
+    if spec not in (None, AUTO) or (spec == AUTO and n is not None):
+        spec = {"model": None if spec == AUTO else spec, "num_speculative_tokens": n}
+        if spec["model"] is None:
+            from blockspec.llm import DEFAULT_DRAFTER
+
+            spec["model"] = str(DEFAULT_DRAFTER)
+    return LLM(
+        args.model, spec, args.device, args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs
+    )
+
+
+def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        **extra,
+    )
+
+
+def marked_text(llm: LLM, out: RequestOutput) -> str:
+    """The output with each step's accepted drafts highlighted (the bonus token is plain)."""
+    ids, pieces, start = out.outputs[0].token_ids, [], 0
+    decode = llm.tokenizer.decode
+    for n in out.metrics.acceptance_lengths:
+        drafted = decode(ids[: start + n - 1], skip_special_tokens=True)[
+            len(decode(ids[:start], skip_special_tokens=True)) :
+        ]
+        bonus = decode(ids[: start + n], skip_special_tokens=True)[
+            len(decode(ids[: start + n - 1], skip_special_tokens=True)) :
+        ]
+        pieces.append((GREEN + drafted + RESET if drafted else "") + bonus)
+        start += n
+    return "".join(pieces)
+
+
+def generate(args: argparse.Namespace) -> None:
+    llm = build_llm(args)
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    start = time.perf_counter()
+    out = llm.generate(prompt, sampling_params(args, return_drafts=args.show_drafts))[0]
+    elapsed = time.perf_counter() - start
+    print(marked_text(llm, out) if args.show_drafts else out.outputs[0].text)
+    n = len(out.outputs[0].token_ids)
+    print(
+        f"[{n} tokens, mean acceptance length {out.metrics.mean_acceptance_length:.2f}, "
+        f"{n / elapsed:.1f} tok/s, finish: {out.outputs[0].finish_reason}]",
+        file=sys.stderr,
+    )
+
+
+def chat(args: argparse.Namespace) -> None:
+    llm = build_llm(args)
+    history = []
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            return
+        history.append({"role": "user", "content": user})
+        printed = ""
+        for out in llm.stream(llm.chat_prompt(history), sampling_params(args)):
+            text = out.outputs[0].text
+            print(text[len(printed) :], end="", flush=True)
+            printed = text
+        print()
+        history.append({"role": "assistant", "content": printed})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="blockspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    gen.add_argument("--show-drafts", action="store_true", help="highlight the tokens each step's draft got accepted")
+    ch = sub.add_parser("chat", help="interactive chat")
+    for p in (gen, ch):
+        add_engine_args(p)
+        add_sampling_args(p)
+    gen.set_defaults(func=generate)
+    ch.set_defaults(func=chat)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
