@@ -37,6 +37,7 @@ def make_target(
     vocab: int = 128,
     layers: int = 4,
     seed: int = 0,
+    hidden: int = 64,
 ) -> Path:
     config_cls, model_cls = FAMILIES[family]
     rope_params = {"rope_theta": 10000.0, "rope_type": "default"}
@@ -44,7 +45,7 @@ def make_target(
         rope_params.update(ROPES[rope])
     config = config_cls(
         vocab_size=vocab,
-        hidden_size=64,
+        hidden_size=hidden,
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,
@@ -104,3 +105,17 @@ def llama_pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("llama_pair")
     target = make_target(root / "target", "llama")
     return target, make_drafter(root / "drafter", target)
+
+
+def add_word_tokenizer(path: Path, vocab: int) -> Path:
+    """A word-level tokenizer over tokens w0..w{vocab-1} (decoded space-separated), with eos w2
+    and a tiny chat template, so text prompts, stop strings and chat work on tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2")
+    fast.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
+    fast.save_pretrained(path)
+    return path

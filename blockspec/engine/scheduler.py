@@ -18,6 +18,7 @@ class Scheduler:
         self.width = width  # rows the sequence's next step verifies
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -34,7 +35,7 @@ class Scheduler:
             if admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens:
                 break
             # Admit only with room for the first step too, or it would be preempted at once.
-            if not self.allocator.can_allocate(seq.block_table, seq.num_cached + self.width(seq)):
+            if not self.allocator.can_allocate(seq.block_table, len(seq.token_ids) - 1 + self.width(seq)):
                 break
             self.allocator.allocate(seq.block_table, len(seq.token_ids) - 1)
             seq.status = Status.RUNNING
@@ -61,6 +62,7 @@ class Scheduler:
         return list(scheduled)  # a copy: finishing a sequence edits self.running
 
     def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.allocator.free(seq.block_table)
         seq.num_cached = 0
         seq.status = Status.WAITING

@@ -34,7 +34,8 @@ def inv_freq_and_scale(config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int) -> None:
         super().__init__()
-        inv_freq, self.scale = inv_freq_and_scale(config, head_dim)
+        with torch.device("cpu"):  # real numbers even when the model is built on the meta device
+            inv_freq, self.scale = inv_freq_and_scale(config, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

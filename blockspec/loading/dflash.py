@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.layers.rotary import RotaryEmbedding, rope_parameters
+from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.hf import load_config
 from blockspec.loading.weights import CheckpointError, fill_module, load_weights, save_sharded
 from blockspec.models.dflash import DFlashDrafter
@@ -60,7 +60,7 @@ def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device:
             f"x hidden {tc.hidden_size} = {expected}: this drafter was trained for another target"
         )
     fill_module(drafter, weights, dtype, device, path)
-    drafter.rotary = RotaryEmbedding(config, drafter.spec.head_dim).to(device)  # built on meta above
+    drafter.rotary.to(device)
     drafter.fuse_kv()
     return drafter.eval()
 

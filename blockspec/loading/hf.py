@@ -6,7 +6,6 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, read_json
 from blockspec.models.llama import CausalLM
 
@@ -58,7 +57,7 @@ def build_target(
     fill_module(model, weights, dtype, device, source, optional=tied)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(config, model.spec.head_dim).to(device)  # built on meta above
+    model.rotary.to(device)
     return model.eval()
 
 

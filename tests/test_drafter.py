@@ -1,0 +1,95 @@
+"""The drafter's paged block forward against a dense implementation written here from the
+DFlash definition: context K/V from hidden_norm(fc(features)), block rows bidirectional."""
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.runner import ModelRunner
+from blockspec.engine.sequence import Sequence
+from blockspec.loading.dflash import load_drafter
+from blockspec.loading.hf import load_target
+from blockspec.models.dflash import default_target_layer_ids
+from blockspec.sampling import SamplingParams
+from conftest import make_drafter, make_target
+
+EPS = 1e-6
+
+
+def rms(x, w):
+    return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def rope(x, pos, dim=16, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)
+    ang = pos[:, None].float() * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
+
+
+def dense_block_logits(w, layers, feats, anchor_emb_block, p, lm_head, window=None):
+    """feats: [p, F] context features; block: [g, H] embeddings of [anchor, MASK...]."""
+    g = anchor_emb_block.shape[0]
+    c = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
+    ctx_pos, blk_pos = torch.arange(p), torch.arange(p, p + g)
+    keep = ctx_pos >= p - window if window else torch.ones(p, dtype=torch.bool)
+    x = anchor_emb_block
+    for i in range(layers):
+        L = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        h = rms(x, L("input_layernorm.weight"))
+        q = rms((h @ L("self_attn.q_proj.weight").T).view(g, 4, 16), L("self_attn.q_norm.weight"))
+        kb = rms((h @ L("self_attn.k_proj.weight").T).view(g, 2, 16), L("self_attn.k_norm.weight"))
+        kc = rms((c @ L("self_attn.k_proj.weight").T).view(p, 2, 16), L("self_attn.k_norm.weight"))
+        vb = (h @ L("self_attn.v_proj.weight").T).view(g, 2, 16)
+        vc = (c @ L("self_attn.v_proj.weight").T).view(p, 2, 16)
+        k = torch.cat([rope(kc, ctx_pos)[keep], rope(kb, blk_pos)])
+        v = torch.cat([vc[keep], vb])
+        q = rope(q, blk_pos)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)  # GQA 4 q heads / 2 kv heads
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(16), dim=-1)  # no mask: all visible
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(g, 64)
+        x = x + o @ L("self_attn.o_proj.weight").T
+        h = rms(x, L("post_attention_layernorm.weight"))
+        gate, up = h @ L("mlp.gate_proj.weight").T, h @ L("mlp.up_proj.weight").T
+        x = x + (torch.nn.functional.silu(gate) * up) @ L("mlp.down_proj.weight").T
+    return rms(x, w["norm.weight"])[1:] @ lm_head.T
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_block_forward_matches_dense_reference(tmp_path, window):
+    tpath = make_target(tmp_path / "t", "qwen3", layers=6)
+    dpath = make_drafter(tmp_path / "d", tpath, layers=2, block_size=6, target_layer_ids=[1, 3, 4])
+    target = load_target(tpath, torch.float32, torch.device("cpu")).model
+    drafter = load_drafter(dpath, target, torch.float32, torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32)
+    w = load_file(dpath / "model.safetensors")
+    page = 4
+    tc = allocate_kv_cache(6, 32, page, 2, 16, torch.float32, "cpu")
+    dc = allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu")
+    runner = ModelRunner(target, drafter, tc, dc, page, window=window)
+    alloc = PageAllocator(32, page)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in (13, 6)]
+    widths = [6, 4]  # different context lengths and widths in one batch: padding must not leak
+    seqs = [Sequence(None, p, SamplingParams(), torch.Generator()) for p in prompts]
+    for s, g in zip(seqs, widths):
+        alloc.allocate(s.block_table, len(s.token_ids) + g)
+    runner.prefill(seqs)
+    logits = runner.propose(seqs, widths)
+    for i, (ids, g) in enumerate(zip(prompts, widths)):
+        with torch.no_grad():
+            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[j + 1][0, :-1] for j in (1, 3, 4)], dim=-1)  # context: all but the anchor
+            block = torch.tensor([ids[-1]] + [drafter.mask_token_id] * (g - 1))
+            expected = dense_block_logits(w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1,
+                                          hf.lm_head.weight, window)
+        torch.testing.assert_close(logits[i, : g - 1], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(30, 1) == [15]

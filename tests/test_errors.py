@@ -1,0 +1,134 @@
+"""Bad input gets a specific error: broken checkpoints, mismatched drafters, bad prompts,
+impossible sampling parameters."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockspec import LLM, SamplingParams
+from blockspec.loading.weights import CheckpointError
+from conftest import make_drafter, make_target
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    t = make_target(root / "t", "qwen3", vocab=128)
+    return t, make_drafter(root / "d", t, target_layer_ids=[1, 3])
+
+
+def copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_directory_and_files(tmp_path, pair):
+    t, _ = pair
+    with pytest.raises(CheckpointError, match="no such model directory"):
+        LLM(str(tmp_path / "nope"), None, device="cpu")
+    broken = copy(t, tmp_path / "noconfig")
+    (broken / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        LLM(str(broken), None, device="cpu")
+    broken = copy(t, tmp_path / "noweights")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors weights"):
+        LLM(str(broken), None, device="cpu")
+
+
+def test_corrupt_weights_and_config(tmp_path, pair):
+    t, _ = pair
+    broken = copy(t, tmp_path / "corrupt")
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+    with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+        LLM(str(broken), None, device="cpu")
+    broken = copy(t, tmp_path / "badjson")
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        LLM(str(broken), None, device="cpu")
+
+
+def test_missing_and_misshapen_tensors(tmp_path, pair):
+    t, _ = pair
+    weights = load_file(t / "model.safetensors")
+    broken = copy(t, tmp_path / "missing")
+    save_file({k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k}, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp.up_proj.weight"):
+        LLM(str(broken), None, device="cpu")
+    broken = copy(t, tmp_path / "shape")
+    weights["model.norm.weight"] = torch.ones(63)
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.norm.weight has shape \(63,\), expected \(64,\)"):
+        LLM(str(broken), None, device="cpu")
+
+
+def test_unsupported_architecture_and_rope(tmp_path, pair):
+    t, _ = pair
+    broken = copy(t, tmp_path / "arch")
+    cfg = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel is not supported"):
+        LLM(str(broken), None, device="cpu")
+    broken = copy(t, tmp_path / "rope")
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    (broken / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
+        LLM(str(broken), None, device="cpu")
+
+
+def test_mismatched_drafters(tmp_path, pair):
+    t, d = pair
+    other = make_target(tmp_path / "other", "qwen3", vocab=128, layers=2)
+    with pytest.raises(CheckpointError, match="target_layer_ids .* must be in 0..1"):
+        LLM(str(other), {"model": str(d)}, device="cpu")
+    three = copy(d, tmp_path / "three_ids")
+    cfg = json.loads((three / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [0, 1, 2]
+    (three / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="fc.weight takes 128 inputs but 3 target layers x hidden 64 = 192"):
+        LLM(str(t), {"model": str(three)}, device="cpu")
+    narrow = make_target(tmp_path / "narrow", "qwen3", vocab=128, hidden=32)
+    with pytest.raises(CheckpointError, match="drafter hidden_size 64 != target hidden_size 32"):
+        LLM(str(narrow), {"model": str(d)}, device="cpu")
+    small_vocab = make_target(tmp_path / "sv", "qwen3", vocab=64)
+    with pytest.raises(CheckpointError, match="mask_token_id 127 is outside the target vocabulary"):
+        LLM(str(small_vocab), {"model": str(d)}, device="cpu")
+    with pytest.raises(CheckpointError, match="not a DFlash drafter"):
+        LLM(str(t), {"model": str(t)}, device="cpu")
+    with pytest.raises(ValueError, match="speculative method 'eagle' is not supported"):
+        LLM(str(t), {"method": "eagle", "model": str(d)}, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be -1, 0 or positive"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"stop": [""]}, "stop strings must be non-empty"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be non-negative"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(pair):
+    t, d = pair
+    llm = LLM(str(t), {"model": str(d)}, device="cpu", max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt token ids \[128, -1\] are outside the vocabulary \(size 128\)"):
+        llm.generate([[5, 128, -1]])
+    with pytest.raises(ValueError, match="the prompt has 64 tokens but the context holds 64"):
+        llm.generate([[5] * 64])
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="no tokenizer: pass prompts as token-id lists"):
+        llm.generate(["hello"])
+    # a rejected request leaves the engine clean: the next one runs
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3

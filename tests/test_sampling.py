@@ -1,0 +1,100 @@
+"""Speculative sampling has exactly the target's distribution: the joint distribution of the
+first three generated tokens, sampled through the engine (drafts accepted and rejected),
+passes a chi-square test against the exact target distribution, and the same test rejects
+a deliberately wrong acceptance rule."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import blockspec.engine.speculative as speculative
+from blockspec import LLM, SamplingParams
+from blockspec.sampling import sample, token_probs
+from conftest import make_drafter, make_target
+
+VOCAB, PROMPT, N = 6, [1, 4, 3], 3000
+CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)]
+
+
+def exact_distribution(path, params: SamplingParams) -> dict[tuple, float]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    dist = {}
+    with torch.no_grad():
+        for prefix in itertools.product(range(VOCAB), repeat=2):
+            logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0]
+            p = token_probs(logits, params)
+            first, second = p[len(PROMPT) - 1, prefix[0]], p[len(PROMPT), prefix[1]]
+            for t in range(VOCAB):
+                dist[prefix + (t,)] = float(first * second * p[-1, t])
+    return dist
+
+
+def chi_square_pvalue(counts: dict, expected: dict, n: int) -> float:
+    big = [k for k, p in expected.items() if p * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [expected[k] * n for k in big] + [n * (1 - sum(expected[k] for k in big))]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def sampled_counts(llm: LLM, params: SamplingParams) -> tuple[dict, float]:
+    fields = {**params.__dict__, "max_tokens": 3, "ignore_eos": True}
+    outs = llm.generate([PROMPT] * N, [SamplingParams(**{**fields, "seed": i}) for i in range(N)])
+    counts = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    steps = [a for o in outs for a in o.metrics.acceptance_lengths]
+    return counts, sum(steps) / len(steps)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    t = make_target(root / "t", "llama", vocab=VOCAB, seed=3)
+    return t, make_drafter(root / "d", t, block_size=4, seed=5)
+
+
+@pytest.mark.parametrize("params", CASES, ids=["T1", "T0.8-topk4-topp0.9"])
+def test_speculative_sampling_matches_target_distribution(pair, params):
+    t, d = pair
+    llm = LLM(str(t), {"model": str(d), "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
+    counts, tau = sampled_counts(llm, params)
+    assert tau > 1.3  # drafts were accepted and rejected: both paths of the rule ran
+    assert chi_square_pvalue(counts, exact_distribution(t, params), N) > 1e-3
+
+
+def wrong_rejection_sample(drafts, p, q, generator):
+    """The classic mistake: after a rejection, sample from p instead of max(p - q, 0)."""
+    rows = torch.arange(len(drafts))
+    u = torch.rand(len(drafts), generator=generator)
+    accepted = int((u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum())
+    return accepted, int(sample(p[accepted : accepted + 1], generator))
+
+
+def test_wrong_acceptance_rule_is_detected(pair, monkeypatch):
+    monkeypatch.setattr(speculative, "rejection_sample", wrong_rejection_sample)
+    t, d = pair
+    llm = LLM(str(t), {"model": str(d), "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
+    counts, _ = sampled_counts(llm, CASES[0])
+    assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) < 1e-6
+
+
+def test_token_probs_top_k_top_p():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    p = token_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    torch.testing.assert_close(p, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]))
+    p = token_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))  # smallest set with mass >= 0.7
+    torch.testing.assert_close(p, torch.tensor([4 / 7, 3 / 7, 0, 0]))
+
+
+def test_seeded_sampling_is_reproducible(pair):
+    t, d = pair
+    llm = LLM(str(t), {"model": str(d)}, device="cpu")
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    a = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    b = llm.generate([PROMPT, [2, 2], [3]], params)[0].outputs[0].token_ids
+    assert a == b

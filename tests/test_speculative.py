@@ -1,0 +1,103 @@
+"""Greedy speculative decoding is lossless: token for token equal to plain decoding on the
+same engine and to transformers' generate(), across families, widths and batches; stop
+conditions inside an accepted block cut exactly where plain decoding stops."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from blockspec import LLM, SamplingParams
+from blockspec.engine.runner import ModelRunner
+from conftest import add_word_tokenizer, make_drafter, make_target
+
+PROMPTS = [[5], [9, 3, 7, 11, 40], list(range(20, 37)), [(7 * i) % 120 for i in range(33)]]
+MAX_TOKENS = [20, 7, 25, 12]
+
+
+def hf_greedy(path, prompt, n):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt) :].tolist()
+
+
+def run(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw) for n in max_tokens]
+    return llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_greedy_speculative_equals_plain_and_transformers(tmp_path, family, tied):
+    t = make_target(tmp_path / "t", family, tied, vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    expected = [hf_greedy(t, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    plain = [o.outputs[0].token_ids for o in run(LLM(str(t), None, device="cpu"))]
+    assert plain == expected
+    for n in (1, 3, 7, 20):  # 20: clamped to the block size
+        spec = LLM(str(t), {"model": str(d), "num_speculative_tokens": n}, device="cpu", page_size=4)
+        outs = run(spec)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert all(1 <= a <= min(n + 1, 8) for o in outs for a in o.metrics.acceptance_lengths)
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """A drafter that knows the plain-greedy continuation and proposes it, except at every
+    `wrong_every`-th position: acceptance is long and rejections land at varied rows."""
+    answers: dict[tuple, list[int]] = {}
+
+    def propose(self, seqs, widths):
+        logits = torch.zeros(len(seqs), max(widths) - 1, self.target.config.vocab_size)
+        for i, s in enumerate(seqs):
+            full = answers[tuple(s.token_ids[: s.num_prompt_tokens])]
+            start = s.num_generated  # index in `full` of the token after the anchor
+            for r in range(widths[i] - 1):
+                k = start + r
+                token = full[k] if k < len(full) and (k + 1) % 5 else (k * 13) % logits.shape[-1]
+                logits[i, r, token] = 10.0
+        return logits
+
+    monkeypatch.setattr(ModelRunner, "propose", propose)
+    return answers
+
+
+def test_long_acceptance_and_stops_inside_blocks(tmp_path, oracle):
+    t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    plain_llm = LLM(str(t), None, device="cpu")
+    spec = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4)
+    plain = run(plain_llm, max_tokens=[40] * 4)
+    for p, o in zip(PROMPTS, plain):
+        oracle[tuple(p)] = o.outputs[0].token_ids
+    outs = run(spec, max_tokens=[40] * 4)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert max(a for o in outs for a in o.metrics.acceptance_lengths) >= 5  # blocks really were accepted
+    full = plain[2].outputs[0].token_ids
+    # stop token / max_tokens / stop string inside an accepted block: same cut as plain decoding
+    for kw in ({"stop_token_ids": [full[13]]}, {"max_tokens": 11}, {"stop": f"w{full[9]} w{full[10]}"}):
+        params = SamplingParams(temperature=0, **{"max_tokens": 40, "ignore_eos": True, **kw})
+        a, b = spec.generate([PROMPTS[2]], params)[0], plain_llm.generate([PROMPTS[2]], params)[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    stopped = spec.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[full[13]]))[0]
+    assert stopped.outputs[0].token_ids == full[: full.index(full[13]) + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+    cut = spec.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=40, stop=f"w{full[9]} w{full[10]}"))[0]
+    assert f"w{full[9]} w{full[10]}" not in cut.outputs[0].text
+
+
+def test_eos_stops_and_drafts_are_returned(tmp_path, oracle):
+    t = make_target(tmp_path / "t", "llama", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    plain = LLM(str(t), None, device="cpu").generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    full = plain[0].outputs[0].token_ids
+    oracle[tuple(PROMPTS[3])] = full
+    llm = LLM(str(t), {"model": str(d)}, device="cpu")
+    llm.engine.target.eos_token_ids = [full[17]]
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=40, return_drafts=True))[0]
+    assert out.outputs[0].token_ids == full[: full.index(full[17]) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    drafts = out.metrics.draft_token_ids
+    assert len(drafts) == len(out.metrics.acceptance_lengths)
+    assert all(len(d) <= 7 for d in drafts) and sum(out.metrics.acceptance_lengths) == len(out.outputs[0].token_ids)

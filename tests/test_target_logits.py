@@ -1,0 +1,61 @@
+"""Our targets against transformers' own models: same logits, through the paged path."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.runner import ModelRunner
+from blockspec.engine.sequence import Sequence
+from blockspec.loading.hf import load_target
+from blockspec.sampling import SamplingParams
+from conftest import make_target
+
+CASES = [
+    ("llama", False, "none"),
+    ("llama", True, "llama3"),
+    ("llama", False, "linear"),
+    ("qwen2", True, "none"),
+    ("qwen2", False, "yarn"),
+    ("qwen3", False, "none"),
+    ("qwen3", True, "yarn"),
+    ("qwen3", False, "llama3"),
+]
+
+
+def paged_logits(model, ids: list[int], split: int, page_size: int = 4) -> torch.Tensor:
+    """Logits of ids[split:], with ids[:split] processed first into the paged cache."""
+    s = model.spec
+    cache = allocate_kv_cache(len(model.model.layers), 64, page_size, s.num_kv_heads, s.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(model, None, cache, None, page_size)
+    seq = Sequence(None, ids, SamplingParams(), torch.Generator())
+    PageAllocator(64, page_size).allocate(seq.block_table, len(ids))
+    seq.token_ids = ids[: split + 1]  # prefill processes all but the last ("anchor")
+    runner.prefill([seq])
+    rest = ids[split:]
+    logits, _, _ = runner.verify([seq], torch.tensor([rest]), [len(rest)])
+    return logits[0]
+
+
+@pytest.mark.parametrize("family,tied,rope", CASES)
+def test_logits_match_transformers(tmp_path, family, tied, rope):
+    path = make_target(tmp_path / "t", family, tied, rope)
+    ours = load_target(path, torch.float32, torch.device("cpu")).model
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = paged_logits(ours, ids, split=70)  # positions past original_max_position_embeddings (64)
+    torch.testing.assert_close(got, expected[70:], atol=2e-5, rtol=1e-4)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight if tied else True
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    path = make_target(tmp_path / "t", "qwen3")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a = load_target(path, torch.float32, torch.device("cpu")).model
+    b = load_target(tmp_path / "sharded", torch.float32, torch.device("cpu")).model
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(x, y), name
