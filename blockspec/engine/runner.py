@@ -10,7 +10,7 @@ import torch
 
 from blockspec.engine.kv_cache import KVCache
 from blockspec.engine.sequence import Sequence
-from blockspec.layers.attention import AttentionMetadata, visibility
+from blockspec.layers.attention import AttentionMetadata, KeyRange
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.models.llama import CausalLM
 
@@ -22,6 +22,7 @@ class Batch:
     block_tables: torch.Tensor  # [B, M]
     slot_mapping: torch.Tensor  # [B, S] cache slot of each row (0 for padding)
     starts: torch.Tensor  # [B] position of row 0
+    ends: torch.Tensor  # [B] position after the last real row
 
 
 class ModelRunner:
@@ -48,22 +49,22 @@ class ModelRunner:
         width = max(lengths)
         max_pages = max(len(s.block_table) for s in seqs)
         block_tables = self.tensor([s.block_table + [0] * (max_pages - len(s.block_table)) for s in seqs])
-        starts_t = self.tensor(starts)
+        starts_t, lengths_t = self.tensor(starts), self.tensor(lengths)
         rows = torch.arange(width, device=self.device)
-        valid = rows < self.tensor(lengths)[:, None]
+        valid = rows < lengths_t[:, None]
         positions = torch.where(valid, starts_t[:, None] + rows, 0)
         pages = block_tables.gather(1, positions // self.page_size)
         slots = torch.where(valid, pages * self.page_size + positions % self.page_size, 0)
-        return Batch(positions, valid, block_tables, slots, starts_t)
+        return Batch(positions, valid, block_tables, slots, starts_t, starts_t + lengths_t)
 
-    def key_positions(self, b: Batch) -> torch.Tensor:
-        n = b.block_tables.shape[1] * self.page_size
-        return torch.arange(n, device=self.device).expand(len(b.starts), n)
+    def causal_range(self, b: Batch, window: int | None = None) -> KeyRange:
+        start = (b.positions - window + 1).clamp_min(0) if window is not None else torch.zeros_like(b.positions)
+        return start, b.positions + 1
 
     def run_target(self, input_ids: torch.Tensor, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        k_pos = self.key_positions(b)
-        mask = visibility(b.positions, k_pos, torch.ones_like(k_pos, dtype=torch.bool), causal=True, window=None)
-        attn = AttentionMetadata(b.block_tables, self.page_size, {"full_attention": mask}, b.slot_mapping)
+        attn = AttentionMetadata(
+            b.block_tables, b.slot_mapping, {"full_attention": self.causal_range(b)}, self.page_size
+        )
         return self.target(input_ids, b.positions, attn, self.target_cache, self.capture)
 
     def write_context(self, b: Batch, features: torch.Tensor | None, counts: torch.Tensor) -> None:
@@ -95,17 +96,10 @@ class ModelRunner:
         b = self.batch(seqs, [s.num_cached for s in seqs], widths)
         block_ids = torch.full(b.positions.shape, d.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[:, 0] = self.tensor([s.anchor for s in seqs])
-        ctx_pos = self.key_positions(b)
-        ctx_valid = ctx_pos < b.starts[:, None]
-        if self.window is not None:
-            ctx_valid &= ctx_pos >= b.starts[:, None] - self.window
-        k_pos = torch.cat([ctx_pos, b.positions], dim=1)
-        k_valid = torch.cat([ctx_valid, b.valid], dim=1)
-        masks = {
-            "full_attention": visibility(b.positions, k_pos, k_valid, causal=False, window=None),
-            "sliding_attention": visibility(b.positions, k_pos, k_valid, causal=True, window=d.sliding_window),
-        }
-        attn = AttentionMetadata(b.block_tables, self.page_size, masks, slot_mapping=None)
+        ctx_start = (b.starts - self.window).clamp_min(0) if self.window is not None else torch.zeros_like(b.starts)
+        block_range = (ctx_start[:, None].expand_as(b.positions), b.ends[:, None].expand_as(b.positions))
+        ranges = {"full_attention": block_range, "sliding_attention": self.causal_range(b, d.sliding_window)}
+        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size)
         hidden = d(self.target.embed(block_ids), b.positions, attn, self.drafter_cache)
         return d.adjust_logits(self.target.compute_logits(hidden[:, 1:]))
 

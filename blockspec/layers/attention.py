@@ -1,14 +1,15 @@
-"""Attention over a paged KV cache: the reference path (plain PyTorch), used on CPU and as
-the oracle for fast kernels.
+"""Attention over a paged KV cache.
 
 A cache is `[num_slots, kv_heads, head_dim]` per layer for K and for V, where slot =
-page * page_size + offset. A sequence's pages are listed in its row of `block_tables`.
-Two kinds of forward use it:
-- causal (target prefill/verify): the new K/V are written to their slots first, then the
-  queries attend to the sequence's cache under the mask;
-- block (drafter propose): the new K/V are scratch; queries attend to the cached context
-  followed by the block's own K/V, never written.
-Which positions are visible is decided once per forward by `AttentionMetadata.mask`.
+page * page_size + offset; a sequence's pages are listed in its row of `block_tables`.
+Every forward first writes its new K/V to their slots, then each query row attends to the
+keys of its sequence at positions k_start <= k < k_end:
+- target prefill/verify (causal): [0, pos + 1);
+- drafter propose: [p - window, p + width): the cached context plus the whole block, so the
+  block is bidirectional. The block's K/V land in slots past the committed context, where
+  the next commit overwrites them: they never become context.
+`paged_attention_ref` is the plain-PyTorch reference (CPU, and the oracle for the Triton
+kernel that serves CUDA behind `paged_attention`).
 """
 
 from dataclasses import dataclass
@@ -16,13 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
+
 
 @dataclass
 class AttentionMetadata:
     block_tables: torch.Tensor  # [B, M] page ids, padded with the trash page 0
+    slot_mapping: torch.Tensor  # [B, S] slots of the new K/V (padding rows: trash slot 0)
+    key_ranges: dict[str, KeyRange]  # layer type -> visible key positions per query row
     page_size: int
-    masks: dict[str, torch.Tensor]  # layer type -> [B, 1, S, M*page (+S for block)], True = visible
-    slot_mapping: torch.Tensor | None  # [B, S] slots of the new K/V; None: new K/V are block scratch
 
     def attend(
         self,
@@ -34,16 +37,38 @@ class AttentionMetadata:
         scale: float,
     ) -> torch.Tensor:
         """q: [B, S, Hq, D]; k, v: [B, S, Hkv, D]; returns [B, S, Hq, D]."""
-        k_cache, v_cache = cache
-        if self.slot_mapping is not None:
-            write_kv(k_cache, v_cache, k, v, self.slot_mapping)
-        k_all, v_all = (
-            gather_kv(k_cache, self.block_tables, self.page_size),
-            gather_kv(v_cache, self.block_tables, self.page_size),
-        )
-        if self.slot_mapping is None:
-            k_all, v_all = torch.cat([k_all, k], dim=1), torch.cat([v_all, v], dim=1)
-        return sdpa(q, k_all, v_all, self.masks[layer_type], scale)
+        write_kv(*cache, k, v, self.slot_mapping)
+        k_start, k_end = self.key_ranges[layer_type]
+        return paged_attention(q, *cache, self.block_tables, k_start, k_end, self.page_size, scale)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    k, v = gather_kv(k_cache, block_tables, page_size), gather_kv(v_cache, block_tables, page_size)
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    mask = (k_pos >= k_start[..., None]) & (k_pos < k_end[..., None])
+    return sdpa(q, k, v, mask[:, None], scale)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
