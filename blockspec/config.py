@@ -35,10 +35,14 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # KV pages per pool; None: sized from max_num_seqs and max_model_len
     max_num_batched_tokens: int = 8192  # prompt tokens admitted per prefill
+    cuda_graphs: bool = True  # capture decoding steps as CUDA graphs (CUDA only)
+    simulate_tau: float | None = None  # benchmarks only: force a greedy acceptance pattern of this mean
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "page_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.simulate_tau is not None and self.simulate_tau < 1:
+            raise ValueError("simulate_tau is a mean acceptance length: >= 1")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError("num_pages must be >= 2 (page 0 is reserved)")

@@ -4,11 +4,12 @@ facade and the HTTP server both drive it through add_request / step / abort."""
 import torch
 
 from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.speculative import StepOutput, decode_step
+from blockspec.engine.speculative import SimulatedAcceptance, StepOutput, decode_step
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -50,9 +51,13 @@ class LLMEngine:
             drafter_cache = allocate_kv_cache(
                 len(drafter.layers), num_pages, config.page_size, ds.num_kv_heads, ds.head_dim, dtype, self.device
             )
+        graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            graphs = GraphCache(config.max_num_seqs, pages_per_seq)
         self.runner = ModelRunner(
-            model, drafter, target_cache, drafter_cache, config.page_size, spec.window if spec else None
+            model, drafter, target_cache, drafter_cache, config.page_size, spec.window if spec else None, graphs
         )
+        self.simulated = SimulatedAcceptance(config.simulate_tau) if config.simulate_tau else None
         self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.width)
         self.requests: dict[str, Sequence] = {}
 
@@ -124,7 +129,7 @@ class LLMEngine:
         seqs = self.scheduler.schedule_step()
         if not seqs:
             return []
-        outputs = decode_step(self.runner, seqs, [self.width(s) for s in seqs])
+        outputs = decode_step(self.runner, seqs, [self.width(s) for s in seqs], self.simulated)
         for seq, out in zip(seqs, outputs):
             self.commit(seq, out)
         return seqs

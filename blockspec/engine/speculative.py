@@ -20,6 +20,20 @@ class StepOutput:
     draft_token_ids: list[int]  # what the drafter proposed this step
 
 
+class SimulatedAcceptance:
+    """Benchmarks only: replaces greedy acceptance by a fixed pattern whose mean acceptance
+    length is `tau` (values floor/ceil of tau - 1, clamped to the block), so that random
+    weights can be timed at a realistic tau. Output tokens are then not the target's."""
+
+    def __init__(self, tau: float) -> None:
+        self.mean_accepted, self.count = tau - 1, 0
+
+    def __call__(self, num_drafts: int) -> int:
+        self.count += 1
+        a = int(self.count * self.mean_accepted) - int((self.count - 1) * self.mean_accepted)
+        return min(a, num_drafts)
+
+
 def draft(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) -> tuple[torch.Tensor, list]:
     """Draft tokens [B, S-1] and, for sampled sequences, the drafter distributions q."""
     logits = runner.propose(seqs, widths)
@@ -32,16 +46,20 @@ def draft(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) -> tuple
     return drafts, q
 
 
-def decode_step(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) -> list[StepOutput]:
+def decode_step(
+    runner: ModelRunner, seqs: list[Sequence], widths: list[int], simulated: SimulatedAcceptance | None = None
+) -> list[StepOutput]:
     anchors = runner.tensor([s.anchor for s in seqs])[:, None]
     if max(widths) > 1:
         drafts, q = draft(runner, seqs, widths)
     else:
         drafts, q = anchors[:, :0], [None] * len(seqs)
-    logits, batch, features = runner.verify(seqs, torch.cat([anchors, drafts], dim=1), widths)
+    logits, features, inputs = runner.verify(seqs, torch.cat([anchors, drafts], dim=1), widths)
     target_argmax = logits.argmax(dim=-1)
-    num_drafts = runner.tensor(widths) - 1
-    accepted = greedy_accept(drafts, target_argmax, num_drafts)
+    if simulated is None:
+        accepted = greedy_accept(drafts, target_argmax, runner.tensor(widths) - 1)
+    else:
+        accepted = runner.tensor([simulated(w - 1) for w in widths])
     bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
     accepted, bonus = accepted.tolist(), bonus.tolist()
     for i, s in enumerate(seqs):
@@ -50,6 +68,6 @@ def decode_step(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) ->
             p = token_probs(logits[i, : n + 1], s.params)
             q_i = q[i] if q[i] is not None else p[:0]
             accepted[i], bonus[i] = rejection_sample(drafts[i, :n], p, q_i, s.generator)
-    runner.write_context(batch, features, runner.tensor(accepted) + 1)
+    runner.commit_context(features, inputs, runner.tensor(accepted) + 1)
     drafts = drafts.tolist()
     return [StepOutput(drafts[i][: accepted[i]] + [bonus[i]], drafts[i][: widths[i] - 1]) for i in range(len(seqs))]
