@@ -5,14 +5,18 @@ from dataclasses import dataclass
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "dflash"
-    model: str | None = None  # drafter directory (None with the default target: the shipped drafter)
+    method: str = "dflash"  # "dflash" (a drafter model) or "ngram" (prompt lookup, the baseline)
+    model: str | None = None  # drafter directory (dflash)
     num_speculative_tokens: int | None = None  # drafts per step; None: the drafter's block_size - 1
     window: int | None = None  # drafter sees only the last `window` context positions
+    prompt_lookup_min: int = 1  # ngram: shortest suffix to match
+    prompt_lookup_max: int = 4  # ngram: longest suffix to match
 
     def __post_init__(self) -> None:
-        if self.method != "dflash":
-            raise ValueError(f"speculative method {self.method!r} is not supported (supported: 'dflash')")
+        if self.method not in ("dflash", "ngram"):
+            raise ValueError(f"speculative method {self.method!r} is not supported (supported: 'dflash', 'ngram')")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.window is not None and self.window < 1:

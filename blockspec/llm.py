@@ -68,7 +68,7 @@ class LLM:
         target = load_target(model, self.dtype, self.device)
         spec = resolve_speculative_config(speculative_config, model)
         drafter = None
-        if spec is not None:
+        if spec is not None and spec.method == "dflash":
             if spec.model is None:
                 raise ValueError("speculative_config needs 'model': the DFlash drafter directory")
             drafter = load_drafter(spec.model, target.model, self.dtype, self.device)

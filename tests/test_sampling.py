@@ -7,25 +7,25 @@ import itertools
 
 import pytest
 import torch
+from conftest import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
-import blockspec.engine.speculative as speculative
 from blockspec import LLM, SamplingParams
+from blockspec.engine import speculative
 from blockspec.sampling import sample, token_probs
-from conftest import make_drafter, make_target
 
 VOCAB, PROMPT, N = 6, [1, 4, 3], 3000
 CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)]
 
 
-def exact_distribution(path, params: SamplingParams) -> dict[tuple, float]:
+def exact_distribution(path, params: SamplingParams, prompt: list[int] = PROMPT) -> dict[tuple, float]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     dist = {}
     with torch.no_grad():
         for prefix in itertools.product(range(VOCAB), repeat=2):
-            logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0]
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0]
             p = token_probs(logits, params)
-            first, second = p[len(PROMPT) - 1, prefix[0]], p[len(PROMPT), prefix[1]]
+            first, second = p[len(prompt) - 1, prefix[0]], p[len(prompt), prefix[1]]
             for t in range(VOCAB):
                 dist[prefix + (t,)] = float(first * second * p[-1, t])
     return dist
@@ -40,9 +40,9 @@ def chi_square_pvalue(counts: dict, expected: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
-def sampled_counts(llm: LLM, params: SamplingParams) -> tuple[dict, float]:
+def sampled_counts(llm: LLM, params: SamplingParams, prompt: list[int] = PROMPT) -> tuple[dict, float]:
     fields = {**params.__dict__, "max_tokens": 3, "ignore_eos": True}
-    outs = llm.generate([PROMPT] * N, [SamplingParams(**{**fields, "seed": i}) for i in range(N)])
+    outs = llm.generate([prompt] * N, [SamplingParams(**{**fields, "seed": i}) for i in range(N)])
     counts = {}
     for o in outs:
         key = tuple(o.outputs[0].token_ids)
@@ -65,6 +65,15 @@ def test_speculative_sampling_matches_target_distribution(pair, params):
     counts, tau = sampled_counts(llm, params)
     assert tau > 1.3  # drafts were accepted and rejected: both paths of the rule ran
     assert chi_square_pvalue(counts, exact_distribution(t, params), N) > 1e-3
+
+
+def test_ngram_sampling_matches_target_distribution(pair):
+    t, _ = pair
+    llm = LLM(str(t), {"method": "ngram", "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
+    prompt = [1, 4, 3, 5, 1, 4, 3, 5, 1, 4]  # repeats: the lookup proposes [3, 5]
+    counts, tau = sampled_counts(llm, CASES[0], prompt)
+    assert tau > 1.05  # point-mass drafts were accepted sometimes
+    assert chi_square_pvalue(counts, exact_distribution(t, CASES[0], prompt), N) > 1e-3
 
 
 def wrong_rejection_sample(drafts, p, q, generator):

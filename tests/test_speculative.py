@@ -2,13 +2,15 @@
 same engine and to transformers' generate(), across families, widths and batches; stop
 conditions inside an accepted block cut exactly where plain decoding stops."""
 
+import numpy as np
 import pytest
 import torch
+from conftest import add_word_tokenizer, make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
+from blockspec.engine.ngram import lookup
 from blockspec.engine.runner import ModelRunner
-from conftest import add_word_tokenizer, make_drafter, make_target
 
 PROMPTS = [[5], [9, 3, 7, 11, 40], list(range(20, 37)), [(7 * i) % 120 for i in range(33)]]
 MAX_TOKENS = [20, 7, 25, 12]
@@ -38,6 +40,22 @@ def test_greedy_speculative_equals_plain_and_transformers(tmp_path, family, tied
         outs = run(spec)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert all(1 <= a <= min(n + 1, 8) for o in outs for a in o.metrics.acceptance_lengths)
+
+
+def test_ngram_greedy_equals_plain(tmp_path):
+    t = make_target(tmp_path / "t", "llama", vocab=32)  # a small vocabulary repeats: lookups hit
+    prompts = [[p % 32 for p in prompt] for prompt in PROMPTS]
+    plain = [o.outputs[0].token_ids for o in run(LLM(str(t), None, device="cpu"), prompts)]
+    llm = LLM(str(t), {"method": "ngram", "num_speculative_tokens": 5}, device="cpu")
+    outs = run(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert max(a for o in outs for a in o.metrics.acceptance_lengths) > 1
+
+
+def test_ngram_lookup():
+    tokens = np.array([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2, 3])
+    assert lookup(tokens, 1, 4, 3) == [4, 5, 1]  # latest earlier occurrence of [1, 2, 3]
+    assert lookup(np.array([7, 8, 9]), 1, 4, 3) == []
 
 
 @pytest.fixture

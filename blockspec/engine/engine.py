@@ -6,10 +6,11 @@ import torch
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.ngram import NgramProposer
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.speculative import SimulatedAcceptance, StepOutput, decode_step
+from blockspec.engine.speculative import SimulatedAcceptance, StepOutput, decode_step, dflash_draft
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -17,6 +18,7 @@ from blockspec.sampling import SamplingParams
 
 CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
 GPU_KV_FRACTION = 0.5  # of free device memory
+NGRAM_DRAFTS = 7  # default drafts per step of the n-gram proposer
 
 
 class LLMEngine:
@@ -29,10 +31,13 @@ class LLMEngine:
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
-        self.max_width = 1
+        self.max_width, self.proposer = 1, dflash_draft
         if drafter is not None:
             n = spec.num_speculative_tokens or drafter.block_size - 1
             self.max_width = min(n + 1, drafter.block_size)
+        elif spec is not None and spec.method == "ngram":
+            self.max_width = (spec.num_speculative_tokens or NGRAM_DRAFTS) + 1
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, self.vocab_size)
         num_pages = config.num_pages or self.default_num_pages()
         pages_per_seq = -(-(self.max_model_len + self.max_width) // config.page_size)
         if num_pages - 1 < pages_per_seq:
@@ -129,7 +134,7 @@ class LLMEngine:
         seqs = self.scheduler.schedule_step()
         if not seqs:
             return []
-        outputs = decode_step(self.runner, seqs, [self.width(s) for s in seqs], self.simulated)
+        outputs = decode_step(self.runner, seqs, [self.width(s) for s in seqs], self.proposer, self.simulated)
         for seq, out in zip(seqs, outputs):
             self.commit(seq, out)
         return seqs

@@ -5,6 +5,7 @@ path. Greedy rows are accepted for the whole batch at once; sampled rows run exa
 speculative sampling with each sequence's own generator, so a seeded request's output does
 not depend on what it is batched with."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,8 @@ class SimulatedAcceptance:
         return min(a, num_drafts)
 
 
-def draft(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) -> tuple[torch.Tensor, list]:
-    """Draft tokens [B, S-1] and, for sampled sequences, the drafter distributions q."""
+def dflash_draft(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) -> tuple[torch.Tensor, list, list]:
+    """Draft tokens [B, S-1], for sampled sequences the drafter distributions q, and the widths."""
     logits = runner.propose(seqs, widths)
     drafts = logits.argmax(dim=-1)
     q = [None] * len(seqs)
@@ -43,15 +44,22 @@ def draft(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) -> tuple
         if not s.params.greedy:
             q[i] = token_probs(logits[i, : widths[i] - 1], s.params)
             drafts[i, : widths[i] - 1] = sample(q[i], s.generator)
-    return drafts, q
+    return drafts, q, widths
+
+
+Proposer = Callable[[ModelRunner, list[Sequence], list[int]], tuple[torch.Tensor, list, list[int]]]
 
 
 def decode_step(
-    runner: ModelRunner, seqs: list[Sequence], widths: list[int], simulated: SimulatedAcceptance | None = None
+    runner: ModelRunner,
+    seqs: list[Sequence],
+    widths: list[int],
+    proposer: Proposer = dflash_draft,
+    simulated: SimulatedAcceptance | None = None,
 ) -> list[StepOutput]:
     anchors = runner.tensor([s.anchor for s in seqs])[:, None]
     if max(widths) > 1:
-        drafts, q = draft(runner, seqs, widths)
+        drafts, q, widths = proposer(runner, seqs, widths)
     else:
         drafts, q = anchors[:, :0], [None] * len(seqs)
     logits, features, inputs = runner.verify(seqs, torch.cat([anchors, drafts], dim=1), widths)

@@ -12,6 +12,7 @@ keys of its sequence at positions k_start <= k < k_end:
 kernel that serves CUDA behind `paged_attention`).
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,20 @@ class AttentionMetadata:
         return paged_attention(q, *cache, self.block_tables, k_start, k_end, self.page_size, scale)
 
 
+_fast_kernels = True
+
+
+@contextlib.contextmanager
+def reference_ops():
+    """Run the reference attention even on CUDA (the oracle of the fast-path tests)."""
+    global _fast_kernels
+    _fast_kernels, previous = False, _fast_kernels
+    try:
+        yield
+    finally:
+        _fast_kernels = previous
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -52,6 +67,13 @@ def paged_attention(
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
+    if q.is_cuda and _fast_kernels:
+        try:  # imported here: CPU-only installs need not have triton
+            from blockspec.layers.kernels.paged_attention import paged_attention_triton
+        except ImportError:
+            pass
+        else:
+            return paged_attention_triton(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale)
 
 

@@ -1,0 +1,251 @@
+"""`blockspec bench`: decoding throughput of the engine, speculative vs plain, in one run.
+
+Per batch size: tok/s of plain decoding and of speculative decoding on the same engine, the
+step time split into drafter, target verify and the rest (host), and the weight-read floor
+(weight bytes read per step / device copy bandwidth measured in this run). With random
+weights, `--simulate-tau` forces the acceptance pattern; the output says so."""
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from blockspec.bench.presets import is_preset, random_drafter, random_target
+from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.engine import LLMEngine
+from blockspec.engine.runner import ModelRunner
+from blockspec.llm import default_device, resolve_dtype
+from blockspec.loading.dflash import load_drafter
+from blockspec.loading.hf import load_target
+from blockspec.sampling import SamplingParams
+
+PHASES = {"propose": "drafter", "verify": "verify", "commit_context": "context"}
+
+
+@dataclass
+class Result:
+    mode: str  # "plain" or "dflash"
+    batch_size: int
+    tok_per_s: float
+    step_ms: float
+    tau: float
+    phases_ms: dict[str, float] = field(default_factory=dict)  # drafter / verify / context / host
+    floor_ms: float = 0.0
+    tau_histogram: dict[int, int] = field(default_factory=dict)
+
+
+class PhaseTimer:
+    """Device time of the runner's phases, from CUDA events (wall clock on the CPU)."""
+
+    def __init__(self, runner: ModelRunner, cuda: bool) -> None:
+        self.cuda, self.totals, self.pending = cuda, dict.fromkeys(PHASES.values(), 0.0), []
+        for method, phase in PHASES.items():
+            setattr(runner, method, self.wrap(getattr(runner, method), phase))
+
+    def wrap(self, fn, phase: str):
+        def timed(*args, **kwargs):
+            if not self.cuda:
+                start = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self.totals[phase] += (time.perf_counter() - start) * 1e3
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self.pending.append((phase, start, end))
+            return out
+
+        return timed
+
+    def collect(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        for phase, start, end in self.pending:
+            self.totals[phase] += start.elapsed_time(end)
+        self.pending.clear()
+        return self.totals
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
+    """Bytes per second of a device-to-device copy, read + write counted."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - start)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_bytes(target, drafter) -> int:
+    """Bytes read per step: every target weight but the embedding table (only B*S rows are
+    read), plus the drafter's weights and, again, the target's LM head that it uses."""
+
+    def size(params):
+        return sum(p.numel() * p.element_size() for p in params)
+
+    embed = target.model.embed_tokens.weight
+    tied = target.lm_head.weight is embed
+    total = size(p for p in target.parameters() if p is not embed) + (size([embed]) if tied else 0)
+    if drafter is not None:
+        total += size(drafter.parameters()) + size([target.lm_head.weight])
+    return total
+
+
+def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: int, cuda: bool) -> dict:
+    vocab = engine.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=(steps + warmup + 4) * engine.max_width, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab - 1, (prompt_len,), generator=gen).tolist(), params)
+    for _ in range(warmup):  # prefill, graph captures
+        engine.step()
+    timer = PhaseTimer(engine.runner, cuda)
+    seqs = list(engine.scheduler.running)
+    before = [len(s.acceptance_lengths) for s in seqs]
+    sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    elapsed = time.perf_counter() - start
+    taus = [a for s, n in zip(seqs, before) for a in s.acceptance_lengths[n:]]
+    phases = {k: v / steps for k, v in timer.collect().items()}
+    phases["host"] = max(0.0, elapsed * 1e3 / steps - sum(phases.values()))
+    for s in seqs:
+        engine.abort(s.request_id)
+    return {"tokens": sum(taus), "elapsed": elapsed, "taus": taus, "phases": phases}
+
+
+def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) -> Result:
+    spec = SpeculativeConfig(num_speculative_tokens=args.block_size - 1) if drafter is not None else None
+    max_len = args.prompt_len + (args.steps + args.warmup + 8) * args.block_size
+    config = EngineConfig(
+        max_num_seqs=batch,
+        max_model_len=max_len,
+        cuda_graphs=not args.no_cuda_graphs,
+        simulate_tau=args.simulate_tau if drafter is not None else None,
+        num_pages=batch * (-(-max_len // 16) + 2) + 1,
+    )
+    engine = LLMEngine(target, drafter, spec, config)
+    m = measure(engine, batch, args.prompt_len, args.steps, args.warmup, cuda)
+    step_ms = m["elapsed"] * 1e3 / args.steps
+    hist = {}
+    for t in m["taus"]:
+        hist[t] = hist.get(t, 0) + 1
+    floor_ms = weight_bytes(target.model, drafter) / bandwidth * 1e3
+    del engine
+    if cuda:
+        torch.cuda.empty_cache()
+    return Result(
+        "dflash" if drafter is not None else "plain",
+        batch,
+        m["tokens"] / m["elapsed"],
+        step_ms,
+        sum(m["taus"]) / max(1, len(m["taus"])),
+        m["phases"],
+        floor_ms,
+        dict(sorted(hist.items())),
+    )
+
+
+def load(args, device, dtype):
+    target = (
+        random_target(args.model, dtype, device) if is_preset(args.model) else load_target(args.model, dtype, device)
+    )
+    if args.draft is None:
+        return target, None
+    if is_preset(args.draft):
+        return target, random_drafter(args.draft, target.model, dtype, device)
+    return target, load_drafter(args.draft, target.model, dtype, device)
+
+
+def report(results: list[Result], bandwidth: float, simulated: bool) -> None:
+    print(
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s" + ("; acceptance SIMULATED (random weights)" if simulated else "")
+    )
+    print(
+        f"{'mode':7} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'tau':>5} "
+        f"{'drafter':>8} {'verify':>8} {'context':>8} {'host':>8}"
+    )
+    for r in results:
+        p = r.phases_ms
+        print(
+            f"{r.mode:7} {r.batch_size:5d} {r.tok_per_s:9.1f} {r.step_ms:8.2f} {r.floor_ms:8.2f} "
+            f"{r.step_ms / r.floor_ms:7.2f} {r.tau:5.2f} {p['drafter']:8.2f} {p['verify']:8.2f} "
+            f"{p['context']:8.2f} {p['host']:8.2f}"
+        )
+
+
+def plot(results: list[Result], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG written")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in ("plain", "dflash"):
+        rs = [r for r in results if r.mode == mode]
+        a.plot([r.batch_size for r in rs], [r.tok_per_s for r in rs], marker="o", label=mode)
+    a.set(xscale="log", xlabel="batch size", ylabel="tok/s", title="throughput")
+    a.legend()
+    spec = [r for r in results if r.mode == "dflash"]
+    if spec:
+        hist = spec[0].tau_histogram
+        b.bar(list(hist), list(hist.values()))
+        b.set(xlabel="tokens per step (tau)", ylabel="steps", title=f"tau histogram, batch {spec[0].batch_size}")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="random:Qwen3-8B", help="target directory or random:<preset>")
+    p.add_argument("--draft", default="random:Qwen3-8B-DFlash-b16", help="drafter directory, random:<preset> or none")
+    p.add_argument("--batch-sizes", default="1,4,16,64")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--simulate-tau", type=float, default=None, help="force this mean acceptance length")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--out", default="bench.json")
+
+
+def run(args: argparse.Namespace) -> None:
+    device = torch.device(args.device) if args.device else default_device()
+    dtype = resolve_dtype(args.dtype, device)
+    args.draft = None if args.draft == "none" else args.draft
+    target, drafter = load(args, device, dtype)
+    bandwidth = copy_bandwidth(device)
+    results = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        for d in (None, drafter) if drafter is not None else (None,):
+            results.append(run_mode(target, d, args, batch, bandwidth, device.type == "cuda"))
+    simulated = args.simulate_tau is not None
+    report(results, bandwidth, simulated)
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "model": args.model,
+        "draft": args.draft,
+        "bandwidth_Bps": bandwidth,
+        "simulated_tau": args.simulate_tau,
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
+    plot(results, args.out.removesuffix(".json") + ".png")

@@ -1,0 +1,121 @@
+"""Models with random weights at real geometry, for timing without any download:
+`random:Qwen3-8B`, `random:Qwen3-8B-DFlash-b16`, `random:Llama-3.1-8B`, and small presets
+(`random:small`, `random:small-DFlash`) that run on a CPU."""
+
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from blockspec.loading.hf import Target
+from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.llama import CausalLM
+
+TARGETS = {
+    "Qwen3-8B": lambda: Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"],
+    ),
+    "Llama-3.1-8B": lambda: LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        architectures=["LlamaForCausalLM"],
+    ),
+    "small": lambda: Qwen3Config(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        architectures=["Qwen3ForCausalLM"],
+    ),
+}
+DRAFTERS = {
+    "Qwen3-8B-DFlash-b16": lambda: Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        block_size=16,
+        dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    ),
+    "small-DFlash": lambda: Qwen3Config(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        block_size=16,
+        dflash_config={"mask_token_id": 8191},
+    ),
+}
+
+
+def is_preset(name: str | None) -> bool:
+    return name is not None and name.startswith("random:")
+
+
+def build_random(cls, *args, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(*args).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def preset(table: dict, name: str):
+    key = name.removeprefix("random:")
+    if key not in table:
+        raise ValueError(f"unknown preset {name!r} (choose from {', '.join('random:' + k for k in table)})")
+    return table[key]()
+
+
+def random_target(name: str, dtype: torch.dtype, device: torch.device) -> Target:
+    torch.manual_seed(0)
+    model = build_random(CausalLM, preset(TARGETS, name), dtype=dtype, device=device)
+    return Target(model, None, [], name)
+
+
+def random_drafter(name: str, target: CausalLM, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+    torch.manual_seed(1)
+    tc = target.config
+    drafter = build_random(
+        DFlashDrafter, preset(DRAFTERS, name), tc.num_hidden_layers, tc.hidden_size, dtype=dtype, device=device
+    )
+    drafter.fuse_kv()
+    return drafter
