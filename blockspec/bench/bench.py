@@ -249,3 +249,9 @@ def run(args: argparse.Namespace) -> None:
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
     plot(results, args.out.removesuffix(".json") + ".png")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m blockspec.bench.bench", description=__doc__)
+    add_arguments(parser)
+    run(parser.parse_args())

@@ -1,0 +1,195 @@
+"""The Triton paged-attention kernel against `paged_attention_ref`.
+
+With a GPU the kernel runs for real (bf16 and fp32). Without one it runs in Triton's
+interpreter (fp32, small shapes), which must be switched on before triton is first imported,
+and conftest's imports (transformers -> torch._dynamo) import it: so on CPU this file is run
+again in a subprocess with TRITON_INTERPRET=1 (test_kernels_in_interpreter; by hand:
+`TRITON_INTERPRET=1 python -m pytest tests/test_kernels_attention.py`). Skipped where triton
+is not installed."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from blockspec.layers.attention import paged_attention, paged_attention_ref
+from blockspec.layers.kernels.paged_attention import choose_splits, paged_attention_triton
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
+runs_kernel = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="CPU: run by test_kernels_in_interpreter")
+
+
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
+def test_kernels_in_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    run = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+def _fix_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with int(array of shape (1,)),
+    which numpy >= 2.4 refuses (loops with tensor bounds fail): triton-lang/triton#9171, fixed
+    after 3.6. Convert with .item() instead."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    _fix_interpreter_index()
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
+
+
+def make_case(
+    starts: list[int],
+    widths: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    page_size: int,
+    kind: str,
+    window: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> dict:
+    """Batch tensors the way the runner builds them: sequence b has starts[b] cached positions
+    and widths[b] real rows (padding rows sit at position 0); its pages are scattered over a
+    shuffled pool and its block-table row is padded with the trash page 0."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    B, S = len(starts), max(widths)
+    num_pages = [-(-(st + w) // page_size) for st, w in zip(starts, widths)]
+    M = max(num_pages) + 2
+    pool = torch.randperm(sum(num_pages) + 3, generator=gen) + 1
+    block_tables = torch.zeros(B, M, dtype=torch.long)
+    taken = 0
+    for b, n in enumerate(num_pages):
+        block_tables[b, :n] = pool[taken : taken + n]
+        taken += n
+    slots = (len(pool) + 1) * page_size
+    k_cache = torch.randn(slots, hkv, head_dim, generator=gen)
+    v_cache = torch.randn(slots, hkv, head_dim, generator=gen)
+    q = torch.randn(B, S, hq, head_dim, generator=gen)
+    start, width = torch.tensor(starts), torch.tensor(widths)
+    rows = torch.arange(S)
+    pos = torch.where(rows < width[:, None], start[:, None] + rows, 0)
+    if kind == "causal":  # target prefill/verify
+        k_start = (pos - window + 1).clamp_min(0) if window else torch.zeros_like(pos)
+        k_end = pos + 1
+    else:  # drafter block: context (or its window) plus the whole block, for every row
+        ctx = (start - window).clamp_min(0) if window else torch.zeros_like(start)
+        k_start, k_end = ctx[:, None].expand(B, S), (start + width)[:, None].expand(B, S)
+    to = {"device": DEVICE, "dtype": dtype}
+    return {
+        "q": q.to(**to),
+        "k_cache": k_cache.to(**to),
+        "v_cache": v_cache.to(**to),
+        "block_tables": block_tables.to(DEVICE),
+        "k_start": k_start.to(DEVICE),
+        "k_end": k_end.to(DEVICE),
+        "page_size": page_size,
+        "scale": head_dim**-0.5,
+    }
+
+
+def reference(case: dict) -> torch.Tensor:
+    """The oracle in fp32, from the same (possibly bf16) inputs."""
+    up = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in case.items()}
+    return paged_attention_ref(**up)
+
+
+def check(out: torch.Tensor, case: dict) -> None:
+    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
+    tol = 2e-2 if out.dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.float(), reference(case), atol=tol, rtol=tol)
+
+
+# (starts, widths, (Hq, Hkv), D, page_size, kind, window)
+CASES = {
+    "decode_g4_d128": ([37, 5, 100], [1, 1, 1], (8, 2), 128, 16, "causal", None),
+    "verify_g4_s16_ragged": ([50, 3], [16, 9], (4, 1), 128, 16, "causal", None),
+    "draft_block_g3_d64": ([70, 20], [16, 16], (6, 2), 64, 16, "block", None),
+    "draft_block_window_g1": ([90, 33], [4, 4], (2, 2), 64, 8, "block", 24),
+    "causal_window_g3_s5": ([41, 12], [5, 3], (3, 1), 64, 16, "causal", 20),
+    "prefill_three_tiles": ([0, 0], [40, 23], (4, 1), 64, 16, "causal", None),
+    "head_dim_80_page_4": ([29], [2], (4, 2), 80, 4, "causal", None),
+    "tiny_model_d16_page_4": ([45, 7], [8, 8], (4, 2), 16, 4, "block", None),
+}
+
+
+@runs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", CASES)
+def test_matches_reference(name: str, dtype: torch.dtype) -> None:
+    case = make_case(*CASES[name], dtype=dtype)
+    check(paged_attention_triton(**case, num_splits=1), case)
+
+
+@runs_kernel
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("name", ["decode_g4_d128", "draft_block_g3_d64", "verify_g4_s16_ragged"])
+def test_split_k_matches_reference(name: str, splits: int) -> None:
+    """Forced splits, including more splits than the short ranges fill (empty partials)."""
+    case = make_case(*CASES[name], dtype=DTYPES[0])
+    check(paged_attention_triton(**case, num_splits=splits), case)
+
+
+@runs_kernel
+def test_heuristic_splits_long_context_batch_one() -> None:
+    case = make_case([300], [1], (4, 1), 64, 16, "causal", dtype=DTYPES[0])
+    assert choose_splits(1, case["block_tables"].shape[1] * 16, 132) > 1
+    check(paged_attention_triton(**case), case)
+
+
+def test_choose_splits() -> None:
+    assert choose_splits(512, 4096, 132) == 1  # B=64, 8 kv heads: the grid is full
+    assert choose_splits(8, 64, 132) == 1  # too few keys to split
+    assert choose_splits(8, 2048, 132) == 16  # B=1, 8 kv heads, 2k context
+    assert choose_splits(8, 1 << 20, 132) == 32  # capped at MAX_SPLITS (2 * 132 / 8 = 33)
+    assert choose_splits(128, 2048, 132) == 3
+
+
+@runs_kernel
+def test_out_buffer() -> None:
+    case = make_case(*CASES["decode_g4_d128"], dtype=DTYPES[0])
+    out = torch.empty_like(case["q"])
+    assert paged_attention_triton(**case, out=out) is out
+    check(out, case)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_dispatch_uses_kernel_on_cuda() -> None:
+    case = make_case(*CASES["verify_g4_s16_ragged"], dtype=torch.bfloat16)
+    torch.testing.assert_close(paged_attention(**case), paged_attention_triton(**case), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_cuda_graph_replay_with_new_ranges(splits: int | None) -> None:
+    """Captured once, replayed after the key ranges (and so the split boundaries) change."""
+    case = make_case([200, 17], [16, 16], (32, 8), 128, 16, "block", dtype=torch.bfloat16)
+    case["k_start"], case["k_end"] = case["k_start"].contiguous(), case["k_end"].contiguous()
+    paged_attention_triton(**case, num_splits=splits)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_triton(**case, num_splits=splits)
+    graph.replay()
+    check(out, case)
+    case["k_start"].copy_(torch.tensor([[150], [0]], device=DEVICE).expand(2, 16))
+    case["k_end"].copy_(torch.tensor([[216], [33]], device=DEVICE).expand(2, 16))
+    graph.replay()
+    check(out, case)

@@ -1,0 +1,333 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official openai client."""
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import add_word_tokenizer, make_drafter, make_target
+from prometheus_client.parser import text_string_to_metric_families
+
+from blockspec import LLM, SamplingParams
+from blockspec.cli import main
+from blockspec.outputs import RequestMetrics, RequestOutput
+from blockspec.server.api import build_app
+from blockspec.server.metrics import ServerMetrics
+
+KEY = "test-key"
+NAME = "tiny"
+MAX_MODEL_LEN = 256
+
+
+@dataclass
+class Live:
+    url: str
+    reference: LLM  # a second engine on the same checkpoints, for expected outputs
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {
+            s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("serve")
+    target = make_target(root / "target", "llama")
+    add_word_tokenizer(target, 128)
+    return target, make_drafter(root / "drafter", target)
+
+
+def load(checkpoints: tuple[Path, Path]) -> LLM:
+    target, drafter = checkpoints
+    return LLM(str(target), {"model": str(drafter)}, "cpu", "float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def live(checkpoints) -> Iterator[Live]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no race for the port
+    server = uvicorn.Server(uvicorn.Config(build_app(load(checkpoints), NAME, KEY), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    yield Live(f"http://127.0.0.1:{sock.getsockname()[1]}", load(checkpoints))
+    server.should_exit = True
+    thread.join()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def test_models(live: Live) -> None:
+    assert [m.id for m in live.client().models.list().data] == [NAME]
+
+
+def test_completion_matches_engine(live: Live) -> None:
+    r = live.client().completions.create(model=NAME, prompt="w7 w8 w9", max_tokens=20, temperature=0)
+    expected = live.reference.generate("w7 w8 w9", greedy(20))[0]
+    assert r.choices[0].text == expected.outputs[0].text
+    assert r.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    spec = r.spec_decoding
+    assert spec["acceptance_lengths"] == expected.metrics.acceptance_lengths
+    assert spec["num_steps"] == len(spec["acceptance_lengths"])
+    assert sum(spec["acceptance_lengths"]) == r.usage.completion_tokens
+
+
+def test_token_id_prompt(live: Live) -> None:
+    r = live.client().completions.create(model=NAME, prompt=[7, 8, 9], max_tokens=20, temperature=0)
+    assert r.choices[0].text == live.reference.generate([7, 8, 9], greedy(20))[0].outputs[0].text
+
+
+def test_chat_matches_engine(live: Live) -> None:
+    messages = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30 w31 w32"}]
+    r = live.client().chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == live.reference.chat(messages, greedy(24))[0].outputs[0].text
+    assert r.spec_decoding["mean_acceptance_length"] >= 1
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_equals_non_stream(live: Live, endpoint: str) -> None:
+    client = live.client()
+    if endpoint == "chat":
+        create = client.chat.completions.create
+        kwargs = {"messages": [{"role": "user", "content": "w40 w41"}]}
+    else:
+        create, kwargs = client.completions.create, {"prompt": "w40 w41"}
+    kwargs.update(model=NAME, max_tokens=40, temperature=0)
+    whole = create(**kwargs)
+    chunks = list(create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    *content, final, usage_chunk = chunks
+    if endpoint == "chat":
+        assert content[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in content + [final])
+        assert text == whole.choices[0].message.content
+    else:
+        assert "".join(c.choices[0].text for c in content + [final]) == whole.choices[0].text
+    assert len(content) > 1  # it really streamed
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert final.spec_decoding == whole.spec_decoding
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+def streamed_text(chunks) -> str:
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def test_stream_holds_back_stop_strings(live: Live) -> None:
+    client = live.client()
+    kwargs = {"model": NAME, "prompt": "w60 w61", "max_tokens": 30, "temperature": 0}
+    words = client.completions.create(**kwargs).choices[0].text.split()
+    k = len(words) // 2
+    stop = f" {words[k]} {words[k + 1]}"  # two tokens: the first streams only if it is not held back
+    whole = client.completions.create(**kwargs, stop=[stop])
+    assert whole.choices[0].finish_reason == "stop" and stop not in whole.choices[0].text
+    assert streamed_text(client.completions.create(**kwargs, stop=[stop], stream=True)) == whole.choices[0].text
+
+
+def test_seeded_sampling_is_reproducible(live: Live) -> None:
+    client = live.client()
+    kwargs = {"model": NAME, "prompt": "w70", "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 7}
+    texts = {client.completions.create(**kwargs).choices[0].text for _ in range(2)}
+    texts.add(streamed_text(client.completions.create(**kwargs, stream=True)))
+    assert len(texts) == 1
+
+
+def test_concurrent_equals_sequential(live: Live) -> None:
+    client = live.client()
+    requests = [
+        {"prompt": " ".join(f"w{10 + i + j}" for j in range(1 + i % 5)), "max_tokens": 8 + 3 * i} for i in range(16)
+    ]
+
+    def run(kwargs: dict) -> tuple[str, int]:
+        r = client.completions.create(model=NAME, temperature=0, **kwargs)
+        return r.choices[0].text, r.usage.completion_tokens
+
+    sequential = [run(r) for r in requests]
+    before = live.metrics()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        concurrent = list(pool.map(run, requests))
+    after = live.metrics()
+    assert concurrent == sequential
+    # They shared steps: fewer batched engine steps than per-request steps.
+    engine_steps = after["blockspec_engine_steps_total"] - before["blockspec_engine_steps_total"]
+    assert engine_steps < after["blockspec_spec_decode_steps_total"] - before["blockspec_spec_decode_steps_total"]
+
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": -1}, 400, "max_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"temperature": -0.5}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"top_p": 1.5}, 400, "top_p"),
+    ({"n": 2}, 400, "n"),
+    ({"max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),  # prompt + max_tokens beyond the context
+    ({"prompt": " ".join(["w9"] * MAX_MODEL_LEN)}, 400, "max_tokens"),
+    ({"prompt": [5, 999]}, 400, "prompt"),  # token id outside the vocabulary
+    ({"model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "param"), BAD_COMPLETIONS)
+def test_bad_completion(live: Live, change: dict, status: int, param: str) -> None:
+    kwargs = {"model": NAME, "prompt": "w7", "max_tokens": 4} | change
+    with pytest.raises(openai.APIStatusError) as info:
+        live.client().completions.create(**kwargs)
+    assert info.value.status_code == status
+    assert info.value.param == param and info.value.type == "invalid_request_error"
+
+
+BAD_MESSAGES = [
+    [],
+    [{"role": "user"}],
+    [{"content": "w7"}],
+    [{"role": "wizard", "content": "w7"}],
+    [{"role": "user", "content": 7}],
+    "w7",
+]
+
+
+@pytest.mark.parametrize("messages", BAD_MESSAGES)
+def test_bad_messages(live: Live, messages) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        live.client().chat.completions.create(model=NAME, messages=messages)
+    assert info.value.param.startswith("messages")
+
+
+def test_error_shape_and_auth(live: Live) -> None:
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": NAME, "prompt": "w7", "top_p": 2}, headers=auth())
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    with pytest.raises(openai.AuthenticationError):
+        live.client(key="wrong").models.list()
+    assert httpx.get(f"{live.url}/v1/models").status_code == 401  # no key at all
+    assert httpx.get(f"{live.url}/health").status_code == 200  # the server is still up
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def wait_for(live: Live, done, what: str) -> dict[str, float]:
+    deadline = time.monotonic() + 10
+    while not done(m := live.metrics()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+    return m
+
+
+def hang_up_mid_stream(live: Live, body: dict) -> None:
+    body = body | {"stream": True}
+    with httpx.Client() as client, client.stream("POST", f"{live.url}/v1/completions", json=body, headers=auth()) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # one chunk, then hang up
+
+
+def hang_up_while_waiting(live: Live, body: dict) -> None:
+    """A non-streamed request whose client goes away once the engine runs it."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    with socket.create_connection(tuple(live.url.removeprefix("http://").split(":"))) as sock:
+        sock.sendall(head.encode() + payload)
+        wait_for(live, lambda m: m["blockspec_requests_running"] == 1, "the request never started")
+
+
+@pytest.mark.parametrize("hang_up", [hang_up_mid_stream, hang_up_while_waiting])
+def test_disconnect_aborts_and_frees_pages(live: Live, hang_up) -> None:
+    aborts = "blockspec_requests_total{finish_reason=abort}"
+    before = live.metrics().get(aborts, 0)
+    hang_up(live, {"model": NAME, "prompt": "w7 w8", "max_tokens": 240, "ignore_eos": True})
+    m = wait_for(live, lambda m: m.get(aborts, 0) == before + 1 and not m["blockspec_requests_running"], "no abort")
+    assert m["blockspec_kv_pages_free"] == m["blockspec_kv_pages_total"]
+    assert m["blockspec_requests_waiting"] == 0
+    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+    r = live.client().completions.create(model=NAME, prompt="w7", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_metrics_agree_with_responses(live: Live) -> None:
+    before = live.metrics()
+    rs = [
+        live.client().completions.create(model=NAME, prompt=f"w{50 + i}", max_tokens=12, temperature=0)
+        for i in range(3)
+    ]
+    after = live.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert (
+        delta("blockspec_requests_total{finish_reason=length}") + delta("blockspec_requests_total{finish_reason=stop}")
+        == 3
+    )
+    assert delta("blockspec_prompt_tokens_total") == 3
+    assert delta("blockspec_generation_tokens_total") == sum(r.usage.completion_tokens for r in rs)
+    assert delta("blockspec_spec_decode_steps_total") == sum(r.spec_decoding["num_steps"] for r in rs)
+    assert delta("blockspec_spec_decode_draft_tokens_total") == sum(r.spec_decoding["num_draft_tokens"] for r in rs)
+    assert delta("blockspec_spec_decode_accepted_tokens_total") == sum(
+        r.spec_decoding["num_accepted_tokens"] for r in rs
+    )
+    assert after["blockspec_spec_decode_draft_tokens_per_position_total{position=0}"] > 0
+    mean = after["blockspec_generation_tokens_total"] / after["blockspec_spec_decode_steps_total"]
+    assert after["blockspec_spec_decode_mean_acceptance_length"] == pytest.approx(mean)
+
+
+def test_metrics_per_position(checkpoints) -> None:
+    """The per-position accounting of one step: 4 drafts verified, 2 accepted, plus the bonus."""
+    metrics = ServerMetrics(load(checkpoints).engine)
+    step = RequestMetrics(acceptance_lengths=[3], draft_token_ids=[[9, 9, 9, 9]])
+    metrics.step(RequestOutput("r", None, [1], [], finished=True, metrics=step))
+    value = metrics.registry.get_sample_value
+    assert [
+        value("blockspec_spec_decode_accepted_tokens_per_position_total", {"position": str(i)}) for i in range(3)
+    ] == [1, 1, None]
+    assert value("blockspec_spec_decode_draft_tokens_per_position_total", {"position": "3"}) == 1
+    assert value("blockspec_spec_decode_accepted_tokens_total") == 2
+    assert value("blockspec_spec_decode_mean_acceptance_length") == 3
+
+
+def test_cli_serve_binds_loopback(checkpoints, monkeypatch) -> None:
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs, app=app))
+    target, drafter = checkpoints
+    main(
+        [
+            "serve",
+            "--model",
+            str(target),
+            "--draft",
+            str(drafter),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--num-speculative-tokens",
+            "3",
+        ]
+    )
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
