@@ -3,12 +3,17 @@
 import torch
 from torch import nn
 
+from blockspec.layers.compile import cuda_compiled
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+rms_norm = cuda_compiled(rms_norm_ref)
 
 
 class RMSNorm(nn.Module):

@@ -8,6 +8,9 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from blockspec.layers.compile import cuda_compiled
+from blockspec.layers.norm import rms_norm_ref
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -51,3 +54,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+@cuda_compiled
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Per-head RMSNorm (when weight is given: Qwen3's q/k norm), then rotary embedding."""
+    return apply_rotary(rms_norm_ref(x, weight, eps) if weight is not None else x, cos, sin)

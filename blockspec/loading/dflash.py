@@ -8,7 +8,7 @@ import torch
 
 from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.hf import load_config
-from blockspec.loading.weights import CheckpointError, fill_module, load_weights, save_sharded
+from blockspec.loading.weights import CheckpointError, fill_module, load_weights, pack, save_sharded, unpack
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.models.llama import CausalLM
 
@@ -59,7 +59,7 @@ def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device:
             f"{path}: fc.weight takes {fc.shape[-1]} inputs but {len(drafter.target_layer_ids)} target layers "
             f"x hidden {tc.hidden_size} = {expected}: this drafter was trained for another target"
         )
-    fill_module(drafter, weights, dtype, device, path)
+    fill_module(drafter, pack(weights, path), dtype, device, path)
     drafter.rotary.to(device)
     drafter.fuse_kv()
     return drafter.eval()
@@ -102,6 +102,11 @@ def save_drafter(
     max_shard_bytes: int = 15 * 2**20,
 ) -> None:
     path = Path(path)
-    weights = {n: p.detach().to("cpu", dtype) for n, p in drafter.named_parameters()}
+    s = drafter.spec
+    sizes = {
+        "qkv_proj": [s.num_heads * s.head_dim] + [s.num_kv_heads * s.head_dim] * 2,
+        "gate_up_proj": [s.intermediate_size] * 2,
+    }
+    weights = unpack({n: p.detach().to("cpu", dtype) for n, p in drafter.named_parameters()}, sizes)
     save_sharded(weights, path, max_shard_bytes)
     (path / "config.json").write_text(json.dumps(drafter_config(drafter, target), indent=2))

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, read_json
+from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, pack, read_json
 from blockspec.models.llama import CausalLM
 
 TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -54,7 +54,7 @@ def build_target(
         model = CausalLM(config)
     tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
     weights = {n: t for n, t in weights.items() if n not in tied and "rotary_emb" not in n}
-    fill_module(model, weights, dtype, device, source, optional=tied)
+    fill_module(model, pack(weights, source), dtype, device, source, optional=tied)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary.to(device)

@@ -12,6 +12,10 @@ from torch import nn
 INDEX = "model.safetensors.index.json"
 
 
+# Checkpoint tensors that the models hold as one packed projection (one GEMM instead of several).
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is missing, malformed or does not fit its model."""
 
@@ -103,3 +107,35 @@ def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: 
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in weights.values())
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def pack(weights: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
+    """Concatenate q/k/v and gate/up tensors into the models' packed projections."""
+    out = dict(weights)
+    for packed, parts in PACKED.items():
+        first = f".{parts[0]}."
+        for name in [n for n in weights if first in n]:
+            names = [name.replace(first, f".{p}.") for p in parts]
+            missing = [n for n in names if n not in weights]
+            if missing:
+                raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing}")
+            widths = {weights[n].shape[1:] for n in names}
+            if len(widths) > 1:
+                raise CheckpointError(
+                    f"{source}: {names} have mismatched shapes {[tuple(weights[n].shape) for n in names]}"
+                )
+            out[name.replace(first, f".{packed}.")] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
+def unpack(weights: dict[str, torch.Tensor], sizes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The inverse of `pack`, for writing checkpoints; sizes: packed name -> row counts of its parts."""
+    out = {}
+    for name, tensor in weights.items():
+        packed = next((p for p in PACKED if f".{p}." in name), None)
+        if packed is None:
+            out[name] = tensor
+            continue
+        for part, chunk in zip(PACKED[packed], tensor.split(sizes[packed])):
+            out[name.replace(f".{packed}.", f".{part}.")] = chunk
+    return out

@@ -59,9 +59,10 @@ class DFlashDrafter(nn.Module):
         """Stack every layer's k/v projection (rows [K0; V0; K1; V1; ...]) and k_norm weight.
         Call after the weights are loaded."""
         attns = [layer.self_attn for layer in self.layers]
-        self.fused_kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
-        biased = attns[0].k_proj.bias is not None
-        self.fused_kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if biased else None
+        q = attns[0].q_size  # qkv_proj rows are q | k | v: the k|v rows are the tail
+        self.fused_kv_weight = torch.cat([a.qkv_proj.weight[q:] for a in attns])
+        biased = attns[0].qkv_proj.bias is not None
+        self.fused_kv_bias = torch.cat([a.qkv_proj.bias[q:] for a in attns]) if biased else None
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])  # [L, D]
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,16 +1,17 @@
 """Decoder-only targets of the Llama family: Llama, Qwen2 and Qwen3 differ only in biases
 and the per-head q/k RMSNorm, so one model class reads all three from their HF configs.
-Parameter names equal Hugging Face's, so a checkpoint loads as a plain state dict."""
+Parameter names are Hugging Face's, except that q/k/v and gate/up are packed into one projection
+each (`loading.weights.pack`), so that each is one GEMM."""
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers.activation import silu_mul
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
+from blockspec.layers.rotary import RotaryEmbedding, norm_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -49,26 +50,30 @@ def layer_spec(config) -> LayerSpec:
     )
 
 
+def weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return norm.weight if norm is not None else None
+
+
 class Attention(nn.Module):
     def __init__(self, s: LayerSpec, layer_type: str) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         self.layer_type = layer_type
-        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)  # q|k|v: one GEMM
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
-        self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else nn.Identity()
+        self.eps = s.eps
+        self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None  # Qwen3 only
+        self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, attn: AttentionMetadata
     ) -> torch.Tensor:
         shape = x.shape[:-1]
-        q = self.q_norm(self.q_proj(x).view(*shape, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = norm_rope(q.view(*shape, self.num_heads, self.head_dim), weight(self.q_norm), self.eps, *rope)
+        k = norm_rope(k.view(*shape, self.num_kv_heads, self.head_dim), weight(self.k_norm), self.eps, *rope)
+        v = v.view(*shape, self.num_kv_heads, self.head_dim)
         out = attn.attend(q, k, v, cache, self.layer_type, self.head_dim**-0.5)
         return self.o_proj(out.flatten(-2))
 
@@ -76,12 +81,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, s: LayerSpec) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
-        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)  # gate|up: one GEMM
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

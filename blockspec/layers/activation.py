@@ -1,0 +1,12 @@
+"""SwiGLU activation of a packed gate|up projection."""
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.layers.compile import cuda_compiled
+
+
+@cuda_compiled
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,277 @@
+"""Weight-only FP8 linear in Triton: y = x @ (w * scale[:, None]).T + bias, the CUDA implementation
+of `blockspec.layers.quantization.Fp8Linear` (same contract as its reference path).
+
+w is float8_e4m3fn [N, K] with one float32 scale per output row; x and y stay in the activation
+dtype (bf16/fp16, or fp32 with exact fp32 products). The GEMMs we run are skinny (M = rows of a
+decode/verify/propose step, 1..1024) and, at small M, bound by reading the weight: the kernel
+streams the FP8 bytes (half of bf16's), converts each tile to x's dtype in registers (E4M3 values
+are exact in bf16/fp16) and accumulates in fp32. Because the scale is per output row it commutes
+with the K reduction, so it is applied once to the fp32 accumulator in the epilogue, together with
+the bias and the cast: the inner loop is load, convert, dot.
+
+"Swap AB": a program computes the transposed tile acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T, so
+the weight rows fill the MMA's large M side (64/128, the wgmma granule on Hopper; the converted
+weight can be its register operand) and the few activation rows the narrow side (>= 16 for
+tl.dot). At M = 1 the x tile is the same row repeated (rows are clamped, not masked), read from
+L1/L2, and wasted MMA lanes cost nothing in a bandwidth-bound loop.
+
+Split-K: when the (M, N) tiles are too few to keep every SM streaming (N = 1024..4096 at small M),
+the K range is cut into SPLIT_K chunks handled by separate programs, each writing an fp32 partial
+tile to a workspace; a second kernel sums the partials in a fixed order (deterministic, no
+atomics) and applies scale, bias and cast. Launch shapes depend only on (M, N, K), there is no host
+synchronisation, and the workspace comes from the caching allocator, so calls can be captured in
+CUDA graphs (warm up first: the first call compiles).
+
+`dequantize_fp8` is the large-M path's first half (then cuBLAS): one pass, float32 product rounded
+once, equal bit for bit to the torch reference. Kernels here call no @triton.jit helpers (tl.zeros
+and the like) and loop a constexpr number of times, so that tests can run them in Triton's CPU
+interpreter even when triton was imported before TRITON_INTERPRET was set.
+"""
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+REDUCE_BLOCK = 1024
+DEQUANT_BLOCK = 4096
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    y_ptr,
+    ws_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_ym,
+    stride_yn,
+    K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * K_ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
+    # Clamp instead of masking on rows/columns: loads stay in bounds, the store is masked.
+    rows_n = (offs_n % N).to(tl.int64)  # N * K may pass 2**31 (LM heads)
+    rows_m = offs_m % M
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [BLOCK_K, BLOCK_M]
+    acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    for _ in range(K_ITERS):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
+            x = tl.load(x_ptrs, mask=offs_k[:, None] < K, other=0.0)
+        if IEEE:
+            acc = tl.dot(w.to(x.dtype), x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(x.dtype), x, acc)
+        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
+        offs_k += BLOCK_K
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    if SPLIT_K == 1:
+        scale = tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc * scale[:, None]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += bias.to(tl.float32)[:, None]
+        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # workspace [SPLIT_K, M, N], contiguous
+        ws_ptrs = ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(ws_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr,
+    scale_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    stride_ym,
+    stride_yn,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    m = offs // N
+    acc = acc * tl.load(scale_ptr + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, scale_ptr, out_ptr, numel, K, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + offs // K, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, (q * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale[:, None] in float32, rounded once to dtype (as the torch reference, bit for bit),
+    in one pass: 1 byte read and 2 written per element (the large-M path: dequantize + cuBLAS)."""
+    assert q.dim() == 2 and q.is_contiguous() and q.dtype == torch.float8_e4m3fn
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if q.numel():
+        _dequant_kernel[(triton.cdiv(q.numel(), DEQUANT_BLOCK),)](
+            q, scale, out, q.numel(), q.shape[1], BLOCK=DEQUANT_BLOCK, num_warps=4
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def _pow2_at_least(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter runs: small, so that split-K is exercised
+    return _num_sms_cuda(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _num_sms_cuda(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_config(M: int, N: int, K: int, sms: int) -> Fp8Config:
+    """Tile sizes by M, then split-K (dividing the K steps evenly, >= 2 steps per split) until there
+    are about two programs per SM. The tiles are first guesses for Hopper, not yet measured:
+    `python -m blockspec.bench.fp8_bench --sweep` times alternatives on the GPU."""
+    if M <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 256, 4, 4
+    elif M <= 32:
+        bm, bn, bk, warps, stages = 32, 64, 256, 4, 4
+    elif M <= 64:
+        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
+    elif M <= 128:
+        bm, bn, bk, warps, stages = 64, 128, 128, 4, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    bm = min(bm, _pow2_at_least(M))
+    bn = min(bn, _pow2_at_least(N))
+    bk = min(bk, _pow2_at_least(K))
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    k_iters = triton.cdiv(K, bk)
+    split = 1
+    # Each split keeps >= 2 BLOCK_K steps, and splits divide the K steps evenly.
+    while tiles * split < 2 * sms and k_iters % (2 * split) == 0 and k_iters // (2 * split) >= 2:
+        split *= 2
+    return Fp8Config(bm, bn, bk, split, warps, stages)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32), weight [N, K] float8_e4m3fn, scale [N] float32, bias [N] or
+    None -> [..., N] in x's dtype."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    assert weight.shape[1] == K, f"x has {K} features, weight is {tuple(weight.shape)}"
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    out_shape = (*x.shape[:-1], N)
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.view(out_shape)
+    cfg = config or choose_config(M, N, K, num_sms(x.device))
+    k_iters = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k)
+    even_k = K == cfg.split_k * k_iters * cfg.block_k
+    ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if cfg.split_k > 1 else y
+    has_bias = bias is not None
+    b = bias if has_bias else scale  # a valid pointer, never read
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
+    _fp8_linear_kernel[grid](
+        x2,
+        weight,
+        scale,
+        b,
+        y,
+        ws,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        x2.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        y.stride(0),
+        y.stride(1),
+        k_iters,
+        HAS_BIAS=has_bias,
+        SPLIT_K=cfg.split_k,
+        EVEN_K=even_k,
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+            ws,
+            scale,
+            b,
+            y,
+            M,
+            N,
+            y.stride(0),
+            y.stride(1),
+            HAS_BIAS=has_bias,
+            SPLIT_K=cfg.split_k,
+            BLOCK=REDUCE_BLOCK,
+            num_warps=4,
+        )
+    return y.view(out_shape)

@@ -1,0 +1,260 @@
+"""Weight-only FP8: E4M3 weights with one float32 scale per output row; activations stay bf16.
+
+`Fp8Linear` replaces an `nn.Linear` at load time (inference only). Its weight is
+q = round_e4m3(w / s) with s = rowmax(|w|) / 448 (448 = largest E4M3 value, so every row uses the
+full range and the row maximum is exact), and forward computes x @ (q * s[:, None]).T + bias:
+- CUDA (sm_89+, triton importable, M <= `kernel_max_m`): the Triton kernel
+  `blockspec.layers.kernels.fp8_linear`, which streams the FP8 bytes and dequantizes in registers;
+- otherwise, the reference path (the CPU path and the oracle): dequantize to x.dtype (computed in
+  float32, rounded once) and F.linear. On CUDA that is dequantize + cuBLAS, the better choice for
+  large M (prefill), where the GEMM is compute-bound.
+
+Per-row scales make quantization commute with stacking rows, so the drafter's fused K/V weight
+(every layer's k_proj and v_proj stacked) quantized as a whole is bit-identical to the stacked
+quantized projections (`Fp8Linear.concat`).
+
+Switch: `resolve_fp8(setting, device)` maps an engine setting (True / False / "auto" / None) to a
+bool; "auto" is on for CUDA devices with native FP8 conversion (Ada/Hopper, sm_89+) unless the
+environment sets BLOCKSPEC_FP8=0. BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but uses the reference
+(dequantize + F.linear) path everywhere.
+"""
+
+import fnmatch
+import functools
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+KERNEL_MAX_M = 1024  # rows above which the CUDA path dequantizes and calls cuBLAS
+_CHUNK_ELEMENTS = 1 << 25  # elements per (de)quantization chunk: <= 128 MiB of float32 temporaries
+
+# The drafter's projections: fc (context features -> hidden) and every decoder layer's attention
+# and MLP linears. Module names as in `DFlashDrafter.named_modules()`.
+DRAFTER_FP8_PATTERNS = ("fc", "layers.*.self_attn.*_proj", "layers.*.mlp.*_proj")
+
+
+def _row_chunks(rows: int, cols: int) -> Iterable[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float weight -> (q [N, K] float8_e4m3fn, scale [N] float32), w ~= q * scale[:, None].
+    All-zero rows get scale 1 (q = 0)."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    q = torch.empty((n, k), dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    for rows in _row_chunks(n, k):
+        w = weight[rows].float()
+        amax = w.abs().amax(dim=1) if k else torch.zeros(w.shape[0], device=w.device)
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # w / s can exceed 448 by a rounding step; E4M3FN has no inf and casts overflow to NaN.
+        q[rows] = (w / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[rows] = s
+    return q, scale
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, use_kernel: bool = True
+) -> torch.Tensor:
+    """q * scale[:, None], computed in float32 and rounded once to `dtype` (on CUDA by a one-pass
+    Triton kernel with the same result, bit for bit)."""
+    kernels = _kernels() if q.is_cuda and use_kernel else None
+    if kernels is not None and q.is_contiguous():
+        return kernels.dequantize_fp8(q, scale, dtype)
+    if dtype == torch.float32:
+        return q.float() * scale[:, None]
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for rows in _row_chunks(*q.shape):
+        out[rows] = (q[rows].float() * scale[rows, None]).to(dtype)
+    return out
+
+
+@functools.cache
+def _kernels():
+    """The Triton module `blockspec.layers.kernels.fp8_linear`, or None without triton."""
+    try:
+        from blockspec.layers.kernels import fp8_linear
+    except ImportError:  # no triton (CPU installs, CI)
+        return None
+    return fp8_linear
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """CUDA with native FP8 conversion (sm_89+: Ada, Hopper, Blackwell) and triton importable."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9) and _kernels() is not None
+
+
+def resolve_fp8(setting: bool | str | None, device: torch.device | str) -> bool:
+    """The engine's FP8 switch: True/"on" and False/"off" are obeyed (the reference path runs
+    anywhere); None/"auto" means on where `fp8_supported`, unless BLOCKSPEC_FP8=0 is set."""
+    if isinstance(setting, str):
+        words = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False, "auto": None}
+        if setting.strip().lower() not in words:
+            raise ValueError(f"fp8 setting must be on, off or auto, got {setting!r}")
+        setting = words[setting.strip().lower()]
+    if setting is None:
+        env = os.environ.get("BLOCKSPEC_FP8")
+        if env is not None:
+            return env.strip().lower() not in ("0", "off", "false", "")
+        return fp8_supported(device)
+    if not isinstance(setting, bool):
+        raise TypeError(f"fp8 setting must be True, False or 'auto', got {setting!r}")
+    return setting
+
+
+class Fp8Linear(nn.Module):
+    """Drop-in for `nn.Linear` (inference) with an E4M3 weight and per-output-row float32 scales.
+
+    Buffers `weight` [out, in] float8_e4m3fn and `weight_scale` [out] float32 keep their dtypes
+    under `module.to(dtype)` / `.half()` (only device moves apply to them); `bias` is an ordinary
+    parameter (requires_grad=False) that follows the model's dtype."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros((out_features, in_features), dtype=FP8_DTYPE, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.use_kernel = os.environ.get("BLOCKSPEC_FP8_KERNEL", "1") != "0"
+        self.kernel_max_m = KERNEL_MAX_M
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "Fp8Linear":
+        with torch.device("meta"):
+            layer = cls(q.shape[1], q.shape[0], bias=False)
+        layer.weight, layer.weight_scale = q.contiguous(), scale.to(torch.float32).contiguous()
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return layer
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Fp8Linear":
+        """Quantize a float weight [out, in] (and keep `bias` as is, in its dtype)."""
+        q, scale = quantize_weight(weight.detach())
+        return cls.from_quantized(q, scale, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        return cls.from_weight(linear.weight, linear.bias)
+
+    @classmethod
+    def concat(cls, linears: Sequence[nn.Module]) -> "Fp8Linear":
+        """One Fp8Linear whose output is the concatenation of `linears`' outputs (nn.Linear ones
+        are quantized first). Per-row scales make this equal to quantizing the stacked weight."""
+        layers = [m if isinstance(m, Fp8Linear) else cls.from_linear(m) for m in linears]
+        if not layers:
+            raise ValueError("nothing to concatenate")
+        if len({m.in_features for m in layers}) != 1 or len({m.bias is None for m in layers}) != 1:
+            raise ValueError("concatenated linears need equal in_features and all or none with bias")
+        bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
+        q = torch.cat([m.weight.view(torch.uint8) for m in layers]).view(FP8_DTYPE)  # cat on bytes: any backend
+        return cls.from_quantized(q, torch.cat([m.weight_scale for m in layers]), bias)
+
+    # -- use --------------------------------------------------------------------------------------
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, dtype, self.use_kernel)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.use_kernel
+            and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.numel() <= self.kernel_max_m * self.in_features
+        ):
+            kernels = _kernels()
+            if kernels is not None:
+                return kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        return self.forward_reference(x)
+
+    def _apply(self, fn, recurse=True):
+        keep = {name: self._buffers[name] for name in ("weight", "weight_scale")}
+        super()._apply(fn, recurse)
+        for name, old in keep.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:  # a dtype cast: move, don't convert
+                self._buffers[name] = old.to(new.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8=e4m3"
+        )
+
+
+def _matcher(names_filter) -> Callable[[str, nn.Module], bool]:
+    if names_filter is None:
+        return lambda name, module: True
+    if callable(names_filter):
+        return lambda name, module: bool(names_filter(name))
+    patterns = (names_filter,) if isinstance(names_filter, str) else tuple(names_filter)
+    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+@torch.no_grad()
+def quantize_linears(module: nn.Module, names_filter=None) -> list[str]:
+    """Replace, in place, every `nn.Linear` inside `module` whose name (as in `named_modules()`)
+    is selected by `names_filter` with an `Fp8Linear` on the same device. names_filter: None
+    (all), a callable name -> bool, or an fnmatch pattern / iterable of patterns matched against
+    the whole name (e.g. "layers.*.mlp.*_proj"). Returns the names replaced, in order."""
+    match = _matcher(names_filter)
+    chosen = [
+        (name, child)
+        for name, child in module.named_modules()
+        if name and isinstance(child, nn.Linear) and match(name, child)
+    ]
+    for name, child in chosen:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, Fp8Linear.from_linear(child))
+    return [name for name, _ in chosen]
+
+
+@torch.no_grad()
+def quantize_drafter(drafter: nn.Module, lm_head: nn.Linear | None = None, patterns=DRAFTER_FP8_PATTERNS) -> list[str]:
+    """FP8 for a loaded `DFlashDrafter` (after `fuse_kv`, i.e. after `load_drafter`). Its
+    projections (`patterns`) become Fp8Linear. If the drafter reads `fused_kv_fp8` (its `fuse_kv`
+    sets that attribute to None, and `context_kv` uses it when set), the stacked K/V weight
+    becomes one Fp8Linear there and the bf16 copy is dropped; otherwise the context K/V GEMM stays
+    bf16. With `lm_head` (the target's), an FP8 copy for the drafter's logits is stored as
+    `drafter.lm_head_fp8` (the target keeps its own; the runner must choose to use it). Returns the
+    names replaced or added."""
+    names = quantize_linears(drafter, patterns)
+    fused = getattr(drafter, "fused_kv_weight", None)
+    if fused is not None and hasattr(drafter, "fused_kv_fp8"):
+        drafter.fused_kv_fp8 = Fp8Linear.from_weight(fused, getattr(drafter, "fused_kv_bias", None))
+        drafter.fused_kv_weight, drafter.fused_kv_bias = None, None
+        names.append("fused_kv_fp8")
+    if lm_head is not None:
+        drafter.lm_head_fp8 = Fp8Linear.from_linear(lm_head)
+        names.append("lm_head_fp8")
+    return names
