@@ -93,7 +93,8 @@ def build_random(cls, *args, dtype: torch.dtype, device: torch.device) -> torch.
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return cls(*args).eval()
+            module = cls(*args)
+        return module.to(device).eval()  # buffers made on the CPU (rope tables) follow
     finally:
         torch.set_default_dtype(previous)
 

@@ -35,7 +35,7 @@ class GraphCache:
             buf[:batch].copy_(x, non_blocking=True)
             buf[batch:].fill_(pad)
         graph.replay()
-        return tuple(o[:batch] for o in out) if isinstance(out, tuple) else out[:batch]
+        return tuple(o if o is None else o[:batch] for o in out) if isinstance(out, tuple) else out[:batch]
 
     def capture(self, fn: Callable, bucket: int, inputs: tuple[torch.Tensor, ...]):
         static = tuple(
