@@ -180,16 +180,17 @@ def _num_sms_cuda(index: int) -> int:
 
 
 def choose_config(M: int, N: int, K: int, sms: int) -> Fp8Config:
-    """Tile sizes by M, then split-K (dividing the K steps evenly, >= 2 steps per split) until there
-    are about two programs per SM. The tiles are first guesses for Hopper, not yet measured:
-    `python -m blockspec.bench.fp8_bench --sweep` times alternatives on the GPU."""
+    """Tile sizes by M, then split-K until there are about two programs per SM, while the splits
+    divide the K steps evenly (>= 2 steps each) and the fp32 workspace traffic (8 * split * M * N
+    bytes) stays within a quarter of the weight's (N * K). The tiles are first guesses for Hopper,
+    not yet measured: `python -m blockspec.bench.fp8_bench --sweep` times alternatives on the GPU."""
     if M <= 16:
         bm, bn, bk, warps, stages = 16, 64, 256, 4, 4
     elif M <= 32:
         bm, bn, bk, warps, stages = 32, 64, 256, 4, 4
     elif M <= 64:
         bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
-    elif M <= 128:
+    elif M <= 128 or triton.cdiv(M, 128) * triton.cdiv(N, 128) < sms:
         bm, bn, bk, warps, stages = 64, 128, 128, 4, 3
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
@@ -199,8 +200,12 @@ def choose_config(M: int, N: int, K: int, sms: int) -> Fp8Config:
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     k_iters = triton.cdiv(K, bk)
     split = 1
-    # Each split keeps >= 2 BLOCK_K steps, and splits divide the K steps evenly.
-    while tiles * split < 2 * sms and k_iters % (2 * split) == 0 and k_iters // (2 * split) >= 2:
+    while (
+        tiles * split < 2 * sms
+        and k_iters % (2 * split) == 0
+        and k_iters // (2 * split) >= 2
+        and 32 * (2 * split) * M <= K
+    ):
         split *= 2
     return Fp8Config(bm, bn, bk, split, warps, stages)
 

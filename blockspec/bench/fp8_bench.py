@@ -1,0 +1,192 @@
+"""Micro-benchmark of weight-only FP8 linears on CUDA: bf16 F.linear (cuBLAS) against Fp8Linear's
+Triton kernel and its large-M path (one-pass dequantize to bf16 + cuBLAS), at the shapes of the
+Qwen3-8B DFlash drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5
+target layers) and of the LM head (151936 x 4096).
+
+Each figure is device time per call from a CUDA graph of back-to-back calls (no launch overhead,
+as under the engine's graphs); the calls cycle through enough copies of the weight (>= 256 MB) that
+it is read from HBM, not from the 60 MB L2. GB/s counts the bytes a call must move (weight +
+scales + x + y). `err` is max |fp8 kernel - fp8 reference| / max |reference| and `q-err` the same
+against bf16 (the quantization error). The last lines add up one drafter step's linears, every
+GEMM at the same M.
+
+    python -m blockspec.bench.fp8_bench                        # M in {1, 16, 256}
+    python -m blockspec.bench.fp8_bench --m 1 16 256 1024      # also where large M should switch
+    python -m blockspec.bench.fp8_bench --layout split                # q/k/v, gate/up as separate linears
+    python -m blockspec.bench.fp8_bench --sweep --shapes qkv_proj o_proj --m 16   # tile sweep
+"""
+
+import argparse
+import dataclasses
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
+
+from blockspec.layers.kernels.fp8_linear import Fp8Config, choose_config, dequantize_fp8, fp8_linear, num_sms
+from blockspec.layers.quantization import KERNEL_MAX_M, quantize_weight
+
+LAYERS = 5
+# name: (N, K, calls per drafter step). The decoder layers either fuse q|k|v and gate|up into one
+# linear each (`--layout fused`, blockspec's models) or keep them apart (`--layout split`, HF's).
+COMMON = {
+    "down_proj": (4096, 12288, LAYERS),
+    "fc": (4096, 5 * 4096, 1),
+    "fused_kv": (2 * LAYERS * 1024, 4096, 1),
+    "lm_head": (151936, 4096, 1),
+}
+LAYOUTS = {
+    "fused": {
+        "qkv_proj": (4096 + 2 * 1024, 4096, LAYERS),
+        "o_proj": (4096, 4096, LAYERS),
+        "gate_up_proj": (2 * 12288, 4096, LAYERS),
+        **COMMON,
+    },
+    "split": {
+        "q,o_proj": (4096, 4096, 2 * LAYERS),
+        "k,v_proj": (1024, 4096, 2 * LAYERS),
+        "gate,up_proj": (12288, 4096, 2 * LAYERS),
+        **COMMON,
+    },
+}
+SHAPES = {**LAYOUTS["fused"], **LAYOUTS["split"]}
+FLUSH_BYTES = 256 * 2**20
+
+
+def time_us(fns: list, calls: int, reps: int) -> float:
+    """Device µs per call: `calls` calls (cycling through fns) captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns[:3]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * calls)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, GB/s with read + write counted (as GPU.md's 4.29 TB/s)."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = time_us([lambda: b.copy_(a)], 10, 5)
+    return 2 * a.numel() / us / 1e3
+
+
+def describe(c: Fp8Config) -> str:
+    return f"{c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+
+
+def sweep_configs(M: int, N: int, K: int) -> list[Fp8Config]:
+    base = choose_config(M, N, K, num_sms(torch.device("cuda")))
+    out = []
+    if M <= 64:
+        grid = itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16), (4,), (3, 4, 5))
+    else:
+        grid = itertools.product((64, 128), (64, 128), (1, 2), (4, 8), (3, 4))
+    for bn, bk, split, warps, stages in grid:
+        k_steps = math.ceil(K / bk)
+        if k_steps % split or k_steps // split < 2:
+            continue
+        out.append(Fp8Config(base.block_m, bn, bk, split, warps, stages))
+    if M > 64:
+        out += [dataclasses.replace(c, block_m=64) for c in out if c.block_m == 128]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 256], help="rows (batch x block rows)")
+    ap.add_argument("--layout", choices=list(LAYOUTS), default="fused", help="the decoder layers' linears")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default: every shape of --layout")
+    ap.add_argument("--calls", type=int, default=32, help="calls per CUDA graph (at least the weight copies)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of tile configs (slow: compiles each)")
+    ap.add_argument("--top", type=int, default=3, help="sweep: configs printed per case")
+    args = ap.parse_args()
+    shapes = args.shapes or list(LAYOUTS[args.layout])
+
+    dev = torch.device("cuda")
+    sms = num_sms(dev)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  {sms} SMs  torch {torch.__version__}  copy {bw:.0f} GB/s (r+w)")
+    print(f"Fp8Linear: Triton kernel for M <= {KERNEL_MAX_M}, dequantize + cuBLAS above\n")
+    head = f"{'shape':<13} {'M':>5} {'N':>6} {'K':>6} | {'bf16 µs':>8} {'GB/s':>5} | {'fp8 µs':>8} {'GB/s':>5}"
+    head += f" {'vs bf16':>7} {'config':<22} | {'deq+mm µs':>9} | {'err':>7} {'q-err':>6}"
+    print(head)
+    totals: dict[int, list[float]] = {}
+    for name in shapes:
+        N, K, per_step = SHAPES[name]
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+        q, scale = quantize_weight(w)
+        n_bf16 = max(1, min(args.calls, math.ceil(FLUSH_BYTES / w.nbytes)))
+        n_fp8 = max(1, min(args.calls, math.ceil(FLUSH_BYTES / q.nbytes)))
+        ws = [w] + [w.clone() for _ in range(n_bf16 - 1)]
+        qs = [(q, scale)] + [(q.clone(), scale.clone()) for _ in range(n_fp8 - 1)]
+        calls = max(args.calls, n_bf16, n_fp8)
+        for M in args.m:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
+            act = 2 * M * (K + N)
+            cfg = choose_config(M, N, K, sms)
+            y_bf16 = F.linear(x, w)
+            y_fp8 = fp8_linear(x, q, scale, None, cfg)
+            y_ref = F.linear(x, dequantize_fp8(q, scale, torch.bfloat16))
+            denom = y_ref.float().abs().max().item()
+            err = (y_fp8.float() - y_ref.float()).abs().max().item() / denom
+            qerr = (y_fp8.float() - y_bf16.float()).abs().max().item() / y_bf16.float().abs().max().item()
+            t_bf16 = time_us([lambda w=w_, x=x: F.linear(x, w) for w_ in ws], calls, args.reps)
+            t_fp8 = time_us([lambda p=p, x=x, c=cfg: fp8_linear(x, *p, None, c) for p in qs], calls, args.reps)
+            t_deq = time_us(
+                [lambda p=p, x=x: F.linear(x, dequantize_fp8(p[0], p[1], torch.bfloat16)) for p in qs],
+                calls,
+                args.reps,
+            )
+            gb_bf16 = (w.nbytes + act) / t_bf16 / 1e3
+            gb_fp8 = (q.nbytes + scale.nbytes + act) / t_fp8 / 1e3
+            line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} | {t_fp8:>8.1f} {gb_fp8:>5.0f}"
+            line += f" {t_bf16 / t_fp8:>6.2f}x {describe(cfg):<22} | {t_deq:>9.1f} | {err:>7.1e} {qerr:>6.3f}"
+            print(line, flush=True)
+            fp8_best = t_fp8 if M <= KERNEL_MAX_M else t_deq
+            row = totals.setdefault(M, [0.0, 0.0, 0.0])
+            row[0] += per_step * t_bf16
+            row[1] += per_step * fp8_best
+            row[2] += per_step * min(t_fp8, t_deq)
+            if args.sweep:
+                results = []
+                for c in sweep_configs(M, N, K):
+                    try:
+                        fp8_linear(x, q, scale, None, c)
+                        results.append(
+                            (time_us([lambda p=p, c=c, x=x: fp8_linear(x, *p, None, c) for p in qs], calls, 3), c)
+                        )
+                    except (OutOfResources, RuntimeError) as e:  # too much shared memory, ...
+                        print(f"    {describe(c)}: {type(e).__name__}")
+                results.sort(key=lambda r: r[0])
+                for us, c in results[: args.top]:
+                    gb = (q.nbytes + scale.nbytes + act) / us / 1e3
+                    print(f"    sweep {describe(c):<22} {us:>8.1f} µs {gb:>5.0f} GB/s")
+        del ws, qs, w, q, scale
+        torch.cuda.empty_cache()
+    if set(shapes) == set(LAYOUTS[args.layout]):
+        print(f"\ndrafter linears per step ({args.layout}: 5 layers + fc + fused K/V + LM head, every GEMM at M):")
+        for M, (b, f, best) in totals.items():
+            print(
+                f"  M={M:>5}: bf16 {b:>8.1f} µs   fp8 {f:>8.1f} µs ({b / f:.2f}x)   best of fp8 paths {best:>8.1f} µs"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""Weight-only FP8 (E4M3, per-row scales): quantization error bounds, the reference Fp8Linear,
+swapping a drafter's linears (greedy output stays the target's), and the Triton kernel against
+the reference.
+
+The kernel runs for real with a GPU (bf16/fp16/fp32, drafter shapes, CUDA-graph capture) and in
+Triton's interpreter without one (fp16/fp32, small odd shapes; the interpreter's tl.dot mishandles
+bf16, which it stores as uint16, so bf16 is covered on the GPU only). Kernel tests are skipped
+where triton is not installed."""
+
+import fnmatch
+import importlib.util
+import inspect
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+
+from blockspec import LLM, SamplingParams
+from blockspec.layers import quantization
+from blockspec.layers.quantization import (
+    DRAFTER_FP8_PATTERNS,
+    FP8_DTYPE,
+    Fp8Linear,
+    dequantize_weight,
+    quantize_drafter,
+    quantize_linears,
+    quantize_weight,
+    resolve_fp8,
+)
+from blockspec.models.dflash import DFlashDrafter
+
+CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+REL_STEP = 2.0**-4  # E4M3: 3 mantissa bits, so round-to-nearest errs by <= 2^-4 of the value
+SUBNORMAL_HALF_STEP = 2.0**-10  # below 2^-6 the spacing is 2^-9 (in units of the row scale)
+
+
+def random_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows of very different magnitudes, an outlier row, a row reaching subnormals, a zero row."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-4, 2, n)[torch.randperm(n, generator=gen)][:, None]
+    w[0, 3] = 1e3 * w[0].abs().max()  # one huge value: the rest of the row falls to subnormals
+    w[1] = 0.0
+    return w
+
+
+# -- quantization math (pure torch) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantization_error_bounds(dtype):
+    w = random_weight(64, 300).to(dtype)
+    q, scale = quantize_weight(w)
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape
+    assert scale.dtype == torch.float32 and scale.shape == (64,)
+    deq = dequantize_weight(q, scale, torch.float32)
+    w32 = w.float()
+    assert torch.isfinite(deq).all()
+    # every element: half a step at its exponent, or half a subnormal step of the row
+    bound = torch.maximum(REL_STEP * w32.abs(), SUBNORMAL_HALF_STEP * scale[:, None])
+    assert ((deq - w32).abs() <= bound * (1 + 1e-5)).all()
+    # every row: relative error (Frobenius) within the E4M3 step, and its max is exact
+    nonzero = w32.abs().amax(1) > 0
+    rel = (deq - w32).norm(dim=1) / w32.norm(dim=1).clamp_min(1e-30)
+    assert (rel[nonzero] <= REL_STEP).all(), rel.max()
+    rows = torch.arange(64)
+    arg = w32.abs().argmax(1)
+    torch.testing.assert_close(deq[rows, arg], w32[rows, arg], rtol=1e-6, atol=0)
+    assert q.float().abs().amax(1)[nonzero].eq(448.0).all()
+    # the zero row: scale 1, q 0
+    assert scale[1] == 1.0 and q[1].float().eq(0).all()
+    # typical (Gaussian) rows do far better than the bound
+    assert rel[2:].median() < REL_STEP / 2
+
+
+def test_quantization_in_chunks_equals_whole(monkeypatch):
+    w = random_weight(50, 70, seed=1)
+    q, s = quantize_weight(w)
+    monkeypatch.setattr(quantization, "_CHUNK_ELEMENTS", 7 * 70)
+    q2, s2 = quantize_weight(w)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    assert torch.equal(dequantize_weight(q, s, torch.bfloat16), (q.float() * s[:, None]).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_path_is_f_linear_with_the_dequantized_weight(dtype, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=bias).to(dtype)
+    layer = Fp8Linear.from_linear(linear)
+    x = torch.randn(3, 5, 96, dtype=dtype)
+    deq = (layer.weight.float() * layer.weight_scale[:, None]).to(dtype)
+    expected = F.linear(x, deq, linear.bias)
+    assert torch.equal(layer(x), expected)
+    # and close to the unquantized layer: the error of a weighted sum of E4M3-rounded weights
+    y = linear(x).float()
+    err = (layer(x).float() - y).norm() / y.norm()
+    assert err < REL_STEP / 2, err
+
+
+def test_dtype_casts_keep_fp8_storage():
+    layer = Fp8Linear.from_linear(nn.Linear(32, 16))
+    q, s = layer.weight.clone(), layer.weight_scale.clone()
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float(), lambda m: m.to("cpu")):
+        cast(layer)
+        assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.dtype == torch.float32
+        assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, s)
+    layer.to(torch.bfloat16)
+    assert layer.bias.dtype == torch.bfloat16 and not layer.bias.requires_grad
+    assert layer(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert set(layer.state_dict()) == {"weight", "weight_scale", "bias"}
+    assert "fp8" in repr(layer)
+
+
+def test_concat_equals_quantizing_the_stacked_weight():
+    torch.manual_seed(0)
+    parts = [nn.Linear(48, n) for n in (16, 8, 24)]
+    fused = Fp8Linear.concat([parts[0], Fp8Linear.from_linear(parts[1]), parts[2]])
+    whole = Fp8Linear.from_weight(torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts]))
+    assert torch.equal(fused.weight.view(torch.uint8), whole.weight.view(torch.uint8))
+    assert torch.equal(fused.weight_scale, whole.weight_scale) and torch.equal(fused.bias, whole.bias)
+    x = torch.randn(4, 48)
+    torch.testing.assert_close(fused(x), torch.cat([Fp8Linear.from_linear(p)(x) for p in parts], -1))
+    with pytest.raises(ValueError):
+        Fp8Linear.concat([nn.Linear(48, 4), nn.Linear(48, 4, bias=False)])
+
+
+def test_resolve_fp8_switch(monkeypatch):
+    monkeypatch.delenv("BLOCKSPEC_FP8", raising=False)
+    assert resolve_fp8(True, "cpu") and not resolve_fp8(False, "cuda") and not resolve_fp8("off", "cuda")
+    assert resolve_fp8("auto", "cpu") is False  # auto: CUDA sm_89+ only
+    monkeypatch.setenv("BLOCKSPEC_FP8", "0")
+    assert resolve_fp8(None, "cuda") is False
+    monkeypatch.setenv("BLOCKSPEC_FP8", "1")
+    assert resolve_fp8("auto", "cpu") is True
+    with pytest.raises(ValueError):
+        resolve_fp8("sometimes", "cpu")
+
+
+# -- swapping a drafter's linears -----------------------------------------------------------------
+
+
+def tiny_drafter(bias: bool = False) -> DFlashDrafter:
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=bias,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        block_size=8,
+        dflash_config={"mask_token_id": 127, "target_layer_ids": [1, 2]},
+    )
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, 4, 64).eval()
+    drafter.fuse_kv()
+    return drafter
+
+
+def test_quantize_linears_swaps_only_the_requested_layers():
+    drafter = tiny_drafter()
+    x = torch.randn(3, 64)
+    mlp_before = drafter.layers[0].mlp(x)
+    linears = [n for n, m in drafter.named_modules() if isinstance(m, nn.Linear)]  # either layout: fused or not
+    mlp = [n for n in linears if fnmatch.fnmatchcase(n, "layers.*.mlp.*_proj")]
+    assert len(mlp) >= 4 and any(n.endswith("down_proj") for n in mlp)
+    names = quantize_linears(drafter, "layers.*.mlp.*_proj")
+    assert names == mlp
+    for name, module in drafter.named_modules():
+        if name in names:
+            assert isinstance(module, Fp8Linear)
+        elif name.endswith("_proj") or name == "fc":
+            assert type(module) is nn.Linear, name
+    mlp_after = drafter.layers[0].mlp(x)
+    assert (mlp_after - mlp_before).norm() / mlp_before.norm() < REL_STEP  # gate, up, down quantized
+    # the rest by the default patterns; a callable filter; nothing twice
+    names = quantize_linears(drafter, DRAFTER_FP8_PATTERNS)
+    assert names == [n for n in linears if n not in mlp] and "fc" in names and "layers.1.self_attn.o_proj" in names
+    assert not any(type(m) is nn.Linear for m in drafter.modules())
+    assert quantize_linears(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), lambda n: n == "2") == ["2"]
+
+
+def test_quantize_drafter_keeps_bf16_fused_kv_for_a_drafter_that_does_not_read_fp8():
+    drafter = tiny_drafter()
+    if hasattr(drafter, "fused_kv_fp8"):
+        pytest.skip("DFlashDrafter reads fused_kv_fp8")
+    features, positions = torch.randn(5, 2 * 64), torch.arange(5)
+    k_ref, v_ref = drafter.context_kv(features, positions)
+    fused = drafter.fused_kv_weight
+    names = quantize_drafter(drafter)
+    assert "fused_kv_fp8" not in names and drafter.fused_kv_weight is fused
+    k, v = drafter.context_kv(features, positions)  # fc is FP8 now
+    assert (k - k_ref).norm() / k_ref.norm() < REL_STEP and (v - v_ref).norm() / v_ref.norm() < REL_STEP
+
+
+def kv_rows(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's quantized k|v rows (bytes) and scales, with q/k/v as one qkv_proj or three."""
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj.weight[attn.q_size :].view(torch.uint8), attn.qkv_proj.weight_scale[attn.q_size :]
+    kv = Fp8Linear.concat([attn.k_proj, attn.v_proj])
+    return kv.weight.view(torch.uint8), kv.weight_scale
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantize_drafter_fuses_kv_in_fp8(bias):
+    drafter = tiny_drafter(bias)
+    if not hasattr(drafter, "fused_kv_fp8"):
+        drafter.fused_kv_fp8 = None  # what fuse_kv does once dflash.py reads fused_kv_fp8
+    features, positions = torch.randn(5, 2 * 64), torch.arange(5)
+    k_ref, v_ref = drafter.context_kv(features, positions)
+    fused_ref = drafter.fused_kv_weight.clone()
+    bias_ref = None if drafter.fused_kv_bias is None else drafter.fused_kv_bias.clone()
+    lm_head = nn.Linear(64, 128, bias=False)
+    names = quantize_drafter(drafter, lm_head=lm_head)
+    assert names[-2:] == ["fused_kv_fp8", "lm_head_fp8"] and drafter.fused_kv_weight is None
+    # bit-identical to stacking the k/v rows of the quantized per-layer projections (per-row scales)
+    q_rows, scales = zip(*(kv_rows(layer.self_attn) for layer in drafter.layers))
+    assert torch.equal(drafter.fused_kv_fp8.weight.view(torch.uint8), torch.cat(q_rows).view(torch.uint8))
+    assert torch.equal(drafter.fused_kv_fp8.weight_scale, torch.cat(scales))
+    c = torch.randn(5, 64)
+    y = drafter.fused_kv_fp8(c)
+    assert (y - F.linear(c, fused_ref, bias_ref)).norm() / y.norm() < REL_STEP / 2
+    assert isinstance(drafter.lm_head_fp8, Fp8Linear) and drafter.lm_head_fp8.out_features == 128
+    if "fused_kv_fp8" not in inspect.getsource(DFlashDrafter.context_kv):
+        pytest.skip("DFlashDrafter.context_kv does not read fused_kv_fp8 yet")
+    k, v = drafter.context_kv(features, positions)
+    assert (k - k_ref).norm() / k_ref.norm() < REL_STEP and (v - v_ref).norm() / v_ref.norm() < REL_STEP
+
+
+def test_fp8_drafter_keeps_greedy_output_lossless(llama_pair):
+    target, drafter = llama_pair
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[5, 9, 17, 3], [40, 41, 42, 43, 44, 45, 46]]
+    plain = [o.outputs[0].token_ids for o in LLM(str(target), None, device="cpu").generate(prompts, params)]
+    llm = LLM(str(target), {"model": str(drafter)}, device="cpu", page_size=4)
+    model = llm.engine.drafter
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = quantize_drafter(model)
+    assert [n for n in names if n != "fused_kv_fp8"] == linears  # every projection of the drafter
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert all(len(o.metrics.acceptance_lengths) > 0 for o in outs)
+
+
+# -- the Triton kernel ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel module; without a GPU, a private copy whose kernels are decorated for Triton's
+    interpreter (TRITON_INTERPRET is read at decoration time; it is set only while the copy loads,
+    so other modules' kernels are unaffected). The kernels call no @triton.jit helpers (tl.zeros
+    and friends were decorated when triton was first imported, possibly not for the interpreter)."""
+    pytest.importorskip("triton")
+    if CUDA:
+        from blockspec.layers.kernels import fp8_linear
+
+        return fp8_linear
+    spec = importlib.util.find_spec("blockspec.layers.kernels.fp8_linear")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        copy = importlib.util.spec_from_file_location("_fp8_linear_interpreted", spec.origin)
+        module = importlib.util.module_from_spec(copy)
+        copy.loader.exec_module(module)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return module
+
+
+def check_kernel(kernel, M, N, K, dtype, bias, config=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 0.1
+    q, scale = quantize_weight(w.to(DEVICE))
+    b = (torch.randn(N, generator=gen) * 0.1).to(DEVICE, dtype) if bias else None
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    y = kernel.fp8_linear(x, q, scale, b, config)
+    assert y.shape == (M, N) and y.dtype == dtype
+    ref = F.linear(x.float(), dequantize_weight(q, scale, torch.float32), None if b is None else b.float())
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype] * ref.abs().max().item()
+    err = (y.float() - ref).abs().max().item()
+    assert err <= tol, (M, N, K, dtype, config, err, tol)
+
+
+INTERPRETED_CASES = [  # M, N, K, dtype, bias, config (None: choose_config)
+    (1, 200, 300, torch.float16, True, None),
+    (16, 96, 512, torch.float32, False, None),
+    (37, 130, 100, torch.float16, True, None),
+    (1, 64, 256, torch.float16, False, "split"),
+    (16, 72, 96, torch.float32, True, "split"),
+    (37, 40, 70, torch.float32, False, "odd-split"),
+    (300, 48, 40, torch.float16, True, None),
+]
+
+
+def resolve_config(kernel, spec):
+    if spec == "split":
+        return kernel.Fp8Config(16, 32, 32, split_k=2)
+    if spec == "odd-split":
+        return kernel.Fp8Config(32, 16, 16, split_k=3)
+    return None
+
+
+@needs_triton
+@pytest.mark.parametrize("M,N,K,dtype,bias,config", INTERPRETED_CASES)
+def test_kernel_matches_reference_small(kernel, M, N, K, dtype, bias, config):
+    check_kernel(kernel, M, N, K, dtype, bias, resolve_config(kernel, config))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequant_kernel_is_the_reference_bit_for_bit(kernel, dtype):
+    q, s = quantize_weight(random_weight(37, 300, seed=2).to(DEVICE))
+    expected = dequantize_weight(q, s, dtype, use_kernel=False)
+    got = kernel.dequantize_fp8(q, s, dtype)
+    if CUDA or dtype != torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:  # the interpreter casts float32 -> bf16 by truncation, the GPU rounds to nearest even
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=0)
+
+
+@needs_triton
+def test_choose_config_for_drafter_shapes(kernel):
+    shapes = [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (4096, 12288)]
+    shapes += [(10240, 4096), (4096, 20480), (151936, 4096)]  # fused K/V, fc, LM head
+    for M in (1, 16, 37, 256, 1024):
+        for N, K in shapes:
+            c = kernel.choose_config(M, N, K, 132)
+            k_steps = -(-K // c.block_k)
+            assert k_steps % c.split_k == 0 and k_steps // c.split_k >= 2, (M, N, K, c)
+            assert c.block_m >= 16 and c.block_n >= 16 and c.block_k >= 16
+            tiles = -(-M // c.block_m) * -(-N // c.block_n)
+            assert c.split_k == 1 or tiles * c.split_k // 2 < 2 * 132, (M, N, K, c)
+    assert kernel.choose_config(16, 1024, 4096, 132).split_k > 1  # k/v projection: too few tiles alone
+    assert kernel.choose_config(16, 151936, 4096, 132).split_k == 1  # LM head: plenty
+
+
+@needs_triton
+def test_kernel_empty_and_batched_input(kernel):
+    q, s = quantize_weight(torch.randn(40, 32, device=DEVICE))
+    dtype = torch.float32
+    assert kernel.fp8_linear(torch.randn(0, 32, device=DEVICE, dtype=dtype), q, s).shape == (0, 40)
+    x = torch.randn(2, 3, 32, device=DEVICE, dtype=dtype)
+    y = kernel.fp8_linear(x, q, s)
+    torch.testing.assert_close(y, F.linear(x, dequantize_weight(q, s, dtype)), rtol=1e-5, atol=1e-5)
+
+
+# -- the kernel on a GPU --------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@cuda
+@needs_triton
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 16, 37, 256, 1030])
+def test_kernel_matches_reference_cuda_bf16(kernel, M):
+    for N, K, bias in ((200, 300, True), (1024, 4096, False), (4096, 4096, True), (4096, 12288, False)):
+        check_kernel(kernel, M, N, K, torch.bfloat16, bias)
+
+
+@cuda
+@needs_triton
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("M", [1, 37, 1030])
+def test_kernel_matches_reference_cuda_other_dtypes(kernel, dtype, M):
+    for N, K, bias in ((200, 300, True), (1024, 4096, False)):
+        check_kernel(kernel, M, N, K, dtype, bias)
+
+
+@cuda
+@needs_triton
+@pytest.mark.cuda
+def test_fp8_linear_module_on_cuda_uses_kernel_and_graphs(kernel, monkeypatch):
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(kernel, "fp8_linear", lambda *a, _f=kernel.fp8_linear: calls.append(1) or _f(*a))
+    y = layer(x)
+    assert calls, "Fp8Linear did not use the Triton kernel on CUDA"
+    ref = layer.forward_reference(x)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
+    # large M falls back to dequantize + cuBLAS: exactly the reference
+    big = torch.randn(layer.kernel_max_m + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(layer(big), layer.forward_reference(big))
+    # capture in a CUDA graph (after warm-up) and replay on new input
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(static_y, layer(static_x), rtol=0, atol=0)
