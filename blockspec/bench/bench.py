@@ -91,14 +91,16 @@ def weight_bytes(target, drafter) -> int:
     """Bytes read per step: every target weight but the embedding table (only B*S rows are
     read), plus the drafter's weights and, again, the target's LM head that it uses."""
 
-    def size(params):
-        return sum(p.numel() * p.element_size() for p in params)
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     embed = target.model.embed_tokens.weight
     tied = target.lm_head.weight is embed
     total = size(p for p in target.parameters() if p is not embed) + (size([embed]) if tied else 0)
-    if drafter is not None:
-        total += size(drafter.parameters()) + size([target.lm_head.weight])
+    if drafter is not None:  # FP8 weights and scales are buffers; the FP8 LM head copy replaces the target's
+        total += size(drafter.parameters()) + size(b for n, b in drafter.named_buffers() if "rotary" not in n)
+        total += size([drafter.fused_kv_weight]) if drafter.fused_kv_weight is not None else 0  # context GEMM
+        total += 0 if getattr(drafter, "lm_head_fp8", None) is not None else size([target.lm_head.weight])
     return total
 
 
@@ -128,7 +130,7 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: 
 
 
 def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) -> Result:
-    spec = SpeculativeConfig(num_speculative_tokens=args.block_size - 1) if drafter is not None else None
+    spec = SpeculativeConfig(num_speculative_tokens=args.block_size - 1, fp8=args.fp8) if drafter is not None else None
     max_len = args.prompt_len + (args.steps + args.warmup + 8) * args.block_size
     config = EngineConfig(
         max_num_seqs=batch,
@@ -223,6 +225,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--fp8", default="auto", help="weight-only FP8 drafter: auto, on, off")
     p.add_argument("--out", default="bench.json")
 
 

@@ -11,6 +11,7 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculative import SimulatedAcceptance, StepOutput, decode_step, dflash_draft
+from blockspec.layers.quantization import quantize_drafter, resolve_fp8
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -33,6 +34,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
         self.max_width, self.proposer = 1, dflash_draft
         if drafter is not None:
+            if resolve_fp8(spec.fp8, self.device) and drafter.fused_kv_fp8 is None:
+                quantize_drafter(drafter, model.lm_head if spec.fp8_lm_head else None)
             n = spec.num_speculative_tokens or drafter.block_size - 1
             self.max_width = min(n + 1, drafter.block_size)
         elif spec is not None and spec.method == "ngram":

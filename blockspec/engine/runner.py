@@ -100,7 +100,7 @@ class ModelRunner:
         ranges = {"full_attention": block_range, "sliding_attention": causal_range(b, d.sliding_window)}
         attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size)
         hidden = d(self.target.embed(block_ids), b.positions, attn, self.drafter_cache)
-        return d.adjust_logits(self.target.compute_logits(hidden[:, 1:]))
+        return d.compute_logits(hidden[:, 1:], self.target)
 
     def context_forward(self, features, starts, counts, block_tables):
         """Drafter context K/V for the first counts[b] rows (the committed ones)."""

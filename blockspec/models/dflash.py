@@ -64,13 +64,15 @@ class DFlashDrafter(nn.Module):
         biased = attns[0].qkv_proj.bias is not None
         self.fused_kv_bias = torch.cat([a.qkv_proj.bias[q:] for a in attns]) if biased else None
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])  # [L, D]
+        self.fused_kv_fp8 = None  # an Fp8Linear of the same rows once quantize_drafter ran
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's context K and V, each [L, *positions.shape, Hkv, D], from features
         [*positions.shape, n*H_t] in one GEMM. Differentiable when `fuse_kv` ran under autograd."""
         s = self.spec
         c = self.hidden_norm(self.fc(features))
-        kv = F.linear(c, self.fused_kv_weight, self.fused_kv_bias)
+        fp8 = self.fused_kv_fp8
+        kv = fp8(c) if fp8 is not None else F.linear(c, self.fused_kv_weight, self.fused_kv_bias)
         kv = kv.view(*c.shape[:-1], len(self.layers), 2, s.num_kv_heads, s.head_dim).movedim(-4, 0)
         k = kv[..., 0, :, :]
         k = rms_norm(k, self.k_norm_weight.view(len(self.layers), *[1] * (k.dim() - 2), s.head_dim), s.eps)
@@ -94,7 +96,10 @@ class DFlashDrafter(nn.Module):
             x = layer(x, rope, cache, attn)
         return self.norm(x)
 
-    def adjust_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """Logits through the target's LM head, or its FP8 copy (`quantize_drafter`)."""
+        fp8 = getattr(self, "lm_head_fp8", None)
+        logits = fp8(hidden).float() if fp8 is not None else target.compute_logits(hidden)
         logits = logits * self.output_multiplier
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
