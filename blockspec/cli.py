@@ -104,6 +104,12 @@ def chat(args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": printed})
 
 
+def serve(args: argparse.Namespace) -> None:
+    from blockspec.server.api import serve as run_server  # fastapi and uvicorn only for this command
+
+    run_server(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="blockspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +123,23 @@ def main(argv: list[str] | None = None) -> None:
         add_sampling_args(p)
     gen.set_defaults(func=generate)
     ch.set_defaults(func=chat)
+    from blockspec import train  # the trainer's flags come from its TrainConfig
+
+    tr = sub.add_parser("train", help="train a DFlash drafter for a target on its own responses")
+    train.add_train_args(tr)
+    tr.set_defaults(func=train.main)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set BLOCKSPEC_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    srv.set_defaults(func=serve)
+    from blockspec.bench import bench
+
+    bn = sub.add_parser("bench", help="decoding throughput: speculative vs plain, against the weight-read floor")
+    bench.add_arguments(bn)
+    bn.set_defaults(func=bench.run)
     args = parser.parse_args(argv)
     args.func(args)
 

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import make_drafter, make_target
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -15,7 +16,6 @@ from blockspec.loading.dflash import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import default_target_layer_ids
 from blockspec.sampling import SamplingParams
-from conftest import make_drafter, make_target
 
 EPS = 1e-6
 
@@ -39,7 +39,7 @@ def dense_block_logits(w, layers, feats, anchor_emb_block, p, lm_head, window=No
     keep = ctx_pos >= p - window if window else torch.ones(p, dtype=torch.bool)
     x = anchor_emb_block
     for i in range(layers):
-        L = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        L = lambda n: w[f"layers.{i}.{n}"]
         h = rms(x, L("input_layernorm.weight"))
         q = rms((h @ L("self_attn.q_proj.weight").T).view(g, 4, 16), L("self_attn.q_norm.weight"))
         kb = rms((h @ L("self_attn.k_proj.weight").T).view(g, 2, 16), L("self_attn.k_norm.weight"))
@@ -85,11 +85,14 @@ def test_block_forward_matches_dense_reference(tmp_path, window):
             hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
             feats = torch.cat([hs[j + 1][0, :-1] for j in (1, 3, 4)], dim=-1)  # context: all but the anchor
             block = torch.tensor([ids[-1]] + [drafter.mask_token_id] * (g - 1))
-            expected = dense_block_logits(w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1,
-                                          hf.lm_head.weight, window)
+            expected = dense_block_logits(
+                w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1, hf.lm_head.weight, window
+            )
         torch.testing.assert_close(logits[i, : g - 1], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_default_target_layer_ids():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(30, 1) == [15]
+    assert default_target_layer_ids(4, 2) == [1]  # a tiny target: distinct ids in range
+    assert default_target_layer_ids(1, 2) == [0]

@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
 
 from blockspec import LLM, SamplingParams
 from blockspec.loading.weights import CheckpointError
-from conftest import make_drafter, make_target
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,9 @@
 recomputed, and every output equals that request run alone."""
 
 import torch
+from conftest import make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
-from conftest import make_drafter, make_target
 
 
 def test_small_pool_preempts_without_changing_outputs(tmp_path):

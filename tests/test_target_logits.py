@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import make_target
 from transformers import AutoModelForCausalLM
 
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
@@ -9,7 +10,6 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams
-from conftest import make_target
 
 CASES = [
     ("llama", False, "none"),

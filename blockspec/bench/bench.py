@@ -225,7 +225,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--fp8", default="auto", help="weight-only FP8 drafter: auto, on, off")
+    p.add_argument("--fp8", default="off", help="weight-only FP8 drafter: off, on, auto")
     p.add_argument("--out", default="bench.json")
 
 

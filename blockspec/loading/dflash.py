@@ -90,7 +90,6 @@ def drafter_config(drafter: DFlashDrafter, target: CausalLM) -> dict:
         "block_size": drafter.block_size,
         "num_target_layers": target.config.num_hidden_layers,
         "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)},
-        "torch_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
     }
 
 
@@ -109,4 +108,5 @@ def save_drafter(
     }
     weights = unpack({n: p.detach().to("cpu", dtype) for n, p in drafter.named_parameters()}, sizes)
     save_sharded(weights, path, max_shard_bytes)
-    (path / "config.json").write_text(json.dumps(drafter_config(drafter, target), indent=2))
+    config = {**drafter_config(drafter, target), "torch_dtype": str(dtype).removeprefix("torch.")}
+    (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -25,12 +25,13 @@ def dflash_value(config, name: str, default=None):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spaced from layer 1 to layer L-3 (one drafter layer: L // 2)."""
-    if num_draft_layers == 1:
+    """Evenly spaced from layer 1 to layer L-3 (one drafter layer: L // 2); distinct and in
+    range for small targets too."""
+    if num_draft_layers == 1 or num_target_layers < 3:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
+    start, end = 1, max(1, num_target_layers - 3)
     span = end - start
-    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return sorted({round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 
 class DFlashDrafter(nn.Module):

@@ -1,0 +1,6 @@
+"""Drafter training (the DFlash recipe): `train(TrainConfig(...))` or `blockspec train`."""
+
+from blockspec.train.config import TrainConfig, add_train_args
+from blockspec.train.run import main, train
+
+__all__ = ["TrainConfig", "add_train_args", "main", "train"]

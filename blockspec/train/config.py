@@ -1,0 +1,98 @@
+"""TrainConfig: every knob of `blockspec train`; the CLI flags are generated from its fields."""
+
+import argparse
+import types
+import typing
+from dataclasses import dataclass, field, fields
+
+
+def knob(default, doc: str):
+    return field(default=default, metadata={"help": doc})
+
+
+@dataclass
+class TrainConfig:
+    # target and output
+    model: str | None = knob(None, "target: HF model directory or .gguf file (default: the embedded SmolLM2)")
+    output: str = knob("runs/drafter", "output directory: drafter/ (DFlash layout), checkpoint/, data.jsonl, log.jsonl")
+    device: str | None = knob(None, "cuda or cpu (default: cuda when available); bf16 autocast on cuda, fp32 on cpu")
+    seed: int = knob(0, "seed of prompt choice, data order and anchors")
+    # data: the target's own responses to prompts built from offline text
+    data: str | None = knob(
+        None, "reuse this generated-data JSONL as is (default: OUTPUT/data.jsonl, made or extended)"
+    )
+    prompts: str | None = knob(None, "text file of prompts, one JSON string a line (default: built from offline text)")
+    write_prompts: str | None = knob(None, "only build num_prompts prompts from offline text into this file, then exit")
+    num_prompts: int = knob(1000, "prompts to generate responses for")
+    max_new_tokens: int = knob(256, "response length cap")
+    max_prompt_tokens: int = knob(384, "prompts longer than this (chat template applied) are skipped")
+    temperature: float = knob(0.0, "sampling temperature of the generated responses (0: greedy)")
+    gen_batch_size: int = knob(64, "sequences the engine decodes together while generating data")
+    # drafter architecture (None: the target's value)
+    layers: int = knob(4, "drafter layers")
+    block_size: int = knob(16, "block width g: anchor + g-1 mask rows")
+    intermediate_size: int | None = knob(None, "drafter MLP width")
+    num_heads: int | None = knob(None, "drafter attention heads")
+    num_kv_heads: int | None = knob(None, "drafter KV heads")
+    head_dim: int | None = knob(None, "drafter head dim")
+    target_layer_ids: tuple[int, ...] | None = knob(None, "target layers whose outputs feed the drafter, e.g. 1,8,15")
+    mask_token_id: int | None = knob(None, "MASK token (default: an unused row, else a spare special token)")
+    init: str = knob("random", "random (N(0, 0.02)), or copy: start from the target's last layers")
+    # optimisation
+    steps: int = knob(1000, "optimizer steps")
+    batch_size: int = knob(8, "sequences per step")
+    blocks_per_seq: int = knob(32, "anchors (blocks) sampled per sequence and step")
+    lr: float = knob(6e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = knob(0.1, "cosine decay ends at lr * this")
+    warmup: float = knob(0.04, "linear warm-up, as a fraction of steps")
+    weight_decay: float = knob(0.0, "AdamW weight decay")
+    grad_clip: float = knob(1.0, "gradient norm clip (0: off)")
+    gamma: float | None = knob(None, "loss weight exp(-(k-1)/gamma) of block row k (default: 3g/8 + 1, 7 for g=16)")
+    attention: str = knob("auto", "dense (bool mask, any device), flex (FlexAttention block mask, cuda) or auto")
+    # checkpoints, logs, evaluation
+    save_every: int = knob(200, "steps between resumable checkpoints")
+    log_every: int = knob(10, "steps between log lines (per-position accuracy) in OUTPUT/log.jsonl")
+    resume: bool = knob(False, "continue from OUTPUT/checkpoint when there is one")
+    save_dtype: str = knob("bfloat16", "dtype of the saved drafter")
+    eval_prompts: int = knob(0, "hold out this many examples and measure the drafter's tau on them at the end")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size >= 2, "block_size must be >= 2"),
+            (self.layers >= 1, "layers must be >= 1"),
+            (self.steps >= 1 and self.batch_size >= 1 and self.blocks_per_seq >= 1, "steps/batch sizes must be >= 1"),
+            (self.init in ("copy", "random"), f"init must be copy or random, got {self.init!r}"),
+            (self.attention in ("auto", "dense", "flex"), f"attention must be auto/dense/flex, got {self.attention!r}"),
+            (self.gamma is None or self.gamma > 0, "gamma must be > 0"),
+            (0 <= self.warmup < 1, "warmup is a fraction of steps in [0, 1)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def loss_gamma(self) -> float:
+        # The paper uses 7 for g=16, 5 for g=10 and 4 for g=8: about 3g/8 + 1.
+        return self.gamma if self.gamma is not None else 3 * self.block_size / 8 + 1
+
+
+def flag_type(hint) -> typing.Callable[[str], object]:
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is tuple:
+        return lambda text: tuple(int(x) for x in text.split(","))
+    return hint
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        name, doc = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if hints[f.name] is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
+        else:
+            parser.add_argument(name, type=flag_type(hints[f.name]), default=f.default, help=doc)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})

@@ -1,0 +1,92 @@
+"""A fresh DFlash drafter for a target: its config (the target's geometry unless told
+otherwise) and its initial weights.
+
+Init "random" (default): every linear N(0, initializer_range), norms 1. Init "copy": when a
+drafter layer has the target's layer geometry, drafter layer i starts as target layer L-n+i
+(the last n layers, which turn a late residual stream into next-token logits through the LM
+head the drafter shares), the final norm as the target's, `fc` as the identity on the deepest
+captured feature (about the stream those layers read) and `hidden_norm` as the first copied
+layer's input norm. Measured on SmolLM2-135M (H200, 5.7k sequences, 600 steps of 32): held-out
+tau 1.59 from random against 1.41 from copy, so random is the default."""
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase, Qwen3Config
+
+from blockspec.layers.rotary import rope_parameters
+from blockspec.models.dflash import DFlashDrafter, default_target_layer_ids
+from blockspec.models.llama import CausalLM
+from blockspec.train.config import TrainConfig
+
+
+def default_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> int:
+    """An embedding row no text uses: past the tokenizer's tokens when the vocabulary is padded
+    (as the published Qwen3 drafters do), else the last added token that is not
+    bos/eos/pad (SmolLM2: <empty_output>), else the last row."""
+    if tokenizer is None:
+        return vocab_size - 1
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    spare = [i for i in tokenizer.added_tokens_decoder if i not in tokenizer.all_special_ids and i < vocab_size]
+    return max(spare) if spare else vocab_size - 1
+
+
+def drafter_config(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> Qwen3Config:
+    tc, s = target.config, target.spec
+    ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, cfg.layers)
+    if not all(0 <= i < tc.num_hidden_layers for i in ids):
+        raise ValueError(
+            f"target_layer_ids {list(ids)} must be in 0..{tc.num_hidden_layers - 1}: pass --target-layer-ids"
+        )
+    return Qwen3Config(
+        vocab_size=tc.vocab_size,
+        hidden_size=s.hidden_size,  # the drafter reads the target's embedding and LM head
+        intermediate_size=cfg.intermediate_size or s.intermediate_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.num_heads or s.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or s.num_kv_heads,
+        head_dim=cfg.head_dim or s.head_dim,
+        rms_norm_eps=s.eps,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_parameters=rope_parameters(tc),
+        block_size=cfg.block_size,
+        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(ids)},
+    )
+
+
+def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
+    """Copy init (see the module doc); False, leaving the random init, when shapes differ."""
+    n = len(drafter.layers)
+    sources = list(target.model.layers)[-n:]
+    pairs = []
+    for dst, src in zip(drafter.layers, sources):
+        src_params = dict(src.named_parameters())
+        for name, p in dst.named_parameters():
+            if name in src_params:
+                pairs.append((p, src_params[name]))
+    if len(sources) < n or any(p.shape != q.shape for p, q in pairs):
+        return False
+    with torch.no_grad():
+        for p, q in pairs:
+            p.copy_(q)
+        drafter.norm.weight.copy_(target.model.norm.weight)
+        drafter.hidden_norm.weight.copy_(sources[0].input_layernorm.weight)
+        h = drafter.spec.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -h:] = torch.eye(h)
+    return True
+
+
+def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tuple[DFlashDrafter, bool]:
+    """The drafter in float32 on the target's device, and whether the copy init applied."""
+    tc = target.config
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(drafter_config(target, cfg, mask_token_id), tc.num_hidden_layers, tc.hidden_size)
+    std = getattr(tc, "initializer_range", 0.02)
+    for m in drafter.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    copied = cfg.init == "copy" and copy_target_layers(drafter, target)  # copy_ casts device and dtype
+    return drafter.to(target.lm_head.weight.device), copied

@@ -1,0 +1,176 @@
+"""Chat instructions built from text that ships offline (DESIGN §6): CPython stdlib sources
+(functions and classes), documentation paragraphs under /usr/share/doc, and man pages.
+Never from benchmark sets (HumanEval, MT-Bench, GSM8K): those measure us.
+
+`blockspec train --write-prompts FILE` writes them (one JSON string a line) for a machine that
+lacks these sources, where `blockspec train --prompts FILE` reads them."""
+
+import ast
+import gzip
+import json
+import random
+import re
+import sysconfig
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+DOC_ROOT = Path("/usr/share/doc")
+MAN_ROOT = Path("/usr/share/man")
+MAX_CODE_LINES = 40
+PER_FILE = 3  # prompts taken from one file at most, for variety
+PER_FAMILY = 20  # man pages of one family (name prefix) at most
+
+TEXT_TASKS = [
+    "Summarize the following text:\n\n{}",
+    "Explain this to a beginner:\n\n{}",
+    "What are the key points of this passage?\n\n{}",
+    "Rewrite this paragraph in plain, clear English:\n\n{}",
+]
+MAN_TASKS = [
+    "How do I use `{}` ({})? Give a short example.",
+    "Explain what `{}` is for: {}.",
+    "Write a short tutorial on `{}` ({}).",
+]
+
+
+def read_text(path: Path) -> str:
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return ""
+    return data.decode("utf-8", errors="replace")
+
+
+# --- Python sources -------------------------------------------------------------------------
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}  # never installed packages
+    return sorted(f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts))
+
+
+def code_task(node: ast.AST, code: str, rng: random.Random) -> str | None:
+    kind = "class" if isinstance(node, ast.ClassDef) else "function"
+    doc = ast.get_docstring(node)
+    lines = code.splitlines()[:MAX_CODE_LINES]
+    choice = rng.randrange(4)
+    if choice == 0 and doc:
+        header = node.name if kind == "class" else f"{node.name}({ast.unparse(node.args)})"
+        return f"Write a Python {kind} `{header}` that does the following:\n\n{doc.split(chr(10) * 2)[0]}"
+    if choice == 1 and len(lines) >= 6:
+        head = "\n".join(lines[: len(lines) // 2])
+        return f"Continue this Python code:\n\n```python\n{head}\n```"
+    if choice == 2:
+        return "Review this Python code and suggest improvements:\n\n```python\n" + "\n".join(lines) + "\n```"
+    return f"Explain what this Python {kind} does:\n\n```python\n" + "\n".join(lines) + "\n```"
+
+
+def code_prompts(path: Path, rng: random.Random) -> list[str]:
+    source = read_text(path)
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines, prompts = source.splitlines(), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            code = lines[node.lineno - 1 : node.end_lineno]
+            if len(code) >= 3:
+                prompts.append(code_task(node, textwrap.dedent("\n".join(code)), rng))
+    return [p for p in prompts if p]
+
+
+# --- documentation paragraphs ---------------------------------------------------------------
+
+
+def doc_files() -> list[Path]:
+    if not DOC_ROOT.is_dir():
+        return []
+    wanted = re.compile(r"^(readme|news|faq|todo)|\.(md|txt|rst)$", re.IGNORECASE)
+    return sorted(f for f in DOC_ROOT.rglob("*") if f.is_file() and wanted.search(f.name.removesuffix(".gz")))
+
+
+def prose(paragraph: str) -> bool:
+    letters = sum(c.isalpha() or c.isspace() for c in paragraph)
+    return 200 <= len(paragraph) <= 1500 and letters > 0.85 * len(paragraph)
+
+
+def doc_prompts(path: Path, rng: random.Random) -> list[str]:
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", read_text(path))]
+    return [rng.choice(TEXT_TASKS).format(p) for p in paragraphs if prose(p)]
+
+
+# --- man pages ------------------------------------------------------------------------------
+
+
+def man_files() -> list[Path]:
+    """English man pages, at most PER_FAMILY of a family (gcloud alone has thousands)."""
+    files, count = [], {}
+    for f in sorted(MAN_ROOT.glob("man[1-8]/*")):
+        family = re.split(r"[_.-]", f.name)[0]
+        count[family] = count.get(family, 0) + 1
+        if count[family] <= PER_FAMILY:
+            files.append(f)
+    return files
+
+
+def man_prompts(path: Path, rng: random.Random) -> list[str]:
+    """One instruction from the NAME line ("ls \\- list directory contents")."""
+    match = re.search(r"^\.SH\s+\"?NAME\"?\s*\n(.*?)(?=^\.S[HS])", read_text(path), re.MULTILINE | re.DOTALL)
+    if not match:
+        return []
+    text = " ".join(line for line in match.group(1).splitlines() if not line.startswith("."))
+    text = re.sub(r"\\f(\(..|\[[^]]*\]|.)|\\&|\\\*.", "", text).replace("\\-", "-").replace("\\", "")
+    name, sep, what = text.partition(" - ")
+    if not sep or not name.strip() or not what.strip():
+        return []
+    return [rng.choice(MAN_TASKS).format(name.strip(), what.strip().rstrip("."))]
+
+
+# --- the mix --------------------------------------------------------------------------------
+
+
+def from_files(
+    files: list[Path], extract: Callable[[Path, random.Random], list[str]], rng: random.Random
+) -> Iterator[str]:
+    """A few prompts from every file first (variety), then the rest (depth)."""
+    files, rest = list(files), []
+    rng.shuffle(files)
+    for f in files:
+        items = extract(f, rng)
+        rng.shuffle(items)
+        yield from items[:PER_FILE]
+        rest.extend(items[PER_FILE:])
+    rng.shuffle(rest)
+    yield from rest
+
+
+def build_prompts(n: int, seed: int = 0) -> list[str]:
+    """n distinct instructions: about half from code, a quarter each from docs and man pages
+    (a source that runs dry leaves its share to the others). Deterministic for a seed."""
+    rng = random.Random(seed)
+    sources = [
+        [2.0, from_files(stdlib_files(), code_prompts, rng)],
+        [1.0, from_files(doc_files(), doc_prompts, rng)],
+        [1.0, from_files(man_files(), man_prompts, rng)],
+    ]
+    prompts, seen = [], set()
+    while len(prompts) < n and sources:
+        source = rng.choices(sources, weights=[w for w, _ in sources])[0]
+        prompt = next(source[1], None)
+        if prompt is None:
+            sources.remove(source)
+        elif prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+    return prompts
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_prompts(prompts: list[str], path: str | Path) -> None:
+    Path(path).write_text("".join(json.dumps(p) + "\n" for p in prompts))

@@ -1,0 +1,60 @@
+"""`blockspec train`: data (the target's own responses), a fresh drafter, the training loop,
+the drafter saved in the published DFlash layout, and optionally tau on held-out prompts."""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from blockspec.llm import default_device, resolve_dtype
+from blockspec.loading.dflash import save_drafter
+from blockspec.loading.hf import load_target
+from blockspec.train.config import TrainConfig, config_from_args
+from blockspec.train.data import generate_dataset, read_examples
+from blockspec.train.evaluate import acceptance_lengths, describe
+from blockspec.train.model import build_drafter, default_mask_token_id
+from blockspec.train.prompts import build_prompts, write_prompts
+from blockspec.train.trainer import Trainer
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Train a drafter as `cfg` says; returns the directory of the saved drafter (or the
+    prompt file with cfg.write_prompts)."""
+    if cfg.write_prompts:
+        write_prompts(build_prompts(cfg.num_prompts, cfg.seed), cfg.write_prompts)
+        return Path(cfg.write_prompts)
+    device = torch.device(cfg.device) if cfg.device else default_device()
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    examples = read_examples(cfg.data) if cfg.data else generate_dataset(cfg, out / "data.jsonl", device)
+    held_out = examples[len(examples) - cfg.eval_prompts :] if cfg.eval_prompts else []
+    examples = examples[: len(examples) - len(held_out)]
+    if not examples:
+        raise ValueError("no training examples")
+    print(f"{len(examples)} training sequences, {sum(e.length for e in examples)} tokens; {len(held_out)} held out")
+
+    target = load_target(cfg.model, resolve_dtype(None, device), device)
+    target.model.requires_grad_(False)
+    vocab = target.model.config.vocab_size
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(target.tokenizer, vocab)
+    drafter, copied = build_drafter(target.model, cfg, mask_id)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(
+        f"drafter: {cfg.layers} layers, {n_params / 1e6:.1f}M parameters, block {cfg.block_size}, "
+        f"target layers {list(drafter.target_layer_ids)}, mask token {mask_id}, "
+        f"init {'copied from the target' if copied else 'random'}"
+    )
+    Trainer(cfg, target.model, drafter, examples, device).run()
+
+    path = out / "drafter"
+    save_drafter(drafter, target.model, path, dtype=resolve_dtype(cfg.save_dtype, device))
+    print(f"drafter saved to {path}")
+    del target, drafter
+    if held_out:
+        prompts = [e.prompt_ids for e in held_out]
+        print("held-out prompts: " + describe(acceptance_lengths(cfg.model, path, prompts, cfg.max_new_tokens, device)))
+    return path
+
+
+def main(args: argparse.Namespace) -> None:
+    train(config_from_args(args))

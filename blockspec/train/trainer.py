@@ -1,0 +1,132 @@
+"""The training loop: AdamW with linear warm-up and cosine decay, bf16 autocast on CUDA (fp32
+master weights), fp32 on CPU, a tqdm bar with loss / accuracy / offline tau, a JSONL log with
+per-position accuracy, and resumable checkpoints (every save_every steps, at the end, and on
+Ctrl-C / SIGINT)."""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.llama import CausalLM
+from blockspec.train.batches import BatchOrder, collate
+from blockspec.train.checkpoint import load_checkpoint, save_checkpoint
+from blockspec.train.config import TrainConfig
+from blockspec.train.data import Example
+from blockspec.train.loss import StepResult, dflash_loss, row_weights, sample_anchors
+
+
+@dataclass
+class Meter:
+    """Sums over a log window, kept on the device (no sync per step)."""
+
+    loss: float | torch.Tensor = 0.0
+    correct: float | torch.Tensor = 0.0
+    total: float | torch.Tensor = 0.0
+    inverse_tau: float | torch.Tensor = 0.0
+    blocks: float | torch.Tensor = 0.0
+    steps: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, r: StepResult, tokens: int) -> None:
+        self.loss += r.loss.detach()
+        self.correct, self.total = self.correct + r.correct, self.total + r.total
+        self.inverse_tau, self.blocks = self.inverse_tau + r.inverse_tau, self.blocks + r.blocks
+        self.steps, self.tokens = self.steps + 1, self.tokens + tokens
+
+    def summary(self) -> dict:
+        acc = (self.correct / torch.as_tensor(self.total).clamp_min(1)).tolist()
+        return {
+            "loss": float(self.loss) / max(1, self.steps),
+            "acc": [round(a, 4) for a in acc],
+            # Harmonic mean over anchors: the engine spends 1/tau steps per token, so long accepted
+            # runs count for less than their share of anchors. Greedy, on the training labels.
+            "tau_est": float(self.blocks) / max(1e-9, float(self.inverse_tau)),
+            "tok_s": self.tokens / (time.perf_counter() - self.start),
+        }
+
+
+class Trainer:
+    def __init__(
+        self, cfg: TrainConfig, target: CausalLM, drafter: DFlashDrafter, examples: list[Example], device: torch.device
+    ) -> None:
+        self.cfg, self.target, self.drafter, self.examples, self.device = cfg, target, drafter, examples, device
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        cuda = device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=cuda or None
+        )
+        self.order = BatchOrder([e.length for e in examples], cfg.batch_size, cfg.seed)
+        self.weights = row_weights(drafter.block_size, cfg.loss_gamma, device)
+        self.flex = cfg.attention == "flex" or (cfg.attention == "auto" and cuda)
+        self.pad_multiple = 128 if self.flex else 1  # few distinct shapes for the compiled kernel
+        self.out = Path(cfg.output)
+        ckpt = self.out / "checkpoint"
+        resume = cfg.resume and (ckpt / "state.json").is_file()  # so a repeated --resume command also starts
+        self.step = load_checkpoint(ckpt, drafter, self.optimizer) if resume else 0
+
+    def lr_at(self, step: int) -> float:
+        cfg, warmup = self.cfg, int(self.cfg.warmup * self.cfg.steps)
+        if step < warmup:
+            return cfg.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, cfg.steps - warmup)
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    def train_step(self) -> tuple[StepResult, int]:
+        cfg = self.cfg
+        batch = collate([self.examples[i] for i in self.order(self.step)], self.device, self.pad_multiple)
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
+        anchors, valid = sample_anchors(batch, cfg.blocks_per_seq, generator)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            result = dflash_loss(self.target, self.drafter, batch, anchors, valid, self.weights, self.flex)
+        self.optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return result, int(batch.lengths.sum())
+
+    def save(self) -> None:
+        save_checkpoint(self.out / "checkpoint", self.step, self.drafter, self.optimizer, {"config": asdict(self.cfg)})
+
+    def log(self, meter: Meter, bar: tqdm) -> None:
+        s = meter.summary() | {"step": self.step, "lr": self.lr_at(self.step - 1)}
+        with open(self.out / "log.jsonl", "a") as f:
+            f.write(json.dumps(s) + "\n")
+        bar.set_postfix(
+            loss=f"{s['loss']:.3f}", acc1=f"{s['acc'][0]:.2f}", tau=f"{s['tau_est']:.2f}", tok_s=f"{s['tok_s']:.0f}"
+        )
+        acc = " ".join(f"{a:.2f}" for a in s["acc"])
+        bar.write(f"step {self.step}: loss {s['loss']:.4f} tau~{s['tau_est']:.2f} acc/row {acc}")
+
+    def run(self, until: int | None = None) -> None:
+        """Train up to step `until` (default cfg.steps), checkpointing on the way."""
+        end = min(until or self.cfg.steps, self.cfg.steps)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.drafter.train()
+        bar, meter = tqdm(total=end, initial=self.step, desc="training drafter", unit="step"), Meter()
+        try:
+            while self.step < end:
+                meter.add(*self.train_step())
+                bar.update(1)
+                if self.step % self.cfg.log_every == 0 or self.step == end:
+                    self.log(meter, bar)
+                    meter = Meter()
+                if self.step % self.cfg.save_every == 0:
+                    self.save()
+        except KeyboardInterrupt:
+            self.save()
+            raise
+        finally:
+            bar.close()
+        self.save()
+        self.drafter.eval()

@@ -1,0 +1,190 @@
+"""Drafter training (the DFlash recipe) on tiny random targets: the mask, the anchors, the
+training forward against the engine's proposals, resume, the CLI, and a real training run
+whose drafter raises the engine's mean acceptance length on held-out prompts."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_target
+
+from blockspec.cli import main as cli_main
+from blockspec.layers.attention import DenseAttention
+from blockspec.llm import LLM
+from blockspec.loading.dflash import load_drafter, save_drafter
+from blockspec.loading.hf import load_target
+from blockspec.sampling import SamplingParams
+from blockspec.train import TrainConfig, train
+from blockspec.train.batches import Batch, collate
+from blockspec.train.data import append_examples, generate_examples, read_examples, token_prompts
+from blockspec.train.evaluate import acceptance_lengths
+from blockspec.train.loss import dflash_loss, row_weights, sample_anchors
+from blockspec.train.masks import FlexBlockAttention, block_mask, flex_block_mask
+from blockspec.train.model import build_drafter
+from blockspec.train.prompts import build_prompts
+from blockspec.train.trainer import Trainer
+
+CPU = torch.device("cpu")
+VOCAB, NEW_TOKENS, TRAIN, HELD_OUT = 64, 64, 512, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # The CI machine has 2 shared cores: more threads than free cores makes these tiny models
+    # ~30x slower (oversubscription), and one thread keeps the runs bitwise reproducible.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Path, list[list[int]]]:
+    """A tiny target (1 layer, tied embeddings: its greedy text has structure a drafter can
+    learn; deeper random targets are chaotic), its own greedy responses to random token-id
+    prompts as training data, and held-out prompts."""
+    root = tmp_path_factory.mktemp("train")
+    target = make_target(root / "target", "qwen3", tied=True, vocab=VOCAB, layers=1)
+    llm = LLM(str(target), None, device="cpu", dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    examples = generate_examples(llm, token_prompts(VOCAB, TRAIN + HELD_OUT, seed=1), params)
+    assert len(examples) == TRAIN + HELD_OUT
+    append_examples(root / "data.jsonl", examples[:TRAIN])
+    return target, root / "data.jsonl", [e.prompt_ids for e in examples[TRAIN:]]
+
+
+def config(target: Path, data: Path, out: Path, **overrides) -> TrainConfig:
+    base = {"model": str(target), "output": str(out), "device": "cpu", "data": str(data), "layers": 1}
+    base |= {"block_size": 8, "steps": 300, "batch_size": 16, "blocks_per_seq": 16, "lr": 3e-3, "log_every": 50}
+    return TrainConfig(**(base | {"save_dtype": "float32"} | overrides))
+
+
+def test_block_mask() -> None:
+    g, t = 4, 10
+    anchors = torch.tensor([[3, 7, 0], [5, 0, 2]])
+    valid = torch.tensor([[True, True, False], [True, True, True]])
+    mask = block_mask(anchors, valid, t, g)[:, 0]
+    assert mask.shape == (2, 3 * g, t + 3 * g)
+    for b in range(2):
+        for q in range(3 * g):
+            blk = q // g
+            limit = int(anchors[b, blk]) if valid[b, blk] else 0
+            # context: strictly before the anchor (never the anchor itself or later)
+            assert mask[b, q, :t].tolist() == [j < limit for j in range(t)]
+            # blocks: all rows of its own block (bidirectional), nothing of the others
+            assert mask[b, q, t:].tolist() == [j // g == blk for j in range(3 * g)]
+
+
+def test_anchors_lie_in_the_response() -> None:
+    ids = torch.zeros(3, 20, dtype=torch.long)
+    batch = Batch(ids, lengths=torch.tensor([20, 12, 6]), prompt_lengths=torch.tensor([5, 10, 5]))
+    anchors, valid = sample_anchors(batch, 8, torch.Generator().manual_seed(0))
+    assert valid.sum(1).tolist() == [8, 2, 1]  # L - P candidates: 15, 2, 1
+    for b in range(3):
+        chosen = anchors[b][valid[b]].tolist()
+        assert len(set(chosen)) == len(chosen)
+        p, n = int(batch.prompt_lengths[b]), int(batch.lengths[b])
+        assert all(p - 1 <= a <= n - 2 for a in chosen)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_mask_matches_dense() -> None:
+    torch.manual_seed(0)
+    b, n, g, t, h, hkv, d = 2, 8, 16, 256, 4, 2, 64
+    anchors = torch.randint(0, t, (b, n), device="cuda")
+    valid = torch.rand(b, n, device="cuda") > 0.2
+    q = torch.randn(b, n * g, h, d, device="cuda")
+    k, v = (torch.randn(b, n * g, hkv, d, device="cuda") for _ in range(2))
+    ctx = tuple(torch.randn(b, t, hkv, d, device="cuda") for _ in range(2))
+    dense = DenseAttention({"full_attention": block_mask(anchors, valid, t, g)}).attend(
+        q, k, v, ctx, "full_attention", 0.125
+    )
+    flex = FlexBlockAttention(flex_block_mask(anchors, valid, t, g)).attend(q, k, v, ctx, "full_attention", 0.125)
+    torch.testing.assert_close(flex, dense, atol=2e-3, rtol=2e-3)
+
+
+def test_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
+    """A block trained at anchor a predicts exactly what the engine drafts when a is the anchor."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU)
+    drafter, _ = build_drafter(target.model, config(target_dir, data, tmp_path), VOCAB - 1)
+    save_drafter(drafter, target.model, tmp_path / "drafter", dtype=torch.float32)
+    drafter = load_drafter(tmp_path / "drafter", target.model, torch.float32, CPU)
+    llm = LLM(str(target_dir), {"model": str(tmp_path / "drafter")}, device="cpu", dtype="float32")
+    for e in read_examples(data)[:3]:
+        anchor = len(e.prompt_ids) + 5
+        seq = e.prompt_ids + e.response_ids
+        out = llm.generate([seq[: anchor + 1]], SamplingParams(temperature=0, max_tokens=8, return_drafts=True))[0]
+        with torch.no_grad():
+            one = torch.tensor([[anchor]]), torch.tensor([[True]])
+            result = dflash_loss(target.model, drafter, collate([e], CPU), *one, row_weights(8, 4.0, CPU))
+        assert result.drafts[0, 0].tolist() == out.metrics.draft_token_ids[0]
+
+
+def test_resume_is_exact(setup, tmp_path) -> None:
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU).model.requires_grad_(False)
+    examples = read_examples(data)
+
+    def trainer(out: Path, resume: bool = False) -> Trainer:
+        cfg = config(target_dir, data, out, steps=8, log_every=4, save_every=100, resume=resume)
+        return Trainer(cfg, target, build_drafter(target, cfg, VOCAB - 1)[0], examples, CPU)
+
+    whole = trainer(tmp_path / "a")
+    whole.run()
+    half = trainer(tmp_path / "b")
+    half.run(until=4)
+    resumed = trainer(tmp_path / "b", resume=True)
+    assert resumed.step == 4
+    resumed.run()
+    for (name, p), q in zip(whole.drafter.named_parameters(), resumed.drafter.parameters()):
+        assert torch.equal(p, q), name
+    logs = [
+        [json.loads(x)["loss"] for x in (d / "log.jsonl").read_text().splitlines()]
+        for d in (tmp_path / "a", tmp_path / "b")
+    ]
+    assert logs[0] == logs[1] and len(logs[0]) == 2
+
+
+def test_training_raises_acceptance_length(setup, tmp_path) -> None:
+    target_dir, data, held_out = setup
+    cfg = config(target_dir, data, tmp_path / "out")
+    target = load_target(str(target_dir), torch.float32, CPU)
+    untrained, _ = build_drafter(target.model, cfg, VOCAB - 1)  # the same start as the run below
+    save_drafter(untrained, target.model, tmp_path / "untrained", dtype=torch.float32)
+    before = acceptance_lengths(str(target_dir), tmp_path / "untrained", held_out, NEW_TOKENS, CPU)
+
+    trained = train(cfg)
+    assert sorted(p.name for p in trained.iterdir()) == ["config.json", "model.safetensors"]
+    after = acceptance_lengths(str(target_dir), trained, held_out, NEW_TOKENS, CPU)
+    tau_before, tau_after = sum(before) / len(before), sum(after) / len(after)
+    print(f"tau untrained {tau_before:.3f}, trained {tau_after:.3f}")  # measured: 1.03, 2.43
+    assert tau_before < 1.3
+    assert tau_after > 1.8 and tau_after > 1.6 * tau_before, (tau_before, tau_after)
+
+
+def test_cli_generates_trains_and_resumes(tmp_path) -> None:
+    target = make_target(tmp_path / "target", "llama", vocab=VOCAB, layers=2)
+    out = tmp_path / "out"
+    args = ["train", "--model", str(target), "--output", str(out), "--device", "cpu", "--layers", "1"]
+    args += ["--block-size", "4", "--max-new-tokens", "12", "--batch-size", "4", "--eval-prompts", "2"]
+    cli_main(args + ["--num-prompts", "10", "--steps", "3"])
+    first = read_examples(out / "data.jsonl")
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+
+    cli_main(args + ["--num-prompts", "14", "--steps", "5", "--resume"])  # more data, more steps
+    again = read_examples(out / "data.jsonl")
+    indices = [e.index for e in again]
+    assert again[: len(first)] == first and len(again) > len(first)
+    assert indices == sorted(set(indices)) and indices[-1] <= 13
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 5
+
+
+def test_prompts_come_from_offline_text() -> None:
+    prompts = build_prompts(40, seed=0)
+    assert len(prompts) == 40 and len(set(prompts)) == 40
+    assert all(isinstance(p, str) and len(p) > 20 for p in prompts)
