@@ -39,7 +39,10 @@ def dense_block_logits(w, layers, feats, anchor_emb_block, p, lm_head, window=No
     keep = ctx_pos >= p - window if window else torch.ones(p, dtype=torch.bool)
     x = anchor_emb_block
     for i in range(layers):
-        L = lambda n: w[f"layers.{i}.{n}"]
+
+        def L(name: str, i: int = i) -> torch.Tensor:  # noqa: N802
+            return w[f"layers.{i}.{name}"]
+
         h = rms(x, L("input_layernorm.weight"))
         q = rms((h @ L("self_attn.q_proj.weight").T).view(g, 4, 16), L("self_attn.q_norm.weight"))
         kb = rms((h @ L("self_attn.k_proj.weight").T).view(g, 2, 16), L("self_attn.k_norm.weight"))
