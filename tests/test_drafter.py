@@ -40,7 +40,7 @@ def dense_block_logits(w, layers, feats, anchor_emb_block, p, lm_head, window=No
     x = anchor_emb_block
     for i in range(layers):
 
-        def L(name: str, i: int = i) -> torch.Tensor:  # noqa: N802
+        def L(name: str, i: int = i) -> torch.Tensor:
             return w[f"layers.{i}.{name}"]
 
         h = rms(x, L("input_layernorm.weight"))
