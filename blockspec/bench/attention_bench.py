@@ -13,6 +13,8 @@ import argparse
 
 import torch
 
+from blockspec.bench.timing import time_us
+
 from blockspec.layers.attention import paged_attention_ref
 from blockspec.layers.kernels.paged_attention import default_splits, num_sms, paged_attention_triton
 
@@ -46,28 +48,6 @@ def make_inputs(batch: int, rows: int, ctx: int, max_len: int, kind: str, seed: 
     }
 
 
-def time_us(fn, calls: int, reps: int) -> float:
-    """Device µs per call: `calls` calls captured in one CUDA graph, replayed `reps` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
@@ -92,7 +72,7 @@ def main() -> None:
                 x = make_inputs(batch, rows, ctx, args.max_len, args.kind)
                 splits = default_splits(x["q"], x["k_cache"], x["block_tables"], PAGE)
                 out = paged_attention_triton(**x)
-                ours = time_us(lambda x=x: paged_attention_triton(**x), args.calls, args.reps)
+                ours = time_us([lambda x=x: paged_attention_triton(**x)], args.calls, args.reps)
                 kv_bytes = 2 * batch * ctx * HKV * D * 2
                 line = f"{batch:>3} {rows:>3} {ctx:>5} {splits:>5} {ours:>10.1f} {kv_bytes / ours / 1e3:>6.0f}"
                 if args.no_ref:
@@ -100,12 +80,14 @@ def main() -> None:
                 else:
                     ref = paged_attention_ref(**x)
                     err = (out.float() - ref.float()).abs().max().item()
-                    ref_us = time_us(lambda x=x: paged_attention_ref(**x), args.calls, args.reps)
+                    ref_us = time_us([lambda x=x: paged_attention_ref(**x)], args.calls, args.reps)
                     line += f" {ref_us:>9.1f} {ref_us / ours:>6.1f}x {err:>8.4f}"
                 if args.sweep:
                     line += " "
                     for n in (1, 2, 4, 8, 16, 32):
-                        us = time_us(lambda x=x, n=n: paged_attention_triton(**x, num_splits=n), args.calls, args.reps)
+                        us = time_us(
+                            [lambda x=x, n=n: paged_attention_triton(**x, num_splits=n)], args.calls, args.reps
+                        )
                         line += f" {n}={us:.1f}"
                 print(line, flush=True)
                 del x

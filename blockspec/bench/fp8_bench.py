@@ -22,6 +22,9 @@ import itertools
 import math
 
 import torch
+
+from blockspec.bench.bench import copy_bandwidth
+from blockspec.bench.timing import time_us
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
@@ -53,36 +56,6 @@ LAYOUTS = {
 }
 SHAPES = {**LAYOUTS["fused"], **LAYOUTS["split"]}
 FLUSH_BYTES = 256 * 2**20
-
-
-def time_us(fns: list, calls: int, reps: int) -> float:
-    """Device µs per call: `calls` calls (cycling through fns) captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns[:3]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, GB/s with read + write counted (as GPU.md's 4.29 TB/s)."""
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = time_us([lambda: b.copy_(a)], 10, 5)
-    return 2 * a.numel() / us / 1e3
 
 
 def describe(c: Fp8Config) -> str:
@@ -120,7 +93,7 @@ def main() -> None:
 
     dev = torch.device("cuda")
     sms = num_sms(dev)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"{torch.cuda.get_device_name()}  {sms} SMs  torch {torch.__version__}  copy {bw:.0f} GB/s (r+w)")
     print(f"Fp8Linear: Triton kernel for M <= {KERNEL_MAX_M}, dequantize + cuBLAS above\n")
     head = f"{'shape':<13} {'M':>5} {'N':>6} {'K':>6} | {'bf16 µs':>8} {'GB/s':>5} | {'fp8 µs':>8} {'GB/s':>5}"
