@@ -14,7 +14,6 @@ import argparse
 import torch
 
 from blockspec.bench.timing import time_us
-
 from blockspec.layers.attention import paged_attention_ref
 from blockspec.layers.kernels.paged_attention import default_splits, num_sms, paged_attention_triton
 

@@ -22,12 +22,11 @@ import itertools
 import math
 
 import torch
-
-from blockspec.bench.bench import copy_bandwidth
-from blockspec.bench.timing import time_us
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
+from blockspec.bench.bench import copy_bandwidth
+from blockspec.bench.timing import time_us
 from blockspec.layers.kernels.fp8_linear import Fp8Config, choose_config, dequantize_fp8, fp8_linear, num_sms
 from blockspec.layers.quantization import KERNEL_MAX_M, quantize_weight
 
