@@ -4,7 +4,7 @@ import argparse
 import sys
 import time
 
-from blockspec.llm import AUTO, LLM
+from blockspec.llm import AUTO, LLM, resolve_speculative_config
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import SamplingParams
 
@@ -13,7 +13,9 @@ GREEN, RESET = "\033[42m\033[30m", "\033[0m"
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
-    p.add_argument("--draft", default=AUTO, help="DFlash drafter directory, or 'none' for plain decoding")
+    p.add_argument(
+        "--draft", default=AUTO, help="DFlash drafter directory, 'ngram' (prompt lookup) or 'none' (plain decoding)"
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (block width - 1)")
     p.add_argument("--block-size", type=int, default=None, help="block width (num_speculative_tokens + 1)")
     p.add_argument("--device", default=None)
@@ -31,14 +33,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    n = args.num_speculative_tokens if args.block_size is None else args.block_size - 1
-    spec = None if args.draft == "none" else args.draft
-    if spec not in (None, AUTO) or (spec == AUTO and n is not None):
-        spec = {"model": None if spec == AUTO else spec, "num_speculative_tokens": n}
-        if spec["model"] is None:
-            from blockspec.llm import DEFAULT_DRAFTER
-
-            spec["model"] = str(DEFAULT_DRAFTER)
+    draft = {"none": None, "ngram": {"method": "ngram"}}.get(args.draft, args.draft)
+    spec = resolve_speculative_config(draft, args.model)
+    if spec is not None and (args.num_speculative_tokens or args.block_size):
+        spec.num_speculative_tokens = args.num_speculative_tokens or args.block_size - 1
     return LLM(
         args.model, spec, args.device, args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs
     )

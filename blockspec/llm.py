@@ -45,9 +45,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def resolve_speculative_config(
     value: dict | SpeculativeConfig | str | None, model: str | None
 ) -> SpeculativeConfig | None:
+    """AUTO: the shipped drafter for the embedded default target, else plain decoding; a
+    string: a drafter directory; a dict: SpeculativeConfig fields."""
     if value == AUTO:
         shipped = model is None and (DEFAULT_DRAFTER / "config.json").is_file()
         return SpeculativeConfig(model=str(DEFAULT_DRAFTER)) if shipped else None
+    if isinstance(value, str):
+        return SpeculativeConfig(model=value)
     return SpeculativeConfig.from_dict(value) if value is not None else None
 
 

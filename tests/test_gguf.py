@@ -8,8 +8,11 @@ import torch
 import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from blockspec.engine.detokenizer import append_text, find_stop
+from blockspec.engine.sequence import Sequence
 from blockspec.loading import gguf as loader
 from blockspec.loading.gguf import default_gguf_path, load_gguf
+from blockspec.sampling import SamplingParams
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
@@ -118,3 +121,16 @@ def test_wrong_architecture(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match=r"gpt2\.gguf.*architecture 'gpt2'"):
         load_gguf(path)
+
+
+def test_incremental_detokenization_equals_full_decode(ckpt: loader.GGUFCheckpoint) -> None:
+    tok = ckpt.tokenizer
+    text = "def f(x):\n    return 'héllo wörld 🚀' + str(x)  # ünïcödé, 東京\n" * 3
+    ids = tok.encode(text)
+    seq = Sequence(None, [0], SamplingParams(), torch.Generator())
+    for t in ids:
+        seq.token_ids.append(t)
+        append_text(tok, seq)
+        assert "\ufffd" not in seq.text  # never a half-decoded character
+    assert seq.text == tok.decode(ids, skip_special_tokens=True) == text
+    assert find_stop(seq.text, seq.text[-10:], ["東京"]) == text.rindex("東京")

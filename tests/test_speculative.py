@@ -103,6 +103,7 @@ def test_long_acceptance_and_stops_inside_blocks(tmp_path, oracle):
     assert stopped.outputs[0].finish_reason == "stop"
     cut = spec.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=40, stop=f"w{full[9]} w{full[10]}"))[0]
     assert f"w{full[9]} w{full[10]}" not in cut.outputs[0].text
+    assert cut.outputs[0].token_ids == full[:11]  # ends at the token that completes the stop string
 
 
 def test_eos_stops_and_drafts_are_returned(tmp_path, oracle):

@@ -5,6 +5,7 @@ import torch
 
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.cuda_graphs import GraphCache
+from blockspec.engine.detokenizer import append_text, find_stop
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
 from blockspec.engine.ngram import NgramProposer
 from blockspec.engine.runner import ModelRunner
@@ -156,27 +157,22 @@ class LLMEngine:
         seq.acceptance_lengths.append(committed)
         if seq.params.return_drafts:
             seq.draft_token_ids.append(out.draft_token_ids)
-        if not seq.params.stop:  # with stop strings, stop_reason keeps the text per token
-            seq.text = self.detokenize(seq)
+        if not seq.params.stop and self.tokenizer is not None:  # with stop strings, stop_reason decodes per token
+            append_text(self.tokenizer, seq)
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if (not p.ignore_eos and token in self.target.eos_token_ids) or token in p.stop_token_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
-            seq.text = self.detokenize(seq)
-            hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                seq.text = seq.text[: min(hits)]
+            added = append_text(self.tokenizer, seq)
+            hit = find_stop(seq.text, added, p.stop)
+            if hit >= 0:
+                seq.text = seq.text[:hit]
                 return "stop"
         if seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
-
-    def detokenize(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
     def output(self, seq: Sequence) -> RequestOutput:
         drafts = seq.draft_token_ids if seq.params.return_drafts else None

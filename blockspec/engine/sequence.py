@@ -39,7 +39,8 @@ class Sequence:
         self.num_cached = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
-        self.text = ""  # detokenized output, kept when stop strings need it
+        self.text = ""  # detokenized output
+        self.prefix_offset = self.read_offset = 0  # incremental detokenization (detokenizer.py)
         self.acceptance_lengths: list[int] = []
         self.draft_token_ids: list[list[int]] = []
 

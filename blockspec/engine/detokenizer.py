@@ -1,0 +1,29 @@
+"""Incremental detokenization: each new token costs a decode of a few tokens, not of the
+whole output. The text of the tokens since `prefix_offset` is decoded with and without
+the newest ones; the difference is the new text (the prefix keeps a leading-space or
+byte-fallback token decoding as it does in context). A trailing U+FFFD means an
+incomplete UTF-8 sequence: wait for the next token."""
+
+from transformers import PreTrainedTokenizerBase
+
+from blockspec.engine.sequence import Sequence
+
+
+def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
+    """Extend seq.text with its undecoded output tokens; returns the text added."""
+    ids = seq.output_token_ids
+    prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+    full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=True)
+    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        return ""
+    added = full[len(prefix) :]
+    seq.text += added
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    return added
+
+
+def find_stop(text: str, added: str, stops: list[str]) -> int:
+    """Index in text of the first stop string that the newly added text completes, or -1."""
+    start = max(0, len(text) - len(added) - max(len(s) for s in stops) + 1)
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits, default=-1)
