@@ -38,25 +38,24 @@ def make_target(
     layers: int = 4,
     seed: int = 0,
     hidden: int = 64,
+    **extra,
 ) -> Path:
     config_cls, model_cls = FAMILIES[family]
     rope_params = {"rope_theta": 10000.0, "rope_type": "default"}
     if ROPES[rope]:
         rope_params.update(ROPES[rope])
+    geometry = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
     config = config_cls(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=128,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=512,
         tie_word_embeddings=tied,
         rope_parameters=rope_params,
         initializer_range=0.15,
         bos_token_id=1,
         eos_token_id=2,
+        **{**geometry, **extra},
     )
     torch.manual_seed(seed)
     model_cls(config).save_pretrained(path)

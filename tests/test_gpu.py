@@ -64,8 +64,9 @@ def test_bf16_real_geometry_agreement():
             ids = torch.tensor([s.token_ids], device=dev)
             n = len(s.token_ids)
             tables = torch.arange(1, 1 + -(-n // 16), device=dev)[None]
-            hidden, _ = ref.runner.target_forward(ids, torch.zeros(1, dtype=torch.long, device=dev),
-                                                  torch.tensor([n], device=dev), tables)
+            hidden, _ = ref.runner.target_forward(
+                ids, torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([n], device=dev), tables
+            )
             predicted = target.model.compute_logits(hidden)[0].argmax(-1)[s.num_prompt_tokens - 1 : -1]
             agree += (predicted == torch.tensor(s.output_token_ids, device=dev)).sum().item()
             total += len(s.output_token_ids)

@@ -11,7 +11,9 @@ def test_small_pool_preempts_without_changing_outputs(tmp_path):
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=6)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 127, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (12,), generator=gen)]
+    prompts = [
+        torch.randint(3, 127, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (12,), generator=gen)
+    ]
     params = [
         SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=10 + 3 * i, ignore_eos=True)
         for i in range(len(prompts))

@@ -2,6 +2,8 @@
 same engine and to transformers' generate(), across families, widths and batches; stop
 conditions inside an accepted block cut exactly where plain decoding stops."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -109,7 +111,9 @@ def test_long_acceptance_and_stops_inside_blocks(tmp_path, oracle):
 def test_eos_stops_and_drafts_are_returned(tmp_path, oracle):
     t = make_target(tmp_path / "t", "llama", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
-    plain = LLM(str(t), None, device="cpu").generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    plain = LLM(str(t), None, device="cpu").generate(
+        [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )
     full = plain[0].outputs[0].token_ids
     oracle[tuple(PROMPTS[3])] = full
     llm = LLM(str(t), {"model": str(d)}, device="cpu")
@@ -120,3 +124,16 @@ def test_eos_stops_and_drafts_are_returned(tmp_path, oracle):
     drafts = out.metrics.draft_token_ids
     assert len(drafts) == len(out.metrics.acceptance_lengths)
     assert all(len(d) <= 7 for d in drafts) and sum(out.metrics.acceptance_lengths) == len(out.outputs[0].token_ids)
+
+
+def test_stream_yields_growing_outputs_that_end_as_generate(tmp_path):
+    t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
+    llm = LLM(str(t), {"model": str(make_drafter(tmp_path / "d", t, block_size=8))}, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    parts = list(llm.stream("w5 w9 w11", params))
+    ids = [p.outputs[0].token_ids for p in parts]
+    assert all(a == b[: len(a)] and len(a) < len(b) for a, b in itertools.pairwise(ids))  # each step extends the last
+    assert parts[-1].finished and not any(p.finished for p in parts[:-1])
+    final = llm.generate("w5 w9 w11", params)[0]
+    assert parts[-1].outputs[0].token_ids == final.outputs[0].token_ids
+    assert parts[-1].outputs[0].text == final.outputs[0].text

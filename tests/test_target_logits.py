@@ -37,9 +37,16 @@ def paged_logits(model, ids: list[int], split: int, page_size: int = 4) -> torch
     return logits[0]
 
 
-@pytest.mark.parametrize("family,tied,rope", CASES)
-def test_logits_match_transformers(tmp_path, family, tied, rope):
-    path = make_target(tmp_path / "t", family, tied, rope)
+@pytest.mark.parametrize(
+    "family,tied,rope,extra",
+    [c + ({},) for c in CASES]
+    + [
+        ("llama", False, "none", {"attention_bias": True, "mlp_bias": True}),
+        ("qwen3", False, "none", {"attention_bias": True, "num_key_value_heads": 4}),  # biased, no GQA
+    ],
+)
+def test_logits_match_transformers(tmp_path, family, tied, rope, extra):
+    path = make_target(tmp_path / "t", family, tied, rope, **extra)
     ours = load_target(path, torch.float32, torch.device("cpu")).model
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(0, 128, (90,), generator=torch.Generator().manual_seed(1)).tolist()
