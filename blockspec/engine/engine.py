@@ -11,7 +11,7 @@ from blockspec.engine.ngram import NgramProposer
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.speculative import SimulatedAcceptance, StepOutput, decode_step, dflash_draft
+from blockspec.engine.speculative import Proposer, SimulatedAcceptance, StepOutput, decode_step, dflash_draft
 from blockspec.layers.quantization import quantize_drafter, resolve_fp8
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
@@ -33,15 +33,7 @@ class LLMEngine:
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
-        self.max_width, self.proposer = 1, dflash_draft
-        if drafter is not None:
-            if resolve_fp8(spec.fp8, self.device) and drafter.fused_kv_fp8 is None:
-                quantize_drafter(drafter, model.lm_head if spec.fp8_lm_head else None)
-            n = spec.num_speculative_tokens or drafter.block_size - 1
-            self.max_width = min(n + 1, drafter.block_size)
-        elif spec is not None and spec.method == "ngram":
-            self.max_width = (spec.num_speculative_tokens or NGRAM_DRAFTS) + 1
-            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, self.vocab_size)
+        self.max_width, self.proposer = self.speculation(spec)
         num_pages = config.num_pages or self.default_num_pages()
         pages_per_seq = -(-(self.max_model_len + self.max_width) // config.page_size)
         if num_pages - 1 < pages_per_seq:
@@ -49,33 +41,40 @@ class LLMEngine:
                 f"{num_pages} KV pages of {config.page_size} tokens cannot hold one sequence of "
                 f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len"
             )
-        dtype = model.lm_head.weight.dtype
-        s = model.spec
-        target_cache = allocate_kv_cache(
-            len(model.model.layers), num_pages, config.page_size, s.num_kv_heads, s.head_dim, dtype, self.device
+        caches = [self.kv_cache(m, num_pages) if m is not None else None for m in (model, drafter)]
+        graphs = (
+            GraphCache(config.max_num_seqs, pages_per_seq)
+            if self.device.type == "cuda" and config.cuda_graphs
+            else None
         )
-        drafter_cache = None
-        if drafter is not None:
-            ds = drafter.spec
-            drafter_cache = allocate_kv_cache(
-                len(drafter.layers), num_pages, config.page_size, ds.num_kv_heads, ds.head_dim, dtype, self.device
-            )
-        graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs:
-            graphs = GraphCache(config.max_num_seqs, pages_per_seq)
-        self.runner = ModelRunner(
-            model, drafter, target_cache, drafter_cache, config.page_size, spec.window if spec else None, graphs
-        )
+        window = spec.window if spec else None
+        self.runner = ModelRunner(model, drafter, *caches, config.page_size, window, graphs)
         self.simulated = SimulatedAcceptance(config.simulate_tau) if config.simulate_tau else None
         self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.width)
         self.requests: dict[str, Sequence] = {}
 
-    def page_bytes(self) -> int:
-        models = [self.target.model] + ([self.drafter] if self.drafter is not None else [])
-        per_token = sum(
-            2 * len(m.layers if m is self.drafter else m.model.layers) * m.spec.num_kv_heads * m.spec.head_dim
-            for m in models
+    def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer]:
+        """The widest block a step verifies (anchor + drafts) and the proposer of the drafts."""
+        drafter = self.drafter
+        if drafter is not None:
+            if resolve_fp8(spec.fp8, self.device) and drafter.fused_kv_fp8 is None:
+                quantize_drafter(drafter, self.target.model.lm_head if spec.fp8_lm_head else None)
+            n = spec.num_speculative_tokens or drafter.block_size - 1
+            return min(n + 1, drafter.block_size), dflash_draft
+        if spec is not None and spec.method == "ngram":
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, self.vocab_size)
+            return (spec.num_speculative_tokens or NGRAM_DRAFTS) + 1, proposer
+        return 1, dflash_draft  # plain decoding: nothing is proposed
+
+    def kv_cache(self, model, num_pages: int) -> list:
+        s, dtype = model.spec, self.target.model.lm_head.weight.dtype
+        return allocate_kv_cache(
+            len(model.layers), num_pages, self.config.page_size, s.num_kv_heads, s.head_dim, dtype, self.device
         )
+
+    def page_bytes(self) -> int:
+        models = [m for m in (self.target.model, self.drafter) if m is not None]
+        per_token = sum(2 * len(m.layers) * m.spec.num_kv_heads * m.spec.head_dim for m in models)
         return per_token * self.config.page_size * self.target.model.lm_head.weight.element_size()
 
     def default_num_pages(self) -> int:

@@ -127,6 +127,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, self.spec.head_dim)
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
