@@ -44,12 +44,33 @@ def engine(target, drafter, graphs: bool) -> LLMEngine:
     return LLMEngine(target, drafter, spec, EngineConfig(max_num_seqs=8, max_model_len=1024, cuda_graphs=graphs))
 
 
+def teacher_forced_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Target logits at every position of ids, one eager forward through the engine's runner."""
+    dev, n = eng.device, len(ids)
+    tables = torch.arange(1, 1 + -(-n // 16), device=dev)[None]  # the engine is idle: any pages will do
+    with torch.inference_mode():
+        hidden, _ = eng.runner.target_forward(
+            torch.tensor([ids], device=dev),
+            torch.zeros(1, dtype=torch.long, device=dev),
+            torch.tensor([n], device=dev),
+            tables,
+        )
+        return eng.target.model.compute_logits(hidden)[0]
+
+
 def test_bf16_real_geometry_agreement():
-    """Greedy tokens of the fast path (graphs, Triton, fused ops) vs what the reference path
-    predicts for the same histories (teacher forcing): random weights make near-ties common,
-    so each position is judged under the same context."""
+    """Qwen3-8B geometry, random weights. Random weights give near-ties everywhere (median
+    top-2 logit margin ~0.08 at logit std ~0.6 over 151936 tokens), so bf16 rounding alone
+    flips many argmaxes: the check is that the fast path (Triton attention, fused compiled
+    ops) deviates from the reference path (gather + SDPA, eager ops), both bf16, by no more
+    than bf16 itself deviates from fp32; and the greedy tokens of the CUDA-graph engine are
+    reported against the reference's teacher-forced choices."""
     dev = torch.device("cuda")
+    target32 = random_target("random:Qwen3-8B", torch.float32, dev)
     target = random_target("random:Qwen3-8B", torch.bfloat16, dev)
+    with torch.no_grad():  # the same weights, rounded to bf16
+        for p16, p32 in zip(target.model.parameters(), target32.model.parameters()):
+            p16.copy_(p32)
     drafter = random_drafter("random:Qwen3-8B-DFlash-b16", target.model, torch.bfloat16, dev)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 151000, (n,), generator=gen).tolist() for n in (17, 130, 300, 64)]
@@ -57,18 +78,20 @@ def test_bf16_real_geometry_agreement():
     seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts]
     while eng.has_unfinished():
         eng.step()
-    ref = engine(target, None, graphs=False)
-    agree = total = 0
-    with attention.reference_ops(), torch.inference_mode():
-        for s in seqs:
-            ids = torch.tensor([s.token_ids], device=dev)
-            n = len(s.token_ids)
-            tables = torch.arange(1, 1 + -(-n // 16), device=dev)[None]
-            hidden, _ = ref.runner.target_forward(
-                ids, torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([n], device=dev), tables
-            )
-            predicted = target.model.compute_logits(hidden)[0].argmax(-1)[s.num_prompt_tokens - 1 : -1]
-            agree += (predicted == torch.tensor(s.output_token_ids, device=dev)).sum().item()
-            total += len(s.output_token_ids)
-    print(f"bf16 Qwen3-8B geometry: {agree}/{total} greedy tokens of the fast path equal the reference's")
-    assert agree / total >= 0.99
+    fast_dev = noise = agree = total = 0.0
+    plain16, plain32 = engine(target, None, graphs=False), engine(target32, None, graphs=False)
+    for s in seqs:
+        fast = teacher_forced_logits(plain16, s.token_ids)
+        with attention.reference_ops():
+            ref = teacher_forced_logits(plain16, s.token_ids)
+            ref32 = teacher_forced_logits(plain32, s.token_ids)
+        fast_dev += (fast - ref).pow(2).sum().item()
+        noise += (ref - ref32).pow(2).sum().item()
+        chosen = ref[s.num_prompt_tokens - 1 : -1].argmax(-1)
+        agree += (chosen == torch.tensor(s.output_token_ids, device=dev)).sum().item()
+        total += len(s.output_token_ids)
+    print(
+        f"bf16 Qwen3-8B geometry: fast-vs-reference logit RMS {fast_dev**0.5:.3g}, bf16-vs-fp32 {noise**0.5:.3g}; "
+        f"greedy tokens equal to the reference's teacher-forced argmax: {agree:.0f}/{total:.0f}"
+    )
+    assert fast_dev**0.5 <= 2 * noise**0.5
