@@ -31,6 +31,7 @@ def allocate_kv_cache(
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
+        self.num_usable = num_pages - 1  # all but the trash page
         self.free_pages = deque(range(1, num_pages))
 
     @property

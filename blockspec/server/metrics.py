@@ -54,9 +54,8 @@ class ServerMetrics:
         Gauge("blockspec_kv_pages_free", "Free KV cache pages", registry=r).set_function(
             lambda: scheduler.allocator.num_free
         )
-        # Read while the engine is idle (the app is built before it serves), so all pages are free.
         Gauge("blockspec_kv_pages_total", "KV cache pages that requests can use", registry=r).set(
-            scheduler.allocator.num_free
+            scheduler.allocator.num_usable
         )
         self.num_steps = self.num_committed = 0  # the mean's terms (a gauge cannot read counters)
 
