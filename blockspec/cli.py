@@ -1,6 +1,7 @@
 """`blockspec generate|chat|serve|bench|train`."""
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -33,10 +34,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    draft = {"none": None, "ngram": {"method": "ngram"}}.get(args.draft, args.draft)
-    spec = resolve_speculative_config(draft, args.model)
-    if spec is not None and (args.num_speculative_tokens or args.block_size):
-        spec.num_speculative_tokens = args.num_speculative_tokens or args.block_size - 1
+    spec = resolve_speculative_config(None if args.draft == "none" else args.draft, args.model)
+    n = args.num_speculative_tokens if args.block_size is None else args.block_size - 1
+    if spec is not None and n is not None:
+        spec = dataclasses.replace(spec, num_speculative_tokens=n)  # validated again
     return LLM(
         args.model, spec, args.device, args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs
     )

@@ -45,11 +45,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def resolve_speculative_config(
     value: dict | SpeculativeConfig | str | None, model: str | None
 ) -> SpeculativeConfig | None:
-    """AUTO: the shipped drafter for the embedded default target, else plain decoding; a
-    string: a drafter directory; a dict: SpeculativeConfig fields."""
+    """AUTO: the shipped drafter for the embedded default target, else plain decoding;
+    "ngram": prompt lookup; another string: a drafter directory; a dict: SpeculativeConfig fields."""
     if value == AUTO:
         shipped = model is None and (DEFAULT_DRAFTER / "config.json").is_file()
         return SpeculativeConfig(model=str(DEFAULT_DRAFTER)) if shipped else None
+    if value == "ngram":
+        return SpeculativeConfig(method="ngram")
     if isinstance(value, str):
         return SpeculativeConfig(model=value)
     return SpeculativeConfig.from_dict(value) if value is not None else None
@@ -89,9 +91,15 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        while self.engine.has_unfinished():
-            self.engine.step()
+        seqs = []
+        try:
+            for p, sp in zip(prompts, params):
+                seqs.append(self.engine.add_request(p, sp))
+            while self.engine.has_unfinished():
+                self.engine.step()
+        finally:  # a bad prompt or an error mid-run leaves nothing queued behind
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
         return [self.engine.output(s) for s in seqs]
 
     def chat_prompt(self, conversation: Conversation) -> list[int]:
@@ -109,6 +117,9 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step that gave it tokens, until it finishes."""
         seq = self.engine.add_request(prompt, sampling_params or SamplingParams())
-        while not seq.finished:
-            if seq in self.engine.step():
-                yield self.engine.output(seq)
+        try:
+            while not seq.finished:
+                if seq in self.engine.step():
+                    yield self.engine.output(seq)
+        finally:  # a consumer that stops early frees the request
+            self.engine.abort(seq.request_id)

@@ -62,10 +62,11 @@ def dense_block_logits(w, layers, feats, anchor_emb_block, p, lm_head, window=No
     return rms(x, w["norm.weight"])[1:] @ lm_head.T
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_block_forward_matches_dense_reference(tmp_path, window):
+@pytest.mark.parametrize("window,layer_ids", [(None, [1, 3, 4]), (5, [1, 3, 4]), (None, [2, 4, 5])])
+def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
+    """layer_ids with the last layer (5): HF's hidden_states[6] is after the final norm."""
     tpath = make_target(tmp_path / "t", "qwen3", layers=6)
-    dpath = make_drafter(tmp_path / "d", tpath, layers=2, block_size=6, target_layer_ids=[1, 3, 4])
+    dpath = make_drafter(tmp_path / "d", tpath, layers=2, block_size=6, target_layer_ids=layer_ids)
     target = load_target(tpath, torch.float32, torch.device("cpu")).model
     drafter = load_drafter(dpath, target, torch.float32, torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32)
@@ -82,11 +83,12 @@ def test_block_forward_matches_dense_reference(tmp_path, window):
     for s, g in zip(seqs, widths):
         alloc.allocate(s.block_table, len(s.token_ids) + g)
     runner.prefill(seqs)
-    logits = runner.propose(seqs, widths)
+    anchors = torch.tensor([[s.anchor] for s in seqs])
+    logits = runner.propose(anchors, runner.step_inputs(seqs, widths), max(widths))
     for i, (ids, g) in enumerate(zip(prompts, widths)):
         with torch.no_grad():
             hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
-            feats = torch.cat([hs[j + 1][0, :-1] for j in (1, 3, 4)], dim=-1)  # context: all but the anchor
+            feats = torch.cat([hs[j + 1][0, :-1] for j in layer_ids], dim=-1)  # context: all but the anchor
             block = torch.tensor([ids[-1]] + [drafter.mask_token_id] * (g - 1))
             expected = dense_block_logits(
                 w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1, hf.lm_head.weight, window

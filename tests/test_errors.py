@@ -130,5 +130,16 @@ def test_bad_prompts(pair):
         llm.generate([[]])
     with pytest.raises(ValueError, match="no tokenizer: pass prompts as token-id lists"):
         llm.generate(["hello"])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.generate([[5, 6], []])  # the good prompt before the bad one must not stay queued
+    assert not llm.engine.has_unfinished()
+    for _ in llm.stream([5, 6], SamplingParams(max_tokens=20, ignore_eos=True)):
+        break  # a consumer that stops early frees its request
+    assert (
+        not llm.engine.has_unfinished()
+        and llm.engine.scheduler.allocator.num_free == llm.engine.scheduler.allocator.num_usable
+    )
     # a rejected request leaves the engine clean: the next one runs
     assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3

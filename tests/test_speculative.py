@@ -10,9 +10,9 @@ import torch
 from conftest import add_word_tokenizer, make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
+import blockspec.engine.engine as engine_module
 from blockspec import LLM, SamplingParams
 from blockspec.engine.ngram import lookup
-from blockspec.engine.runner import ModelRunner
 
 PROMPTS = [[5], [9, 3, 7, 11, 40], list(range(20, 37)), [(7 * i) % 120 for i in range(33)]]
 MAX_TOKENS = [20, 7, 25, 12]
@@ -62,22 +62,20 @@ def test_ngram_lookup():
 
 @pytest.fixture
 def oracle(monkeypatch):
-    """A drafter that knows the plain-greedy continuation and proposes it, except at every
-    `wrong_every`-th position: acceptance is long and rejections land at varied rows."""
+    """A proposer that knows the plain-greedy continuation and proposes it, except at every
+    5th position: acceptance is long and rejections land at varied rows."""
     answers: dict[tuple, list[int]] = {}
 
-    def propose(self, seqs, widths):
-        logits = torch.zeros(len(seqs), max(widths) - 1, self.target.config.vocab_size)
+    def propose(runner, seqs, widths, anchors, inputs):
+        drafts = torch.zeros(len(seqs), max(widths) - 1, dtype=torch.long)
         for i, s in enumerate(seqs):
             full = answers[tuple(s.token_ids[: s.num_prompt_tokens])]
-            start = s.num_generated  # index in `full` of the token after the anchor
             for r in range(widths[i] - 1):
-                k = start + r
-                token = full[k] if k < len(full) and (k + 1) % 5 else (k * 13) % logits.shape[-1]
-                logits[i, r, token] = 10.0
-        return logits
+                k = s.num_generated + r  # index in `full` of the token r+1 rows after the anchor
+                drafts[i, r] = full[k] if k < len(full) and (k + 1) % 5 else (k * 13) % 128
+        return drafts, [None] * len(seqs), widths
 
-    monkeypatch.setattr(ModelRunner, "propose", propose)
+    monkeypatch.setattr(engine_module, "dflash_draft", propose)
     return answers
 
 

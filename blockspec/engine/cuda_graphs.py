@@ -4,7 +4,9 @@ A forward is captured once per (name, batch bucket, row width) on static input b
 replayed with new inputs copied in. Batches are padded up to the bucket with sequences of
 one padding row that write only to the trash page, so a replay never touches a real
 sequence's cache outside its own rows. Attention reads its lengths from device tensors, so
-one capture serves every context length up to `max_pages` pages."""
+one capture serves every context length up to `max_pages` pages; rows are padded to the
+engine's widest block (padding rows, past a sequence's length, write to the trash page too),
+so there is one capture per bucket, whatever the widths of a step."""
 
 from collections.abc import Callable
 
@@ -15,32 +17,43 @@ PAD = (0, 0, 1, 0)  # padding of (tokens/features, starts, lengths, block_tables
 
 
 class GraphCache:
-    def __init__(self, max_batch: int, max_pages: int, warmup: int = 2) -> None:
+    def __init__(self, max_batch: int, max_pages: int, width: int, warmup: int = 2) -> None:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
-        self.max_pages = max_pages
+        self.max_pages, self.width = max_pages, width
         self.warmup = warmup
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple, object]] = {}
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
     def run(self, name: str, fn: Callable, inputs: tuple[torch.Tensor, ...]):
-        batch = inputs[0].shape[0]
-        key = (name, self.bucket(batch), *inputs[0].shape[1:])
+        """inputs[0] is [B, S, ...] (rows per sequence); outputs come back as [B, S - k, ...]."""
+        batch, rows = inputs[0].shape[:2]
+        key = (name, self.bucket(batch))
         if key not in self.graphs:
             self.graphs[key] = self.capture(fn, key[1], inputs)
         graph, static, out = self.graphs[key]
-        for buf, x, pad in zip(static, inputs, PAD):
+        static[0][:batch, :rows].copy_(inputs[0], non_blocking=True)  # rows past `rows` are padding
+        for buf, x, pad in zip(static[1:], inputs[1:], PAD[1:]):
             buf[:batch].copy_(x, non_blocking=True)
+        for buf, pad in zip(static, PAD):
             buf[batch:].fill_(pad)
         graph.replay()
-        return tuple(o if o is None else o[:batch] for o in out) if isinstance(out, tuple) else out[:batch]
+        extra = self.width - rows
+
+        def trim(o: torch.Tensor | None) -> torch.Tensor | None:
+            return None if o is None else o[:batch, : o.shape[1] - extra]
+
+        return tuple(trim(o) for o in out) if isinstance(out, tuple) else trim(out)
+
+    def static_inputs(self, bucket: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The capture's input buffers: `bucket` sequences of `width` rows, filled with padding."""
+        shapes = [(bucket, self.width, *inputs[0].shape[2:])] + [(bucket, *x.shape[1:]) for x in inputs[1:]]
+        return tuple(torch.full(s, pad, dtype=x.dtype, device=x.device) for s, x, pad in zip(shapes, inputs, PAD))
 
     def capture(self, fn: Callable, bucket: int, inputs: tuple[torch.Tensor, ...]):
-        static = tuple(
-            torch.full((bucket, *x.shape[1:]), pad, dtype=x.dtype, device=x.device) for x, pad in zip(inputs, PAD)
-        )
+        static = self.static_inputs(bucket, inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

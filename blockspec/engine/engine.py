@@ -35,7 +35,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
         self.max_width, self.proposer = self.speculation(spec)
         num_pages = config.num_pages or self.default_num_pages()
-        pages_per_seq = -(-(self.max_model_len + self.max_width) // config.page_size)
+        pages_per_seq = -(-self.max_model_len // config.page_size)  # a step writes positions < max_model_len
         if num_pages - 1 < pages_per_seq:
             raise ValueError(
                 f"{num_pages} KV pages of {config.page_size} tokens cannot hold one sequence of "
@@ -43,7 +43,7 @@ class LLMEngine:
             )
         caches = [self.kv_cache(m, num_pages) if m is not None else None for m in (model, drafter)]
         graphs = (
-            GraphCache(config.max_num_seqs, pages_per_seq)
+            GraphCache(config.max_num_seqs, pages_per_seq, self.max_width)
             if self.device.type == "cuda" and config.cuda_graphs
             else None
         )
@@ -59,11 +59,12 @@ class LLMEngine:
         if drafter is not None:
             if resolve_fp8(spec.fp8, self.device) and drafter.fused_kv_fp8 is None:
                 quantize_drafter(drafter, self.target.model.lm_head if spec.fp8_lm_head else None)
-            n = spec.num_speculative_tokens or drafter.block_size - 1
+            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else drafter.block_size - 1
             return min(n + 1, drafter.block_size), dflash_draft
         if spec is not None and spec.method == "ngram":
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, self.vocab_size)
-            return (spec.num_speculative_tokens or NGRAM_DRAFTS) + 1, proposer
+            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else NGRAM_DRAFTS
+            return n + 1, proposer
         return 1, dflash_draft  # plain decoding: nothing is proposed
 
     def kv_cache(self, model, num_pages: int) -> list:
@@ -78,7 +79,7 @@ class LLMEngine:
         return per_token * self.config.page_size * self.target.model.lm_head.weight.element_size()
 
     def default_num_pages(self) -> int:
-        wanted = self.config.max_num_seqs * -(-(self.max_model_len + self.max_width) // self.config.page_size) + 1
+        wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.page_size) + 1
         if self.device.type == "cuda":
             budget = torch.cuda.mem_get_info(self.device)[0] * GPU_KV_FRACTION
         else:
@@ -106,6 +107,8 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
@@ -131,9 +134,12 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Admit and prefill what fits, then one decoding step for every running sequence.
         Returns the sequences that got tokens; finished ones leave the engine."""
-        admitted = [s for s in self.scheduler.admit() if s.pending_prefill]
-        if admitted:
-            self.runner.prefill(admitted)
+        self.scheduler.admit()
+        # Every running sequence with unprocessed tokens, not only the newly admitted: after a
+        # failed prefill (e.g. out of memory) the next step redoes it instead of skipping it.
+        pending = [s for s in self.scheduler.running if s.pending_prefill]
+        if pending:
+            self.runner.prefill(pending)
         seqs = self.scheduler.schedule_step()
         if not seqs:
             return []

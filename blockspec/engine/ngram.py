@@ -24,7 +24,7 @@ class NgramProposer:
     def __init__(self, n_min: int, n_max: int, vocab_size: int) -> None:
         self.n_min, self.n_max, self.vocab_size = n_min, n_max, vocab_size
 
-    def __call__(self, runner: ModelRunner, seqs: list[Sequence], widths: list[int]):
+    def __call__(self, runner: ModelRunner, seqs: list[Sequence], widths: list[int], anchors, inputs):
         """Drafts [B, S-1], their point-mass q for sampled sequences, and the widths they fill."""
         found = [lookup(np.asarray(s.token_ids), self.n_min, self.n_max, w - 1) for s, w in zip(seqs, widths)]
         width = max(len(d) for d in found)

@@ -21,7 +21,6 @@ from blockspec.models.llama import CausalLM
 @dataclass
 class Batch:
     positions: torch.Tensor  # [B, S]
-    valid: torch.Tensor  # [B, S] real rows
     block_tables: torch.Tensor  # [B, M]
     slot_mapping: torch.Tensor  # [B, S] cache slot of each row (trash slot 0 for padding)
     starts: torch.Tensor  # [B] position of row 0
@@ -36,7 +35,7 @@ def make_batch(
     positions = torch.where(valid, starts[:, None] + rows, 0)
     pages = block_tables.gather(1, positions // page_size)
     slots = torch.where(valid, pages * page_size + positions % page_size, 0)
-    return Batch(positions, valid, block_tables, slots, starts, starts + lengths)
+    return Batch(positions, block_tables, slots, starts, starts + lengths)
 
 
 def causal_range(b: Batch, window: int | None = None) -> KeyRange:
@@ -128,23 +127,21 @@ class ModelRunner:
         for s, n in zip(seqs, lengths):
             s.num_cached += n
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], widths: list[int]) -> torch.Tensor:
-        """Drafter logits for block rows 1..S-1: [B, S-1, V]."""
-        block_ids = torch.full((len(seqs), max(widths)), self.drafter.mask_token_id, dtype=torch.long)
-        block_ids[:, 0] = torch.tensor([s.anchor for s in seqs])
-        inputs = self.step_inputs(seqs, widths)
-        return self.run("propose", self.propose_forward, block_ids.to(self.device), *inputs)
-
     def step_inputs(self, seqs: list[Sequence], widths: list[int]) -> tuple[torch.Tensor, ...]:
+        """(starts, lengths, block_tables) of a decoding step: row 0 of each block is its anchor."""
         return self.tensor([s.num_cached for s in seqs]), self.tensor(widths), self.block_tables(seqs)
 
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], block_ids: torch.Tensor, widths: list[int]):
-        """Target logits [B, S, V] for the block rows, their context features, and the step inputs."""
-        inputs = self.step_inputs(seqs, widths)
-        logits, features = self.run("verify", self.verify_forward, block_ids, *inputs)
-        return logits, features, inputs
+    def propose(self, anchors: torch.Tensor, inputs: tuple, width: int) -> torch.Tensor:
+        """Drafter logits for block rows 1..width-1: [B, width-1, V]. anchors: [B, 1]."""
+        block_ids = torch.full((len(anchors), width), self.drafter.mask_token_id, device=self.device)
+        block_ids[:, :1] = anchors
+        return self.run("propose", self.propose_forward, block_ids, *inputs)
+
+    @torch.inference_mode()
+    def verify(self, block_ids: torch.Tensor, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target logits [B, S, V] for the block rows and their context features."""
+        return self.run("verify", self.verify_forward, block_ids, *inputs)
 
     @torch.inference_mode()
     def commit_context(self, features: torch.Tensor | None, inputs: tuple, counts: torch.Tensor) -> None:

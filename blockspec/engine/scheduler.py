@@ -29,15 +29,17 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Move waiting sequences to running; they need a prefill of `pending_prefill`."""
         admitted, num_tokens = [], 0
+        # Pages the running sequences need for their next step are not free for newcomers.
+        reserved = sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.width(s)) for s in self.running)
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
             num_prefill = len(seq.pending_prefill)
             if admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens:
                 break
-            # Admit only with room for the first step too, or it would be preempted at once.
-            if not self.allocator.can_allocate(seq.block_table, len(seq.token_ids) - 1 + self.width(seq)):
+            needed = len(seq.token_ids) - 1 + self.width(seq)  # the prefill and the first step
+            if self.allocator.pages_needed(seq.block_table, needed) > self.allocator.num_free - reserved:
                 break
-            self.allocator.allocate(seq.block_table, len(seq.token_ids) - 1)
+            self.allocator.allocate(seq.block_table, needed)
             seq.status = Status.RUNNING
             admitted.append(self.waiting.popleft())
             num_tokens += num_prefill

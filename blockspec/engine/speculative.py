@@ -35,9 +35,11 @@ class SimulatedAcceptance:
         return min(a, num_drafts)
 
 
-def dflash_draft(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) -> tuple[torch.Tensor, list, list]:
+def dflash_draft(
+    runner: ModelRunner, seqs: list[Sequence], widths: list[int], anchors: torch.Tensor, inputs: tuple
+) -> tuple[torch.Tensor, list, list]:
     """Draft tokens [B, S-1], for sampled sequences the drafter distributions q, and the widths."""
-    logits = runner.propose(seqs, widths)
+    logits = runner.propose(anchors, inputs, max(widths))
     drafts = logits.argmax(dim=-1)
     q = [None] * len(seqs)
     for i, s in enumerate(seqs):
@@ -47,7 +49,8 @@ def dflash_draft(runner: ModelRunner, seqs: list[Sequence], widths: list[int]) -
     return drafts, q, widths
 
 
-Proposer = Callable[[ModelRunner, list[Sequence], list[int]], tuple[torch.Tensor, list, list[int]]]
+# (runner, seqs, widths, anchors [B, 1], step inputs) -> (drafts [B, S-1], q per sequence, widths used)
+Proposer = Callable[[ModelRunner, list[Sequence], list[int], torch.Tensor, tuple], tuple[torch.Tensor, list, list[int]]]
 
 
 def decode_step(
@@ -58,11 +61,13 @@ def decode_step(
     simulated: SimulatedAcceptance | None = None,
 ) -> list[StepOutput]:
     anchors = runner.tensor([s.anchor for s in seqs])[:, None]
+    inputs = runner.step_inputs(seqs, widths)
+    drafts, q = anchors[:, :0], [None] * len(seqs)
     if max(widths) > 1:
-        drafts, q, widths = proposer(runner, seqs, widths)
-    else:
-        drafts, q = anchors[:, :0], [None] * len(seqs)
-    logits, features, inputs = runner.verify(seqs, torch.cat([anchors, drafts], dim=1), widths)
+        drafts, q, used = proposer(runner, seqs, widths, anchors, inputs)
+        if used != widths:  # the n-gram proposer fills only what it found
+            widths, inputs = used, runner.step_inputs(seqs, used)
+    logits, features = runner.verify(torch.cat([anchors, drafts], dim=1), inputs)
     target_argmax = logits.argmax(dim=-1)
     if simulated is None:
         accepted = greedy_accept(drafts, target_argmax, runner.tensor(widths) - 1)

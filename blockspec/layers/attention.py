@@ -6,7 +6,8 @@ Every forward first writes its new K/V to their slots, then each query row atten
 keys of its sequence at positions k_start <= k < k_end:
 - target prefill/verify (causal): [0, pos + 1);
 - drafter propose: [p - window, p + width): the cached context plus the whole block, so the
-  block is bidirectional. The block's K/V land in slots past the committed context, where
+  block is bidirectional (a drafter's sliding-window layers are causal inside the block, as in
+  the DFlash reference implementation). The block's K/V land in slots past the committed context, where
   the next commit overwrites them: they never become context.
 `paged_attention_ref` is the plain-PyTorch reference (CPU, and the oracle for the Triton
 kernel that serves CUDA behind `paged_attention`).

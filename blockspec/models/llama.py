@@ -152,5 +152,8 @@ class CausalLM(nn.Module):
             x = layer(x, rope, kv_caches[i], attn)
             if i in capture:
                 captured[i] = x
+        hidden = self.model.norm(x)
+        if len(self.model.layers) - 1 in captured:  # HF's hidden_states[L] (what drafters train on) is normed
+            captured[len(self.model.layers) - 1] = hidden
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return self.model.norm(x), features
+        return hidden, features
