@@ -8,6 +8,7 @@ write K/V into the trash page and their outputs are ignored."""
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from blockspec.engine.cuda_graphs import GraphCache
@@ -62,16 +63,18 @@ class ModelRunner:
         self.device = target.lm_head.weight.device
         self.capture = drafter.target_layer_ids if drafter is not None else ()
 
-    def tensor(self, data: list) -> torch.Tensor:
-        return (
-            torch.tensor(data, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
-            if self.device.type == "cuda"
-            else torch.tensor(data, dtype=torch.long)
-        )
+    def tensor(self, data: list | np.ndarray) -> torch.Tensor:
+        host = torch.as_tensor(np.asarray(data, dtype=np.int64))
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[B, M] page ids padded with the trash page; M is fixed under CUDA graphs. Filled row
+        by row so the host cost follows the pages in use, not M (thousands at long contexts)."""
         width = self.graphs.max_pages if self.graphs else max(len(s.block_table) for s in seqs)
-        return self.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        tables = np.zeros((len(seqs), width), dtype=np.int64)
+        for row, s in zip(tables, seqs):
+            row[: len(s.block_table)] = s.block_table
+        return self.tensor(tables)
 
     def run(self, name: str, fn, *inputs: torch.Tensor):
         """fn(*inputs) eagerly, or as a CUDA graph replay when graphs are on."""
