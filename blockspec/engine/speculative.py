@@ -69,8 +69,9 @@ def decode_step(
             widths, inputs = used, runner.step_inputs(seqs, used)
     logits, features = runner.verify(torch.cat([anchors, drafts], dim=1), inputs)
     target_argmax = logits.argmax(dim=-1)
+    lengths = inputs[1]  # the widths, already on the device
     if simulated is None:
-        accepted = greedy_accept(drafts, target_argmax, runner.tensor(widths) - 1)
+        accepted = greedy_accept(drafts, target_argmax, lengths - 1)
     else:
         accepted = runner.tensor([simulated(w - 1) for w in widths])
     bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
