@@ -137,7 +137,7 @@ class LLMEngine:
         self.scheduler.admit()
         # Every running sequence with unprocessed tokens, not only the newly admitted: after a
         # failed prefill (e.g. out of memory) the next step redoes it instead of skipping it.
-        pending = [s for s in self.scheduler.running if s.pending_prefill]
+        pending = [s for s in self.scheduler.running if s.needs_prefill]
         if pending:
             self.runner.prefill(pending)
         seqs = self.scheduler.schedule_step()
@@ -162,8 +162,6 @@ class LLMEngine:
         seq.acceptance_lengths.append(committed)
         if seq.params.return_drafts:
             seq.draft_token_ids.append(out.draft_token_ids)
-        if not seq.params.stop and self.tokenizer is not None:  # with stop strings, stop_reason decodes per token
-            append_text(self.tokenizer, seq)
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -180,6 +178,10 @@ class LLMEngine:
         return None
 
     def output(self, seq: Sequence) -> RequestOutput:
+        # Text is decoded when asked for (still incrementally): a batch job pays one decode
+        # per request, not one per step. Stop strings decode per token in stop_reason.
+        if self.tokenizer is not None and not seq.params.stop:
+            append_text(self.tokenizer, seq)
         drafts = seq.draft_token_ids if seq.params.return_drafts else None
         return RequestOutput(
             request_id=seq.request_id,

@@ -27,8 +27,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences to running; they need a prefill of `pending_prefill`."""
+        """Move waiting sequences to running; they need a prefill of `pending_prefill`.
+        Under a backlog, newcomers wait until an eighth of the batch is free: a prefill is an
+        eager forward costing several decoding steps, so one per finished sequence would
+        dominate a full batch's time."""
         admitted, num_tokens = [], 0
+        free_slots = self.config.max_num_seqs - len(self.running)
+        if free_slots < min(len(self.waiting), max(1, self.config.max_num_seqs // 8)):
+            return admitted
         # Pages the running sequences need for their next step are not free for newcomers.
         reserved = sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.width(s)) for s in self.running)
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:

@@ -62,5 +62,9 @@ class Sequence:
         return self.token_ids[self.num_cached : -1]
 
     @property
+    def needs_prefill(self) -> bool:
+        return self.num_cached < len(self.token_ids) - 1
+
+    @property
     def finished(self) -> bool:
         return self.status == Status.FINISHED
