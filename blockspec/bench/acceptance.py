@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (1: latency)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--compare-fp8", action="store_true", help="also run the drafter without FP8")
+    p.add_argument("--compare-fp8", action="store_true", help="also run the drafter with FP8 weights")
     p.add_argument("--out", default="acceptance.json")
 
 
@@ -83,9 +83,9 @@ def run(args: argparse.Namespace) -> None:
     if draft is None:
         print("no drafter given and none shipped: measuring plain and n-gram decoding only")
     else:
-        specs["dflash"] = {"model": draft, "fp8": "auto"}
+        specs["dflash"] = {"model": draft, "fp8": False}
         if args.compare_fp8:
-            specs["dflash_bf16"] = {"model": draft, "fp8": False}
+            specs["dflash_fp8"] = {"model": draft, "fp8": True}
     engines = {k: LLM(args.model, v, args.device, args.dtype, max_num_seqs=args.batch_size) for k, v in specs.items()}
     sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
     results = []
