@@ -1,6 +1,7 @@
 """Chat instructions built from text that ships offline (DESIGN §6): CPython stdlib sources
-(functions and classes), documentation paragraphs under /usr/share/doc, and man pages.
-Never from benchmark sets (HumanEval, MT-Bench, GSM8K): those measure us.
+(functions and classes), documentation paragraphs under /usr/share/doc, man pages, general
+tasks (writing, explaining, extracting) about topics taken from those, and arithmetic word
+problems made up here. Never from benchmark sets (HumanEval, MT-Bench, GSM8K): those measure us.
 
 `blockspec train --write-prompts FILE` writes them (one JSON string a line) for a machine that
 lacks these sources, where `blockspec train --prompts FILE` reads them."""
@@ -32,6 +33,26 @@ MAN_TASKS = [
     "Explain what `{}` is for: {}.",
     "Write a short tutorial on `{}` ({}).",
 ]
+STUB_TASKS = [  # a function's signature and docstring, the body left to write
+    "Complete the following Python function.\n\n{}",
+    "Implement this Python function:\n\n```python\n{}\n```",
+    "Fill in the body of this function.\n\n{}",
+]
+TOPIC_TASKS = [  # {} is a topic: what a program does, e.g. "list directory contents"
+    "Write a short blog post about tools that {}.",
+    "Write a poem about a program that can {}.",
+    "Give three pros and three cons of a tool that can {}.",
+    "You are a senior engineer. A new colleague asks why anyone would need to {}. Answer them.",
+    "Write an email to your team proposing a script to {}.",
+    "Describe step by step how you would {} without special tools.",
+    "Write a short story in which someone has to {}.",
+]
+EXTRACT_TASKS = [
+    "Extract every command, file name or option mentioned in this text, as a JSON list:\n\n{}",
+    "Write three questions a reader could answer from this text, with their answers:\n\n{}",
+    "Summarize this text in one sentence, then list its main terms:\n\n{}",
+]
+ITEMS = ["apples", "books", "tickets", "pencils", "boxes", "cups of coffee", "shirts", "plants"]
 
 
 def read_text(path: Path) -> str:
@@ -55,7 +76,9 @@ def code_task(node: ast.AST, code: str, rng: random.Random) -> str | None:
     kind = "class" if isinstance(node, ast.ClassDef) else "function"
     doc = ast.get_docstring(node)
     lines = code.splitlines()[:MAX_CODE_LINES]
-    choice = rng.randrange(4)
+    choice = rng.randrange(6)
+    if choice >= 4 and doc and kind == "function":
+        return rng.choice(STUB_TASKS).format(stub(node, doc))
     if choice == 0 and doc:
         header = node.name if kind == "class" else f"{node.name}({ast.unparse(node.args)})"
         return f"Write a Python {kind} `{header}` that does the following:\n\n{doc.split(chr(10) * 2)[0]}"
@@ -65,6 +88,14 @@ def code_task(node: ast.AST, code: str, rng: random.Random) -> str | None:
     if choice == 2:
         return "Review this Python code and suggest improvements:\n\n```python\n" + "\n".join(lines) + "\n```"
     return f"Explain what this Python {kind} does:\n\n```python\n" + "\n".join(lines) + "\n```"
+
+
+def stub(node: ast.FunctionDef | ast.AsyncFunctionDef, doc: str) -> str:
+    """`def name(args):` and the docstring, as the function would start."""
+    prefix = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    body = textwrap.indent(f'"""{doc}\n"""', "    ")
+    return f"{prefix} {node.name}({ast.unparse(node.args)}){returns}:\n{body}\n"
 
 
 def code_prompts(path: Path, rng: random.Random) -> list[str]:
@@ -99,7 +130,7 @@ def prose(paragraph: str) -> bool:
 
 def doc_prompts(path: Path, rng: random.Random) -> list[str]:
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", read_text(path))]
-    return [rng.choice(TEXT_TASKS).format(p) for p in paragraphs if prose(p)]
+    return [rng.choice(TEXT_TASKS + EXTRACT_TASKS).format(p) for p in paragraphs if prose(p)]
 
 
 # --- man pages ------------------------------------------------------------------------------
@@ -116,8 +147,8 @@ def man_files() -> list[Path]:
     return files
 
 
-def man_prompts(path: Path, rng: random.Random) -> list[str]:
-    """One instruction from the NAME line ("ls \\- list directory contents")."""
+def man_name(path: Path) -> tuple[str, str] | None:
+    """(name, what it does) from the NAME line ("ls \\- list directory contents")."""
     match = re.search(r"^\.SH\s+\"?NAME\"?\s*\n(.*?)(?=^\.S[HS])", read_text(path), re.MULTILINE | re.DOTALL)
     if not match:
         return []
@@ -125,8 +156,35 @@ def man_prompts(path: Path, rng: random.Random) -> list[str]:
     text = re.sub(r"\\f(\(..|\[[^]]*\]|.)|\\&|\\\*.", "", text).replace("\\-", "-").replace("\\", "")
     name, sep, what = text.partition(" - ")
     if not sep or not name.strip() or not what.strip():
-        return []
-    return [rng.choice(MAN_TASKS).format(name.strip(), what.strip().rstrip("."))]
+        return None
+    return name.strip(), what.strip().rstrip(".")
+
+
+def man_prompts(path: Path, rng: random.Random) -> list[str]:
+    named = man_name(path)
+    return [rng.choice(MAN_TASKS).format(*named)] if named else []
+
+
+def topic_prompts(path: Path, rng: random.Random) -> list[str]:
+    """A general task (writing, advice, a story) about what a man page's program does."""
+    named = man_name(path)
+    return [rng.choice(TOPIC_TASKS).format(named[1][0].lower() + named[1][1:])] if named else []
+
+
+# --- arithmetic word problems (made up, never from GSM8K) ------------------------------------
+
+
+def word_problems(rng: random.Random) -> Iterator[str]:
+    while True:
+        a, b, c = rng.randint(2, 40), rng.randint(2, 12), rng.randint(1, 9)
+        item = rng.choice(ITEMS)
+        problems = [
+            f"A shop sells {item} at ${b} each. Sam buys {a} and pays ${a * b + 5 * c}. How much change does Sam get?",
+            f"{a * b + c} {item} are shared equally among {b} people. How many does each get, and how many are left?",
+            f"Solve for x: {b}x + {a} = {b * c + a}.",
+            f"A train covers {a * 10} km in {b} hours. At that speed, how far does it go in {b + c} hours?",
+        ]
+        yield rng.choice(problems) + " " + rng.choice(["Explain your reasoning.", "Show your work step by step."])
 
 
 # --- the mix --------------------------------------------------------------------------------
@@ -148,13 +206,16 @@ def from_files(
 
 
 def build_prompts(n: int, seed: int = 0) -> list[str]:
-    """n distinct instructions: about half from code, a quarter each from docs and man pages
-    (a source that runs dry leaves its share to the others). Deterministic for a seed."""
+    """n distinct instructions: 40% from code, 20% each from docs and general tasks, 10% each
+    from man pages and word problems (a source that runs dry leaves its share to the others).
+    Deterministic for a seed."""
     rng = random.Random(seed)
     sources = [
-        [2.0, from_files(stdlib_files(), code_prompts, rng)],
-        [1.0, from_files(doc_files(), doc_prompts, rng)],
+        [4.0, from_files(stdlib_files(), code_prompts, rng)],
+        [2.0, from_files(doc_files(), doc_prompts, rng)],
+        [2.0, from_files(man_files(), topic_prompts, rng)],
         [1.0, from_files(man_files(), man_prompts, rng)],
+        [1.0, word_problems(rng)],
     ]
     prompts, seen = [], set()
     while len(prompts) < n and sources:
