@@ -15,6 +15,9 @@ class SpeculativeConfig:
     # on the H200 the FP8 kernel was measured slower than bf16 cuBLAS for the drafter (see README).
     fp8: bool | str = False
     fp8_lm_head: bool = True  # with fp8, the drafter reads an FP8 copy of the target's LM head
+    # Each step picks the block width (1, 2, 4, ... up to the widest) that maximises committed
+    # tokens per second, from running acceptance rates and measured step times (engine/adaptive.py).
+    adaptive_width: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("dflash", "ngram"):

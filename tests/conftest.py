@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+import blockspec.engine.engine as engine_module
 from blockspec.loading.dflash import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import DFlashDrafter
@@ -118,3 +119,22 @@ def add_word_tokenizer(path: Path, vocab: int) -> Path:
     fast.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
     fast.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """A proposer that knows the plain-greedy continuation and proposes it, except at every
+    5th position: acceptance is long and rejections land at varied rows."""
+    answers: dict[tuple, list[int]] = {}
+
+    def propose(runner, seqs, widths, anchors, inputs):
+        drafts = torch.zeros(len(seqs), max(widths) - 1, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            full = answers[tuple(s.token_ids[: s.num_prompt_tokens])]
+            for r in range(widths[i] - 1):
+                k = s.num_generated + r  # index in `full` of the token r+1 rows after the anchor
+                drafts[i, r] = full[k] if k < len(full) and (k + 1) % 5 else (k * 13) % 128
+        return drafts, [None] * len(seqs), widths
+
+    monkeypatch.setattr(engine_module, "dflash_draft", propose)
+    return answers

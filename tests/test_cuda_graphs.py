@@ -1,4 +1,4 @@
-"""The CUDA-graph bookkeeping (buckets, padding to the widest block, static buffers, trimming
+"""The CUDA-graph bookkeeping (buckets, padding to the row class, static buffers, trimming
 of outputs), run on the CPU with a stand-in graph that replays by calling the captured
 function on its static buffers: outputs must equal the eager engine's."""
 
@@ -21,8 +21,8 @@ class ReplayByCall:
 
 
 class CpuGraphCache(GraphCache):
-    def capture(self, fn, bucket, inputs):
-        static = self.static_inputs(bucket, inputs)
+    def capture(self, fn, bucket, width, inputs):
+        static = self.static_inputs(bucket, width, inputs)
         out = fn(*static)
         return ReplayByCall(fn, static, out), static, out
 
@@ -39,8 +39,10 @@ def test_graph_bookkeeping_matches_eager(tmp_path):
         eager = LLM(str(t), spec, device="cpu", page_size=4)
         graphed = LLM(str(t), spec, device="cpu", page_size=4)
         runner = graphed.engine.runner
-        runner.graphs = CpuGraphCache(8, -(-graphed.engine.max_model_len // 4), graphed.engine.max_width)
+        runner.graphs = CpuGraphCache(8, -(-graphed.engine.max_model_len // 4), (2, 4, graphed.engine.max_width))
         a = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
         b = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
         assert a == b
         assert {k[1] for k in runner.graphs.graphs} >= {8, 4}  # batches shrank across buckets as requests ended
+        if spec is not None:  # narrow last steps ran in the narrow row classes
+            assert {k[2] for k in runner.graphs.graphs} >= {2, 4, graphed.engine.max_width}

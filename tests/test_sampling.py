@@ -61,7 +61,9 @@ def pair(tmp_path_factory):
 @pytest.mark.parametrize("params", CASES, ids=["T1", "T0.8-topk4-topp0.9"])
 def test_speculative_sampling_matches_target_distribution(pair, params):
     t, d = pair
-    llm = LLM(str(t), {"model": str(d), "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
+    llm = LLM(
+        str(t), {"model": str(d), "num_speculative_tokens": 2, "adaptive_width": False}, device="cpu", max_num_seqs=512
+    )
     counts, tau = sampled_counts(llm, params)
     assert tau > 1.3  # drafts were accepted and rejected: both paths of the rule ran
     assert chi_square_pvalue(counts, exact_distribution(t, params), N) > 1e-3
@@ -69,7 +71,12 @@ def test_speculative_sampling_matches_target_distribution(pair, params):
 
 def test_ngram_sampling_matches_target_distribution(pair):
     t, _ = pair
-    llm = LLM(str(t), {"method": "ngram", "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
+    llm = LLM(
+        str(t),
+        {"method": "ngram", "num_speculative_tokens": 2, "adaptive_width": False},
+        device="cpu",
+        max_num_seqs=512,
+    )
     prompt = [1, 4, 3, 5, 1, 4, 3, 5, 1, 4]  # repeats: the lookup proposes [3, 5]
     counts, tau = sampled_counts(llm, CASES[0], prompt)
     assert tau > 1.05  # point-mass drafts were accepted sometimes
@@ -87,7 +94,9 @@ def wrong_rejection_sample(drafts, p, q, generator):
 def test_wrong_acceptance_rule_is_detected(pair, monkeypatch):
     monkeypatch.setattr(speculative, "rejection_sample", wrong_rejection_sample)
     t, d = pair
-    llm = LLM(str(t), {"model": str(d), "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
+    llm = LLM(
+        str(t), {"model": str(d), "num_speculative_tokens": 2, "adaptive_width": False}, device="cpu", max_num_seqs=512
+    )
     counts, _ = sampled_counts(llm, CASES[0])
     assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) < 1e-6
 

@@ -53,8 +53,11 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def load(checkpoints: tuple[Path, Path]) -> LLM:
+    """Fixed block width: the per-request spec_decoding statistics compared below then do not
+    depend on step timing (adaptive width changes them, never the text)."""
     target, drafter = checkpoints
-    return LLM(str(target), {"model": str(drafter)}, "cpu", "float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
+    spec = {"model": str(drafter), "adaptive_width": False}
+    return LLM(str(target), spec, "cpu", "float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")

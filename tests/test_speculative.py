@@ -10,7 +10,6 @@ import torch
 from conftest import add_word_tokenizer, make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
-import blockspec.engine.engine as engine_module
 from blockspec import LLM, SamplingParams
 from blockspec.engine.ngram import lookup
 
@@ -48,7 +47,7 @@ def test_ngram_greedy_equals_plain(tmp_path):
     t = make_target(tmp_path / "t", "llama", vocab=32)  # a small vocabulary repeats: lookups hit
     prompts = [[p % 32 for p in prompt] for prompt in PROMPTS]
     plain = [o.outputs[0].token_ids for o in run(LLM(str(t), None, device="cpu"), prompts)]
-    llm = LLM(str(t), {"method": "ngram", "num_speculative_tokens": 5}, device="cpu")
+    llm = LLM(str(t), {"method": "ngram", "num_speculative_tokens": 5, "adaptive_width": False}, device="cpu")
     outs = run(llm, prompts)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert max(a for o in outs for a in o.metrics.acceptance_lengths) > 1
@@ -60,30 +59,11 @@ def test_ngram_lookup():
     assert lookup(np.array([7, 8, 9]), 1, 4, 3) == []
 
 
-@pytest.fixture
-def oracle(monkeypatch):
-    """A proposer that knows the plain-greedy continuation and proposes it, except at every
-    5th position: acceptance is long and rejections land at varied rows."""
-    answers: dict[tuple, list[int]] = {}
-
-    def propose(runner, seqs, widths, anchors, inputs):
-        drafts = torch.zeros(len(seqs), max(widths) - 1, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            full = answers[tuple(s.token_ids[: s.num_prompt_tokens])]
-            for r in range(widths[i] - 1):
-                k = s.num_generated + r  # index in `full` of the token r+1 rows after the anchor
-                drafts[i, r] = full[k] if k < len(full) and (k + 1) % 5 else (k * 13) % 128
-        return drafts, [None] * len(seqs), widths
-
-    monkeypatch.setattr(engine_module, "dflash_draft", propose)
-    return answers
-
-
 def test_long_acceptance_and_stops_inside_blocks(tmp_path, oracle):
     t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
     plain_llm = LLM(str(t), None, device="cpu")
-    spec = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4)
+    spec = LLM(str(t), {"model": str(d), "adaptive_width": False}, device="cpu", page_size=4)  # full blocks
     plain = run(plain_llm, max_tokens=[40] * 4)
     for p, o in zip(PROMPTS, plain):
         oracle[tuple(p)] = o.outputs[0].token_ids

@@ -112,7 +112,8 @@ def test_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
     drafter, _ = build_drafter(target.model, config(target_dir, data, tmp_path), VOCAB - 1)
     save_drafter(drafter, target.model, tmp_path / "drafter", dtype=torch.float32)
     drafter = load_drafter(tmp_path / "drafter", target.model, torch.float32, CPU)
-    llm = LLM(str(target_dir), {"model": str(tmp_path / "drafter")}, device="cpu", dtype="float32")
+    spec = {"model": str(tmp_path / "drafter"), "adaptive_width": False}  # every step drafts the full block
+    llm = LLM(str(target_dir), spec, device="cpu", dtype="float32")
     for e in read_examples(data)[:3]:
         anchor = len(e.prompt_ids) + 5
         seq = e.prompt_ids + e.response_ids

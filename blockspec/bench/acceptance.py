@@ -78,21 +78,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    specs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 15}}
+    # tau at the full block width (the drafter's quality); "_adaptive" rows: speed with adaptive width
+    specs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 15, "adaptive_width": False}}
     draft = args.draft or (str(DEFAULT_DRAFTER) if (DEFAULT_DRAFTER / "config.json").is_file() else None)
     if draft is None:
         print("no drafter given and none shipped: measuring plain and n-gram decoding only")
     else:
-        specs["dflash"] = {"model": draft, "fp8": False}
+        specs["dflash"] = {"model": draft, "fp8": False, "adaptive_width": False}
+        specs["dflash_adaptive"] = {"model": draft, "fp8": False}
         if args.compare_fp8:
-            specs["dflash_fp8"] = {"model": draft, "fp8": True}
+            specs["dflash_fp8"] = {"model": draft, "fp8": True, "adaptive_width": False}
     engines = {k: LLM(args.model, v, args.device, args.dtype, max_num_seqs=args.batch_size) for k, v in specs.items()}
     sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
     results = []
     for set_name, texts in sets.items():
         prompts = [engines["plain"].chat_prompt([{"role": "user", "content": t}]) for t in texts[: args.limit]]
         for temperature in (float(t) for t in args.temperatures.split(",")):
-            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=0)
+            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens)  # unseeded: adapts
             row = {"set": set_name, "temperature": temperature, "prompts": len(prompts)}
             for name, llm in engines.items():
                 row[name] = summarize(*timed_generate(llm, prompts, params))

@@ -130,7 +130,11 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: 
 
 
 def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) -> Result:
-    spec = SpeculativeConfig(num_speculative_tokens=args.block_size - 1, fp8=args.fp8) if drafter is not None else None
+    spec = (
+        SpeculativeConfig(num_speculative_tokens=args.block_size - 1, fp8=args.fp8, adaptive_width=args.adaptive_width)
+        if drafter is not None
+        else None
+    )
     max_len = args.prompt_len + (args.steps + args.warmup + 8) * args.block_size
     config = EngineConfig(
         max_num_seqs=batch,
@@ -226,6 +230,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--fp8", default="off", help="weight-only FP8 drafter: off, on, auto")
+    p.add_argument(
+        "--adaptive-width", action="store_true", help="let steps narrow the block (default: every step at full width)"
+    )
     p.add_argument("--out", default="bench.json")
 
 

@@ -1,12 +1,12 @@
 """CUDA graphs for the fixed-shape forwards of a decoding step (propose, verify, context).
 
-A forward is captured once per (name, batch bucket, row width) on static input buffers and
+A forward is captured once per (name, batch bucket, row class) on static input buffers and
 replayed with new inputs copied in. Batches are padded up to the bucket with sequences of
 one padding row that write only to the trash page, so a replay never touches a real
 sequence's cache outside its own rows. Attention reads its lengths from device tensors, so
-one capture serves every context length up to `max_pages` pages; rows are padded to the
-engine's widest block (padding rows, past a sequence's length, write to the trash page too),
-so there is one capture per bucket, whatever the widths of a step."""
+one capture serves every context length up to `max_pages` pages; rows are padded up to the
+next row class (the widths adaptive steps run at; padding rows, past a sequence's length,
+write to the trash page too), so captures stay few whatever the widths of a step."""
 
 from collections.abc import Callable
 
@@ -17,9 +17,9 @@ PAD = (0, 0, 1, 0)  # padding of (tokens/features, starts, lengths, block_tables
 
 
 class GraphCache:
-    def __init__(self, max_batch: int, max_pages: int, width: int, warmup: int = 2) -> None:
+    def __init__(self, max_batch: int, max_pages: int, row_classes: tuple[int, ...], warmup: int = 2) -> None:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
-        self.max_pages, self.width = max_pages, width
+        self.max_pages, self.row_classes = max_pages, sorted(row_classes)
         self.warmup = warmup
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple, object]] = {}
@@ -30,9 +30,9 @@ class GraphCache:
     def run(self, name: str, fn: Callable, inputs: tuple[torch.Tensor, ...]):
         """inputs[0] is [B, S, ...] (rows per sequence); outputs come back as [B, S - k, ...]."""
         batch, rows = inputs[0].shape[:2]
-        key = (name, self.bucket(batch))
+        key = (name, self.bucket(batch), next(w for w in self.row_classes if w >= rows))
         if key not in self.graphs:
-            self.graphs[key] = self.capture(fn, key[1], inputs)
+            self.graphs[key] = self.capture(fn, *key[1:], inputs)
         graph, static, out = self.graphs[key]
         static[0][:batch, :rows].copy_(inputs[0], non_blocking=True)  # rows past `rows` are padding
         for buf, x, pad in zip(static[1:], inputs[1:], PAD[1:]):
@@ -40,20 +40,20 @@ class GraphCache:
         for buf, pad in zip(static, PAD):
             buf[batch:].fill_(pad)
         graph.replay()
-        extra = self.width - rows
+        extra = key[2] - rows
 
         def trim(o: torch.Tensor | None) -> torch.Tensor | None:
             return None if o is None else o[:batch, : o.shape[1] - extra]
 
         return tuple(trim(o) for o in out) if isinstance(out, tuple) else trim(out)
 
-    def static_inputs(self, bucket: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def static_inputs(self, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The capture's input buffers: `bucket` sequences of `width` rows, filled with padding."""
-        shapes = [(bucket, self.width, *inputs[0].shape[2:])] + [(bucket, *x.shape[1:]) for x in inputs[1:]]
+        shapes = [(bucket, width, *inputs[0].shape[2:])] + [(bucket, *x.shape[1:]) for x in inputs[1:]]
         return tuple(torch.full(s, pad, dtype=x.dtype, device=x.device) for s, x, pad in zip(shapes, inputs, PAD))
 
-    def capture(self, fn: Callable, bucket: int, inputs: tuple[torch.Tensor, ...]):
-        static = self.static_inputs(bucket, inputs)
+    def capture(self, fn: Callable, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]):
+        static = self.static_inputs(bucket, width, inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -1,9 +1,12 @@
 """The engine: requests in, steps of batched speculative decoding, outputs out. The LLM
 facade and the HTTP server both drive it through add_request / step / abort."""
 
+import time
+
 import torch
 
 from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.detokenizer import append_text, find_stop
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
@@ -42,8 +45,11 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len"
             )
         caches = [self.kv_cache(m, num_pages) if m is not None else None for m in (model, drafter)]
+        adaptive = spec is not None and spec.adaptive_width and self.max_width > 1
+        self.adaptive = AdaptiveWidth(self.max_width) if adaptive else None
+        row_classes = self.adaptive.classes if adaptive else (self.max_width,)
         graphs = (
-            GraphCache(config.max_num_seqs, pages_per_seq, self.max_width)
+            GraphCache(config.max_num_seqs, pages_per_seq, row_classes)
             if self.device.type == "cuda" and config.cuda_graphs
             else None
         )
@@ -87,10 +93,17 @@ class LLMEngine:
         return max(2, min(wanted, int(budget // self.page_bytes())))
 
     def width(self, seq: Sequence) -> int:
-        """Rows the next step verifies: anchor + drafts, never past max_tokens or the context."""
+        """Most rows the next step may verify: anchor + drafts, never past max_tokens or the context."""
         remaining = seq.params.max_tokens - seq.num_generated
         room = self.max_model_len - len(seq.token_ids)
         return max(1, min(self.max_width, remaining, room))
+
+    def step_widths(self, seqs: list[Sequence]) -> list[int]:
+        widest = self.adaptive.choose(len(seqs)) if self.adaptive else self.max_width
+        # A seeded sample depends on where blocks start (drafts do), so it keeps the full,
+        # deterministic width and stays reproducible; greedy output never depends on widths.
+        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
+        return [self.width(s) if fixed else min(widest, self.width(s)) for s, fixed in zip(seqs, seeded)]
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -143,7 +156,13 @@ class LLMEngine:
         seqs = self.scheduler.schedule_step()
         if not seqs:
             return []
-        outputs = decode_step(self.runner, seqs, [self.width(s) for s in seqs], self.proposer, self.simulated)
+        widths = self.step_widths(seqs)
+        start = time.perf_counter()
+        outputs = decode_step(self.runner, seqs, widths, self.proposer, self.simulated)
+        if self.adaptive:  # decode_step ends reading its results: the device work is done
+            offered = [len(o.draft_token_ids) for o in outputs]
+            accepted = [len(o.new_token_ids) - 1 for o in outputs]
+            self.adaptive.observe(len(seqs), max(widths), time.perf_counter() - start, offered, accepted)
         for seq, out in zip(seqs, outputs):
             self.commit(seq, out)
         return seqs

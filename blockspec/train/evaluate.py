@@ -13,8 +13,9 @@ from blockspec.sampling import SamplingParams
 def acceptance_lengths(
     model: str | None, drafter_dir: str | Path, prompts: list[list[int]], max_tokens: int, device: torch.device
 ) -> list[int]:
-    """Every speculative step's tau over all prompts (pooled)."""
-    llm = LLM(model, {"model": str(drafter_dir)}, device=device, max_num_seqs=max(1, min(64, len(prompts))))
+    """Every speculative step's tau over all prompts (pooled), at the full block width."""
+    spec = {"model": str(drafter_dir), "adaptive_width": False}
+    llm = LLM(model, spec, device=device, max_num_seqs=max(1, min(64, len(prompts))))
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [n for o in outputs for n in o.metrics.acceptance_lengths]
 

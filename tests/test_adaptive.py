@@ -1,0 +1,72 @@
+"""Adaptive block width: the policy picks the width with the most tokens per second, explores
+narrower widths only while they save time, and any sequence of widths leaves greedy output
+exactly the target's."""
+
+import random
+
+from conftest import make_drafter, make_target
+
+from blockspec import LLM, SamplingParams
+from blockspec.engine.adaptive import AdaptiveWidth, width_classes
+
+
+def run(policy: AdaptiveWidth, cost, accept_rate: float, steps: int, batch: int = 1) -> list[int]:
+    """Drive the policy with a simulated device: step time cost(width), each draft accepted
+    with probability accept_rate given the ones before it were."""
+    rng, chosen = random.Random(0), []
+    for _ in range(steps):
+        w = policy.choose(batch)
+        accepted = []
+        for _ in range(batch):
+            a = 0
+            while a < w - 1 and rng.random() < accept_rate:
+                a += 1
+            accepted.append(a)
+        policy.observe(batch, w, cost(w), [w - 1] * batch, accepted)
+        chosen.append(w)
+    return chosen
+
+
+def test_width_classes() -> None:
+    assert width_classes(16) == (1, 2, 4, 8, 16)
+    assert width_classes(6) == (1, 2, 4, 6)
+    assert width_classes(1) == (1,)
+
+
+def test_flat_cost_keeps_the_widest_block() -> None:
+    # A GPU at small batch: 16 rows cost what 1 row costs. Halving never saves 10%: only 16 and 8 are tried.
+    chosen = run(AdaptiveWidth(16), lambda w: 5.0 + 0.01 * w, 0.8, 200)
+    assert set(chosen) == {16, 8}
+    assert chosen[-100:].count(16) == 100
+
+
+def test_row_cost_and_poor_acceptance_narrow_the_block() -> None:
+    # A CPU: time grows with rows. At acceptance 0.5, E(w) saturates near 2 tokens, so 2 rows win.
+    chosen = run(AdaptiveWidth(16), lambda w: 1.0 + 0.5 * w, 0.5, 300)
+    assert set(chosen[:10]) == {16, 8, 4, 2, 1}  # explored from the widest down
+    late = chosen[-128:]
+    assert max(set(late), key=late.count) == 2
+    assert 16 in late  # the periodic full-width step keeps far positions measured
+
+
+def test_good_acceptance_keeps_wide_blocks_on_a_cpu() -> None:
+    chosen = run(AdaptiveWidth(16), lambda w: 1.0 + 0.05 * w, 0.95, 300)
+    late = chosen[-128:]
+    assert max(set(late), key=late.count) == 16
+
+
+def test_any_widths_keep_greedy_output_exact(tmp_path, monkeypatch, oracle) -> None:
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    prompts = [[5, 9], list(range(20, 45)), [7] * 3]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(str(t), None, device="cpu").generate(prompts, params)]
+    for p, tokens in zip(prompts, plain):
+        oracle[tuple(p)] = tokens  # the drafts are right but for every 5th: long, varied acceptance
+    spec = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4)
+    rng, classes = random.Random(1), spec.engine.adaptive.classes
+    monkeypatch.setattr(spec.engine.adaptive, "choose", lambda batch: rng.choice(classes))
+    out = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == plain
+    lengths = {a for o in out for a in o.metrics.acceptance_lengths}
+    assert len(lengths) >= 4 and max(lengths) == 5  # narrow and full blocks, accepted and cut
