@@ -68,8 +68,8 @@ class AdaptiveWidth:
             old = self.cost.get(key, seconds)
             self.cost[key] = old + COST_EMA * (seconds - old)
         self.seen.add(key)
-        self.hits *= DECAY
-        self.trials *= DECAY
-        for n, a in zip(offered, accepted):
-            self.trials[: min(a + 1, n)] += 1
-            self.hits[:a] += 1
+        # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
+        # accepted if k < a.
+        k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
+        self.trials = DECAY * self.trials + (k < np.minimum(a + 1, n)).sum(0)
+        self.hits = DECAY * self.hits + (k < a).sum(0)
