@@ -4,6 +4,7 @@ passes a chi-square test against the exact target distribution, and the same tes
 a deliberately wrong acceptance rule."""
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -81,6 +82,18 @@ def test_ngram_sampling_matches_target_distribution(pair):
     counts, tau = sampled_counts(llm, CASES[0], prompt)
     assert tau > 1.05  # point-mass drafts were accepted sometimes
     assert chi_square_pvalue(counts, exact_distribution(t, CASES[0], prompt), N) > 1e-3
+
+
+def test_mixed_block_widths_keep_the_target_distribution(pair, monkeypatch):
+    """Adaptive width narrows blocks from step to step; here every sequence of every step gets a
+    random width of its own (1 to the full block): still exactly the target's distribution."""
+    t, d = pair
+    llm = LLM(str(t), {"model": str(d), "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
+    engine, rng = llm.engine, random.Random(0)
+    monkeypatch.setattr(engine, "step_widths", lambda seqs: [rng.randint(1, engine.width(s)) for s in seqs])
+    counts, tau = sampled_counts(llm, CASES[0])
+    assert tau > 1.2
+    assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) > 1e-3
 
 
 def wrong_rejection_sample(drafts, p, q, generator):
