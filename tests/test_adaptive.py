@@ -70,3 +70,21 @@ def test_any_widths_keep_greedy_output_exact(tmp_path, monkeypatch, oracle) -> N
     assert [o.outputs[0].token_ids for o in out] == plain
     lengths = {a for o in out for a in o.metrics.acceptance_lengths}
     assert len(lengths) >= 4 and max(lengths) == 5  # narrow and full blocks, accepted and cut
+
+
+def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
+    policy = AdaptiveWidth(16)
+    policy.observe(1, 16, None, [15], [3])  # e.g. a prefill ran first, or max_tokens capped the rows
+    policy.observe(1, 16, None, [15], [3])
+    assert policy.cost == {} and policy.choose(1) == 16
+    assert policy.trials[:4].tolist() == [0.99 + 1] * 4  # acceptance still counts
+
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    llm = LLM(str(t), {"model": str(d)}, device="cpu")
+    for seed in (None, 7):  # a seeded sample in the batch fixes full rows: the policy does not choose
+        llm.engine.add_request([5, 9], SamplingParams(temperature=0.8, seed=seed, max_tokens=20))
+    llm.engine.add_request([5, 9], SamplingParams(temperature=0, max_tokens=20))
+    llm.engine.step()
+    widths, chosen = llm.engine.step_widths(llm.engine.scheduler.running)
+    assert widths == [8, 8, 8] and chosen is None

@@ -134,3 +134,19 @@ def test_incremental_detokenization_equals_full_decode(ckpt: loader.GGUFCheckpoi
         assert "\ufffd" not in seq.text  # never a half-decoded character
     assert seq.text == tok.decode(ids, skip_special_tokens=True) == text
     assert find_stop(seq.text, seq.text[-10:], ["東京"]) == text.rindex("東京")
+
+
+def test_output_cut_inside_a_character_keeps_the_text_before_it(ckpt: loader.GGUFCheckpoint) -> None:
+    """max_tokens can end an output in the middle of a multi-byte character: the final text is
+    everything before that character, decoded in one go or step by step."""
+    tok = ckpt.tokenizer
+    ids = tok.encode("Tokyo is 東京 and the rocket is 🚀!")
+    cut = max(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    expected = tok.decode(ids[:cut]).rstrip("\ufffd")
+    assert expected.startswith("Tokyo is")
+    for step in (cut, 1):  # all tokens at once (a batch job), or one per step (streaming)
+        seq = Sequence(None, [0], SamplingParams(), torch.Generator())
+        for start in range(0, cut, step):
+            seq.token_ids.extend(ids[start : min(cut, start + step)])
+            append_text(tok, seq, final=start + step >= cut)
+        assert seq.text == expected

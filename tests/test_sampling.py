@@ -90,7 +90,7 @@ def test_mixed_block_widths_keep_the_target_distribution(pair, monkeypatch):
     t, d = pair
     llm = LLM(str(t), {"model": str(d), "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
     engine, rng = llm.engine, random.Random(0)
-    monkeypatch.setattr(engine, "step_widths", lambda seqs: [rng.randint(1, engine.width(s)) for s in seqs])
+    monkeypatch.setattr(engine, "step_widths", lambda seqs: ([rng.randint(1, engine.width(s)) for s in seqs], None))
     counts, tau = sampled_counts(llm, CASES[0])
     assert tau > 1.2
     assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) > 1e-3

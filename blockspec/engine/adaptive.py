@@ -60,14 +60,18 @@ class AdaptiveWidth:
             return self.classes[-1]
         return max(timed, key=lambda w: self.expected_tokens(w) / self.cost[bucket, w])
 
-    def observe(self, batch: int, width: int, seconds: float, offered: list[int], accepted: list[int]) -> None:
-        """One step: its batch, width and wall time; per sequence drafts offered and accepted."""
+    def observe(
+        self, batch: int, width: int | None, seconds: float | None, offered: list[int], accepted: list[int]
+    ) -> None:
+        """One step: its batch, the width chosen and the step's wall time (None: not a timing of
+        that width), and per sequence the drafts offered and accepted."""
         self.steps += 1
-        key = (batch_bucket(batch), self.row_class(width))
-        if key in self.seen:
-            old = self.cost.get(key, seconds)
-            self.cost[key] = old + COST_EMA * (seconds - old)
-        self.seen.add(key)
+        key = (batch_bucket(batch), width)
+        if seconds is not None:
+            if key in self.seen:
+                old = self.cost.get(key, seconds)
+                self.cost[key] = old + COST_EMA * (seconds - old)
+            self.seen.add(key)
         # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
         # accepted if k < a.
         k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]

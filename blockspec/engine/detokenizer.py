@@ -2,19 +2,24 @@
 whole output. The text of the tokens since `prefix_offset` is decoded with and without
 the newest ones; the difference is the new text (the prefix keeps a leading-space or
 byte-fallback token decoding as it does in context). A trailing U+FFFD means an
-incomplete UTF-8 sequence: wait for the next token."""
+incomplete UTF-8 sequence: wait for the next token, or, once the output is final, keep the
+text before it."""
 
 from transformers import PreTrainedTokenizerBase
 
 from blockspec.engine.sequence import Sequence
 
 
-def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
+def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool = False) -> str:
     """Extend seq.text with its undecoded output tokens; returns the text added."""
     ids = seq.output_token_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=True)
-    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+    if full.endswith("\ufffd"):
+        if not final:
+            return ""
+        full = full.rstrip("\ufffd")
+    if len(full) <= len(prefix):
         return ""
     added = full[len(prefix) :]
     seq.text += added

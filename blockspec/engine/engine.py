@@ -98,12 +98,16 @@ class LLMEngine:
         room = self.max_model_len - len(seq.token_ids)
         return max(1, min(self.max_width, remaining, room))
 
-    def step_widths(self, seqs: list[Sequence]) -> list[int]:
-        widest = self.adaptive.choose(len(seqs)) if self.adaptive else self.max_width
-        # A seeded sample depends on where blocks start (drafts do), so it keeps the full,
-        # deterministic width and stays reproducible; greedy output never depends on widths.
-        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
-        return [self.width(s) if fixed else min(widest, self.width(s)) for s, fixed in zip(seqs, seeded)]
+    def step_widths(self, seqs: list[Sequence]) -> tuple[list[int], int | None]:
+        """Each sequence's rows this step, and the width the adaptive policy chose (None if it
+        did not choose). A seeded sample depends on where blocks start (its drafts do), so it
+        keeps the full, deterministic width to stay reproducible; the step then verifies full
+        rows anyway and every sequence takes them. Greedy output never depends on widths."""
+        full = [self.width(s) for s in seqs]
+        if self.adaptive is None or any(s.params.seed is not None and not s.params.greedy for s in seqs):
+            return full, None
+        chosen = self.adaptive.choose(len(seqs))
+        return [min(chosen, w) for w in full], chosen
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -156,13 +160,17 @@ class LLMEngine:
         seqs = self.scheduler.schedule_step()
         if not seqs:
             return []
-        widths = self.step_widths(seqs)
+        widths, chosen = self.step_widths(seqs)
         start = time.perf_counter()
         outputs = decode_step(self.runner, seqs, widths, self.proposer, self.simulated)
         if self.adaptive:  # decode_step ends reading its results: the device work is done
+            seconds = time.perf_counter() - start
+            # The time counts for the chosen width only if the step ran it, and no prefill's
+            # device time (asynchronous, finished inside decode_step) was mixed in.
+            ran = chosen is not None and not pending and self.adaptive.row_class(max(widths)) == chosen
             offered = [len(o.draft_token_ids) for o in outputs]
             accepted = [len(o.new_token_ids) - 1 for o in outputs]
-            self.adaptive.observe(len(seqs), max(widths), time.perf_counter() - start, offered, accepted)
+            self.adaptive.observe(len(seqs), chosen, seconds if ran else None, offered, accepted)
         for seq, out in zip(seqs, outputs):
             self.commit(seq, out)
         return seqs
@@ -200,7 +208,7 @@ class LLMEngine:
         # Text is decoded when asked for (still incrementally): a batch job pays one decode
         # per request, not one per step. Stop strings decode per token in stop_reason.
         if self.tokenizer is not None and not seq.params.stop:
-            append_text(self.tokenizer, seq)
+            append_text(self.tokenizer, seq, final=seq.finished)
         drafts = seq.draft_token_ids if seq.params.return_drafts else None
         return RequestOutput(
             request_id=seq.request_id,
