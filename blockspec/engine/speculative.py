@@ -74,14 +74,18 @@ def decode_step(
         accepted = greedy_accept(drafts, target_argmax, lengths - 1)
     else:
         accepted = runner.tensor([simulated(w - 1) for w in widths])
-    bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
-    accepted, bonus = accepted.tolist(), bonus.tolist()
+    bonus = target_argmax.gather(1, accepted[:, None])
+    # The step's one read of device results (greedy rows): counts, bonus tokens and drafts together.
+    rows = torch.cat([accepted[:, None].long(), bonus, drafts.long()], dim=1).tolist()
+    accepted, bonus, host_drafts = [r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows]
     for i, s in enumerate(seqs):
         if not s.params.greedy:
             n = widths[i] - 1
             p = token_probs(logits[i, : n + 1], s.params)
             q_i = q[i] if q[i] is not None else p[:0]
             accepted[i], bonus[i] = rejection_sample(drafts[i, :n], p, q_i, s.generator)
-    runner.commit_context(features, inputs, runner.tensor(accepted) + 1)
-    drafts = drafts.tolist()
-    return [StepOutput(drafts[i][: accepted[i]] + [bonus[i]], drafts[i][: widths[i] - 1]) for i in range(len(seqs))]
+    runner.commit_context(features, inputs, runner.tensor(accepted) + 1)  # runs while the host commits
+    return [
+        StepOutput(host_drafts[i][: accepted[i]] + [bonus[i]], host_drafts[i][: widths[i] - 1])
+        for i in range(len(seqs))
+    ]
