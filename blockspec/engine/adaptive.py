@@ -3,12 +3,13 @@ block) that maximises expected committed tokens per second of step time.
 
 A step of width w commits E(w) = 1 + p1 + p1*p2 + ... (w-1 terms) tokens per sequence, where
 p_k is the running rate at which draft k is accepted given drafts 1..k-1 were (decayed counts,
-shrunk toward the rate pooled over all positions). Its cost is the
-measured wall time of steps of that width at that batch bucket. Where verifying 16 rows costs
-about what 1 row costs (a GPU at small batch) the widest block wins; where rows cost compute
-(a CPU, or a GPU at large batch) narrower blocks can win. Widths not yet timed at a bucket are
-tried from the widest down while narrowing still saves time, and every `REEXPLORE` steps one step runs at full width, so the acceptance rates
-of the far positions stay current. The width never changes the output, only the speed."""
+shrunk toward the rate pooled over all positions). Its cost is the measured wall time of steps
+of that width at that batch bucket. Where verifying 16 rows costs about what 1 row costs (a GPU
+at small batch) the widest block wins; where rows cost compute (a CPU, or a GPU at large batch)
+narrower blocks can win. Widths not yet timed at a bucket are tried from the widest down while
+narrowing still saves time, and every `REEXPLORE` steps one step runs at full width, so the
+acceptance rates of the far positions stay current. The width never changes the output (in
+exact arithmetic), only the speed."""
 
 import numpy as np
 
