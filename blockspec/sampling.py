@@ -78,17 +78,17 @@ def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts:
 
 def rejection_sample(
     drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
-) -> tuple[int, int]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling for one sequence: accept d_i with probability min(1, p/q); on the
     first rejection draw from normalize(max(p - q, 0)); if all are accepted, the bonus is
-    drawn from p's last row. drafts: [R]; p: [R+1, V]; q: [R, V]. Returns (accepted, token)."""
-    rows = torch.arange(len(drafts), device=drafts.device)
-    p_d, q_d = p[rows, drafts], q[rows, drafts]
+    drawn from p's last row. drafts: [R]; p: [R+1, V]; q: [R, V]. Returns (accepted, token)
+    as device scalars: nothing here waits for the device."""
+    rows = torch.arange(len(drafts), device=p.device)
     u = torch.rand(len(drafts), generator=generator, device=p.device)
-    accepted = int((u * q_d < p_d).int().cumprod(0).sum())
-    if accepted == len(drafts):
-        return accepted, int(sample(p[-1:], generator))
+    accepted = (u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum()
+    # A zero row after q makes "all accepted" the same rule: max(p[R] - 0, 0) = p[R].
+    q = torch.cat([q, q.new_zeros(1, q.shape[-1])])
     residual = (p[accepted] - q[accepted]).clamp_min(0)
     # max(p - q, 0) is all zero only when p == q, where rejection has probability 0.
-    residual = residual if residual.sum() > 0 else p[accepted]
-    return accepted, int(sample((residual / residual.sum())[None], generator))
+    residual = torch.where(residual.sum() > 0, residual, p[accepted])
+    return accepted, sample((residual / residual.sum())[None], generator)[0]

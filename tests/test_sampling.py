@@ -100,8 +100,8 @@ def wrong_rejection_sample(drafts, p, q, generator):
     """The classic mistake: after a rejection, sample from p instead of max(p - q, 0)."""
     rows = torch.arange(len(drafts))
     u = torch.rand(len(drafts), generator=generator)
-    accepted = int((u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum())
-    return accepted, int(sample(p[accepted : accepted + 1], generator))
+    accepted = (u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum()
+    return accepted, sample(p[accepted][None], generator)[0]
 
 
 def test_wrong_acceptance_rule_is_detected(pair, monkeypatch):

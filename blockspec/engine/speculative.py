@@ -53,6 +53,14 @@ def dflash_draft(
 Proposer = Callable[[ModelRunner, list[Sequence], list[int], torch.Tensor, tuple], tuple[torch.Tensor, list, list[int]]]
 
 
+def sample_step(
+    seq: Sequence, drafts: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling of one sequence's block: (accepted, token) on the device."""
+    p = token_probs(logits[:width], seq.params)
+    return rejection_sample(drafts[: width - 1], p, q if q is not None else p[:0], seq.generator)
+
+
 def decode_step(
     runner: ModelRunner,
     seqs: list[Sequence],
@@ -74,16 +82,16 @@ def decode_step(
         accepted = greedy_accept(drafts, target_argmax, lengths - 1)
     else:
         accepted = runner.tensor([simulated(w - 1) for w in widths])
-    bonus = target_argmax.gather(1, accepted[:, None])
-    # The step's one read of device results (greedy rows): counts, bonus tokens and drafts together.
-    rows = torch.cat([accepted[:, None].long(), bonus, drafts.long()], dim=1).tolist()
+    bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:  # each with its own generator, still without waiting for the device
+        results = [sample_step(seqs[i], drafts[i], logits[i], q[i], widths[i]) for i in sampled]
+        rows = runner.tensor(sampled)
+        accepted = accepted.index_put((rows,), torch.stack([a for a, _ in results]).to(accepted.dtype))
+        bonus = bonus.index_put((rows,), torch.stack([t for _, t in results]).to(bonus.dtype))
+    # The step's one read of device results: counts, bonus tokens and drafts together.
+    rows = torch.cat([accepted[:, None].long(), bonus[:, None].long(), drafts.long()], dim=1).tolist()
     accepted, bonus, host_drafts = [r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows]
-    for i, s in enumerate(seqs):
-        if not s.params.greedy:
-            n = widths[i] - 1
-            p = token_probs(logits[i, : n + 1], s.params)
-            q_i = q[i] if q[i] is not None else p[:0]
-            accepted[i], bonus[i] = rejection_sample(drafts[i, :n], p, q_i, s.generator)
     runner.commit_context(features, inputs, runner.tensor(accepted) + 1)  # runs while the host commits
     return [
         StepOutput(host_drafts[i][: accepted[i]] + [bonus[i]], host_drafts[i][: widths[i] - 1])
