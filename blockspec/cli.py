@@ -20,7 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (block width - 1)")
     p.add_argument("--block-size", type=int, default=None, help="block width (num_speculative_tokens + 1)")
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
+    p.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on CUDA and CPUs with native bf16, else float32), float32, ..."
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
 

@@ -24,9 +24,20 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def native_cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 decoding is
+    ~1.7x faster than fp32 (measured on an AVX512-BF16 EPYC, README)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
+    """None: bfloat16 on CUDA, float32 (exact) on the CPU. "auto": the fastest sound choice,
+    bfloat16 on CUDA and on CPUs with native bf16, else float32 (the CLI's default)."""
+    if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or native_cpu_bf16() else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {

@@ -9,7 +9,9 @@ import torch
 from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
 
+import blockspec.llm as llm_module
 from blockspec import LLM, SamplingParams
+from blockspec.llm import resolve_dtype
 from blockspec.loading.weights import CheckpointError
 
 
@@ -143,3 +145,14 @@ def test_bad_prompts(pair):
     )
     # a rejected request leaves the engine clean: the next one runs
     assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+def test_dtype_choice(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype(None, cpu) == torch.float32 and resolve_dtype(None, cuda) == torch.bfloat16
+    monkeypatch.setattr(llm_module, "native_cpu_bf16", lambda: True)
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(llm_module, "native_cpu_bf16", lambda: False)
+    assert resolve_dtype("auto", cpu) == torch.float32 and resolve_dtype("auto", cuda) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
+        resolve_dtype("int8", cpu)
