@@ -91,8 +91,8 @@ def decode_step(
         bonus = bonus.index_put((rows,), torch.stack([t for _, t in results]).to(bonus.dtype))
     # The step's one read of device results: counts, bonus tokens and drafts together.
     rows = torch.cat([accepted[:, None].long(), bonus[:, None].long(), drafts.long()], dim=1).tolist()
+    runner.commit_context(features, inputs, accepted + 1)  # runs while the host commits
     accepted, bonus, host_drafts = [r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows]
-    runner.commit_context(features, inputs, runner.tensor(accepted) + 1)  # runs while the host commits
     return [
         StepOutput(host_drafts[i][: accepted[i]] + [bonus[i]], host_drafts[i][: widths[i] - 1])
         for i in range(len(seqs))
