@@ -13,7 +13,7 @@ exact arithmetic), only the speed."""
 
 import numpy as np
 
-from blockspec.engine.cuda_graphs import BATCH_BUCKETS
+from blockspec.engine.cuda_graphs import BATCH_BUCKETS, round_up
 
 DECAY = 0.99  # per step, on acceptance counts: about the last hundred steps count
 COST_EMA = 0.1  # weight of a new step-time sample
@@ -25,10 +25,6 @@ SAVING = 0.9  # narrower widths are tried only while halving the width cut the s
 def width_classes(max_width: int) -> tuple[int, ...]:
     """1, 2, 4, ... and max_width: the widths steps run at (and CUDA graphs are captured for)."""
     return tuple(sorted({min(2**i, max_width) for i in range(max_width.bit_length() + 1)}))
-
-
-def batch_bucket(batch: int) -> int:
-    return next((b for b in BATCH_BUCKETS if b >= batch), batch)
 
 
 class AdaptiveWidth:
@@ -48,10 +44,10 @@ class AdaptiveWidth:
         return 1 + float(np.cumprod(rates).sum())
 
     def row_class(self, rows: int) -> int:
-        return next(w for w in self.classes if w >= rows)
+        return round_up(rows, self.classes)
 
     def choose(self, batch: int) -> int:
-        bucket = batch_bucket(batch)
+        bucket = round_up(batch, BATCH_BUCKETS)
         timed = [w for w in reversed(self.classes) if (bucket, w) in self.cost]  # widest first
         if len(timed) < len(self.classes):
             costs = [self.cost[bucket, w] for w in timed[-2:]]
@@ -67,7 +63,7 @@ class AdaptiveWidth:
         """One step: its batch, the width chosen and the step's wall time (None: not a timing of
         that width), and per sequence the drafts offered and accepted."""
         self.steps += 1
-        key = (batch_bucket(batch), width)
+        key = (round_up(batch, BATCH_BUCKETS), width)
         if seconds is not None:
             if key in self.seen:
                 old = self.cost.get(key, seconds)

@@ -4,7 +4,8 @@ A forward is captured once per (name, batch bucket, row class) on static input b
 replayed with new inputs copied in. Batches are padded up to the bucket with sequences of
 one padding row that write only to the trash page, so a replay never touches a real
 sequence's cache outside its own rows. Attention reads its lengths from device tensors, so
-one capture serves every context length up to `max_pages` pages; rows are padded up to the
+one capture serves every context length up to `max_pages` pages (a step's block tables are
+as wide as its longest sequence's; the columns past them are never read); rows are padded up to the
 next row class (the widths adaptive steps run at; padding rows, past a sequence's length,
 write to the trash page too), so captures stay few whatever the widths of a step."""
 
@@ -16,6 +17,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 PAD = (0, 0, 1, 0)  # padding of (tokens/features, starts, lengths, block_tables): one row at position 0
 
 
+def round_up(n: int, sizes) -> int:
+    """The smallest of the ascending `sizes` that holds n (n itself past the largest)."""
+    return next((s for s in sizes if s >= n), n)
+
+
 class GraphCache:
     def __init__(self, max_batch: int, max_pages: int, row_classes: tuple[int, ...], warmup: int = 2) -> None:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
@@ -24,20 +30,15 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple, object]] = {}
 
-    def bucket(self, batch: int) -> int:
-        return next(b for b in self.buckets if b >= batch)
-
     def run(self, name: str, fn: Callable, inputs: tuple[torch.Tensor, ...]):
         """inputs[0] is [B, S, ...] (rows per sequence); outputs come back as [B, S - k, ...]."""
         batch, rows = inputs[0].shape[:2]
-        key = (name, self.bucket(batch), next(w for w in self.row_classes if w >= rows))
+        key = (name, round_up(batch, self.buckets), round_up(rows, self.row_classes))
         if key not in self.graphs:
             self.graphs[key] = self.capture(fn, *key[1:], inputs)
         graph, static, out = self.graphs[key]
-        static[0][:batch, :rows].copy_(inputs[0], non_blocking=True)  # rows past `rows` are padding
-        for buf, x, pad in zip(static[1:], inputs[1:], PAD[1:]):
-            buf[:batch].copy_(x, non_blocking=True)
-        for buf, pad in zip(static, PAD):
+        for buf, x, pad in zip(static, inputs, PAD):
+            buf[tuple(slice(n) for n in x.shape)].copy_(x, non_blocking=True)  # rows, pages past x: unread
             buf[batch:].fill_(pad)
         graph.replay()
         extra = key[2] - rows
@@ -49,7 +50,7 @@ class GraphCache:
 
     def static_inputs(self, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The capture's input buffers: `bucket` sequences of `width` rows, filled with padding."""
-        shapes = [(bucket, width, *inputs[0].shape[2:])] + [(bucket, *x.shape[1:]) for x in inputs[1:]]
+        shapes = [(bucket, width, *inputs[0].shape[2:]), (bucket,), (bucket,), (bucket, self.max_pages)]
         return tuple(torch.full(s, pad, dtype=x.dtype, device=x.device) for s, x, pad in zip(shapes, inputs, PAD))
 
     def capture(self, fn: Callable, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]):

@@ -141,9 +141,13 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> None:
-        seq = self.requests.pop(request_id, None)
+        seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
-            self.scheduler.finish(seq, "abort")
+            self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -178,14 +182,11 @@ class LLMEngine:
         return seqs
 
     def commit(self, seq: Sequence, out: StepOutput) -> None:
-        committed = 0
-        for token in out.new_token_ids:
+        for committed, token in enumerate(out.new_token_ids, 1):
             seq.token_ids.append(token)
-            committed += 1
             reason = self.stop_reason(seq, token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
+                self.finish(seq, reason)
                 break
         seq.num_cached += committed
         seq.acceptance_lengths.append(committed)
@@ -208,8 +209,8 @@ class LLMEngine:
 
     def output(self, seq: Sequence) -> RequestOutput:
         # Text is decoded when asked for (still incrementally): a batch job pays one decode
-        # per request, not one per step. Stop strings decode per token in stop_reason.
-        if self.tokenizer is not None and not seq.params.stop:
+        # per request, not one per step (stop strings have decoded per token in stop_reason).
+        if self.tokenizer is not None:
             append_text(self.tokenizer, seq, final=seq.finished)
         drafts = seq.draft_token_ids if seq.params.return_drafts else None
         return RequestOutput(

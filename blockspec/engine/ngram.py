@@ -3,7 +3,6 @@ drafts continue the latest earlier occurrence of the sequence's longest matching
 Its distribution q is a point mass, so speculative sampling stays exact."""
 
 import numpy as np
-import torch
 import torch.nn.functional as F
 
 from blockspec.engine.runner import ModelRunner
@@ -30,9 +29,7 @@ class NgramProposer:
         width = max(len(d) for d in found)
         drafts = runner.tensor([d + [0] * (width - len(d)) for d in found]).view(len(seqs), width)
         q = [
-            None
-            if s.params.greedy
-            else F.one_hot(torch.tensor(d, dtype=torch.long), self.vocab_size).float().to(drafts.device)
-            for s, d in zip(seqs, found)
+            None if s.params.greedy else F.one_hot(drafts[i, : len(d)], self.vocab_size).float()
+            for i, (s, d) in enumerate(zip(seqs, found))
         ]
         return drafts, q, [len(d) + 1 for d in found]

@@ -68,10 +68,9 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[B, M] page ids padded with the trash page; M is fixed under CUDA graphs. Filled row
-        by row so the host cost follows the pages in use, not M (thousands at long contexts)."""
-        width = self.graphs.max_pages if self.graphs else max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int64)
+        """[B, M] page ids padded with the trash page, M the most pages a sequence holds: the
+        host cost and the copy follow the pages in use, not the context limit."""
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int64)
         for row, s in zip(tables, seqs):
             row[: len(s.block_table)] = s.block_table
         return self.tensor(tables)

@@ -73,8 +73,8 @@ def decode_step(
     drafts, q = anchors[:, :0], [None] * len(seqs)
     if max(widths) > 1:
         drafts, q, used = proposer(runner, seqs, widths, anchors, inputs)
-        if used != widths:  # the n-gram proposer fills only what it found
-            widths, inputs = used, runner.step_inputs(seqs, used)
+        if used != widths:  # the n-gram proposer fills only what it found: new lengths
+            widths, inputs = used, (inputs[0], runner.tensor(used), inputs[2])
     logits, features = runner.verify(torch.cat([anchors, drafts], dim=1), inputs)
     target_argmax = logits.argmax(dim=-1)
     lengths = inputs[1]  # the widths, already on the device
