@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.attention import AttentionMetadata, write_kv
-from blockspec.layers.norm import RMSNorm, rms_norm
-from blockspec.layers.rotary import RotaryEmbedding, apply_rotary
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.rotary import RotaryEmbedding, norm_rope
 from blockspec.models.llama import DecoderLayer, KVCache, layer_spec
 
 
@@ -76,8 +76,8 @@ class DFlashDrafter(nn.Module):
         kv = fp8(c) if fp8 is not None else F.linear(c, self.fused_kv_weight, self.fused_kv_bias)
         kv = kv.view(*c.shape[:-1], len(self.layers), 2, s.num_kv_heads, s.head_dim).movedim(-4, 0)
         k = kv[..., 0, :, :]
-        k = rms_norm(k, self.k_norm_weight.view(len(self.layers), *[1] * (k.dim() - 2), s.head_dim), s.eps)
-        return apply_rotary(k, *self.rotary(positions, c.dtype)), kv[..., 1, :, :]
+        weight = self.k_norm_weight.view(len(self.layers), *[1] * (k.dim() - 2), s.head_dim)
+        return norm_rope(k, weight, s.eps, *self.rotary(positions, c.dtype)), kv[..., 1, :, :]
 
     def write_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv_caches: list[KVCache]
