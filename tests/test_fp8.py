@@ -9,7 +9,6 @@ where triton is not installed."""
 
 import fnmatch
 import importlib.util
-import inspect
 import os
 
 import pytest
@@ -188,19 +187,6 @@ def test_quantize_linears_swaps_only_the_requested_layers():
     assert quantize_linears(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), lambda n: n == "2") == ["2"]
 
 
-def test_quantize_drafter_keeps_bf16_fused_kv_for_a_drafter_that_does_not_read_fp8():
-    drafter = tiny_drafter()
-    if hasattr(drafter, "fused_kv_fp8"):
-        pytest.skip("DFlashDrafter reads fused_kv_fp8")
-    features, positions = torch.randn(5, 2 * 64), torch.arange(5)
-    k_ref, v_ref = drafter.context_kv(features, positions)
-    fused = drafter.fused_kv_weight
-    names = quantize_drafter(drafter)
-    assert "fused_kv_fp8" not in names and drafter.fused_kv_weight is fused
-    k, v = drafter.context_kv(features, positions)  # fc is FP8 now
-    assert (k - k_ref).norm() / k_ref.norm() < REL_STEP and (v - v_ref).norm() / v_ref.norm() < REL_STEP
-
-
 def kv_rows(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's quantized k|v rows (bytes) and scales, with q/k/v as one qkv_proj or three."""
     if hasattr(attn, "qkv_proj"):
@@ -212,8 +198,6 @@ def kv_rows(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("bias", [False, True])
 def test_quantize_drafter_fuses_kv_in_fp8(bias):
     drafter = tiny_drafter(bias)
-    if not hasattr(drafter, "fused_kv_fp8"):
-        drafter.fused_kv_fp8 = None  # what fuse_kv does once dflash.py reads fused_kv_fp8
     features, positions = torch.randn(5, 2 * 64), torch.arange(5)
     k_ref, v_ref = drafter.context_kv(features, positions)
     fused_ref = drafter.fused_kv_weight.clone()
@@ -229,25 +213,29 @@ def test_quantize_drafter_fuses_kv_in_fp8(bias):
     y = drafter.fused_kv_fp8(c)
     assert (y - F.linear(c, fused_ref, bias_ref)).norm() / y.norm() < REL_STEP / 2
     assert isinstance(drafter.lm_head_fp8, Fp8Linear) and drafter.lm_head_fp8.out_features == 128
-    if "fused_kv_fp8" not in inspect.getsource(DFlashDrafter.context_kv):
-        pytest.skip("DFlashDrafter.context_kv does not read fused_kv_fp8 yet")
     k, v = drafter.context_kv(features, positions)
     assert (k - k_ref).norm() / k_ref.norm() < REL_STEP and (v - v_ref).norm() / v_ref.norm() < REL_STEP
 
 
 def test_fp8_drafter_keeps_greedy_output_lossless(llama_pair):
     target, drafter = llama_pair
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, return_drafts=True)
     prompts = [[5, 9, 17, 3], [40, 41, 42, 43, 44, 45, 46]]
     plain = [o.outputs[0].token_ids for o in LLM(str(target), None, device="cpu").generate(prompts, params)]
-    llm = LLM(str(target), {"model": str(drafter)}, device="cpu", page_size=4)
+    spec = {"model": str(drafter), "adaptive_width": False}
+    bf16_drafts = [o.metrics.draft_token_ids[0] for o in LLM(str(target), spec, device="cpu").generate(prompts, params)]
+    llm = LLM(str(target), spec, device="cpu", page_size=4)
     model = llm.engine.drafter
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     names = quantize_drafter(model)
     assert [n for n in names if n != "fused_kv_fp8"] == linears  # every projection of the drafter
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
-    assert all(len(o.metrics.acceptance_lengths) > 0 for o in outs)
+    # The FP8 drafter still drafts what the unquantized one drafts (first block: same context).
+    fp8_drafts = [o.metrics.draft_token_ids[0] for o in outs]
+    agree = sum(a == b for x, y in zip(fp8_drafts, bf16_drafts) for a, b in zip(x, y))
+    print(f"FP8 drafts equal to the unquantized drafter's: {agree}/{sum(map(len, bf16_drafts))}")
+    assert agree >= 0.8 * sum(map(len, bf16_drafts))
 
 
 # -- the Triton kernel ------------------------------------------------------------------------------

@@ -94,4 +94,5 @@ def test_bf16_real_geometry_agreement():
         f"bf16 Qwen3-8B geometry: fast-vs-reference logit RMS {fast_dev**0.5:.3g}, bf16-vs-fp32 {noise**0.5:.3g}; "
         f"greedy tokens equal to the reference's teacher-forced argmax: {agree:.0f}/{total:.0f}"
     )
-    assert fast_dev**0.5 <= 2 * noise**0.5
+    assert 0 < fast_dev**0.5 <= 2 * noise**0.5  # > 0: the fast path really ran
+    assert agree >= 0.85 * total  # 243/256 measured at session 1's engine; near-ties flip the rest

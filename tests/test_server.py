@@ -90,9 +90,11 @@ def test_completion_matches_engine(live: Live) -> None:
     assert r.choices[0].finish_reason == expected.outputs[0].finish_reason
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == len(expected.outputs[0].token_ids)
     spec = r.spec_decoding
-    assert spec["acceptance_lengths"] == expected.metrics.acceptance_lengths
-    assert spec["num_steps"] == len(spec["acceptance_lengths"])
-    assert sum(spec["acceptance_lengths"]) == r.usage.completion_tokens
+    lengths = expected.metrics.acceptance_lengths
+    assert spec["acceptance_lengths"] == lengths and spec["num_steps"] == len(lengths)
+    assert spec["num_accepted_tokens"] == sum(lengths) - len(lengths)
+    assert spec["mean_acceptance_length"] == pytest.approx(sum(lengths) / len(lengths))
+    assert sum(lengths) == r.usage.completion_tokens
 
 
 def test_token_id_prompt(live: Live) -> None:
@@ -104,8 +106,9 @@ def test_chat_matches_engine(live: Live) -> None:
     messages = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30 w31 w32"}]
     r = live.client().chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
-    assert r.choices[0].message.content == live.reference.chat(messages, greedy(24))[0].outputs[0].text
-    assert r.spec_decoding["mean_acceptance_length"] >= 1
+    expected = live.reference.chat(messages, greedy(24))[0]
+    assert r.choices[0].message.content == expected.outputs[0].text
+    assert r.spec_decoding["acceptance_lengths"] == expected.metrics.acceptance_lengths
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

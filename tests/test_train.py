@@ -182,6 +182,7 @@ def test_cli_generates_trains_and_resumes(tmp_path) -> None:
     indices = [e.index for e in again]
     assert again[: len(first)] == first and len(again) > len(first)
     assert indices == sorted(set(indices)) and indices[-1] <= 13
+    assert all(e.index >= 10 for e in again[len(first) :])  # continued where it stopped, nothing redone
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 5
 
 
@@ -189,3 +190,4 @@ def test_prompts_come_from_offline_text() -> None:
     prompts = build_prompts(40, seed=0)
     assert len(prompts) == 40 and len(set(prompts)) == 40
     assert all(isinstance(p, str) and len(p) > 20 for p in prompts)
+    assert build_prompts(40, seed=0) == prompts != build_prompts(40, seed=1)  # deterministic per seed
