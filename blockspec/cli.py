@@ -58,17 +58,14 @@ def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
 
 def marked_text(llm: LLM, out: RequestOutput) -> str:
     """The output with each step's accepted drafts highlighted (the bonus token is plain)."""
-    ids, pieces, start = out.outputs[0].token_ids, [], 0
-    decode = llm.tokenizer.decode
-    for n in out.metrics.acceptance_lengths:
-        drafted = decode(ids[: start + n - 1], skip_special_tokens=True)[
-            len(decode(ids[:start], skip_special_tokens=True)) :
-        ]
-        bonus = decode(ids[: start + n], skip_special_tokens=True)[
-            len(decode(ids[: start + n - 1], skip_special_tokens=True)) :
-        ]
-        pieces.append((GREEN + drafted + RESET if drafted else "") + bonus)
-        start += n
+    ids, pieces, end, text = out.outputs[0].token_ids, [], 0, ""
+    for n in out.metrics.acceptance_lengths:  # two decodes a step: after the drafts, after the bonus
+        drafted = llm.tokenizer.decode(ids[: end + n - 1], skip_special_tokens=True)
+        end += n
+        new_text = llm.tokenizer.decode(ids[:end], skip_special_tokens=True)
+        pieces.append(GREEN + drafted[len(text) :] + RESET if len(drafted) > len(text) else "")
+        pieces.append(new_text[len(drafted) :])  # the bonus token
+        text = new_text
     return "".join(pieces)
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from blockspec import LLM, SamplingParams
+from blockspec.cli import GREEN, RESET, marked_text
 from blockspec.llm import DEFAULT_DRAFTER
 from blockspec.loading.gguf import default_gguf_path
 
@@ -44,3 +45,12 @@ def test_shipped_pair_is_lossless_and_trained(pair: tuple[LLM, LLM]) -> None:
     tau = sum(lengths) / len(lengths)
     # An untrained drafter accepts almost nothing (tau ~1.0); this one was trained to ~2.5-3.7.
     assert tau > 1.6, f"mean acceptance length {tau:.2f}"
+
+
+def test_marked_text_highlights_accepted_drafts(pair: tuple[LLM, LLM]) -> None:
+    spec, _ = pair
+    prompt = spec.chat_prompt([{"role": "user", "content": PROMPTS[0]}])
+    out = spec.generate(prompt, SamplingParams(temperature=0, max_tokens=48, return_drafts=True))[0]
+    marked = marked_text(spec, out)
+    assert marked.replace(GREEN, "").replace(RESET, "") == out.outputs[0].text
+    assert marked.count(GREEN) == sum(n > 1 for n in out.metrics.acceptance_lengths) > 0

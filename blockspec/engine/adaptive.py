@@ -36,12 +36,13 @@ class AdaptiveWidth:
         self.seen: set[tuple[int, int]] = set()  # first step of a key is warm-up (graph capture)
         self.steps = 0
 
-    def expected_tokens(self, width: int) -> float:
+    def expected_tokens(self) -> np.ndarray:
+        """E(w) for every width w = 1 .. max (index w - 1)."""
         # Each position's rate leans on the pooled rate of all positions where its own counts are
         # few: far positions, seen only at full width, are not pulled toward an arbitrary prior.
         pooled = (self.hits.sum() + 1) / (self.trials.sum() + 2)
-        rates = (self.hits[: width - 1] + PRIOR * pooled) / (self.trials[: width - 1] + PRIOR)
-        return 1 + float(np.cumprod(rates).sum())
+        rates = (self.hits + PRIOR * pooled) / (self.trials + PRIOR)
+        return 1 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
 
     def row_class(self, rows: int) -> int:
         return round_up(rows, self.classes)
@@ -55,7 +56,8 @@ class AdaptiveWidth:
                 return next(w for w in reversed(self.classes) if w not in timed)
         if self.steps % REEXPLORE == 0:
             return self.classes[-1]
-        return max(timed, key=lambda w: self.expected_tokens(w) / self.cost[bucket, w])
+        expected = self.expected_tokens()
+        return max(timed, key=lambda w: expected[w - 1] / self.cost[bucket, w])
 
     def observe(
         self, batch: int, width: int | None, seconds: float | None, offered: list[int], accepted: list[int]
