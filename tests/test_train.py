@@ -3,11 +3,14 @@ training forward against the engine's proposals, resume, the CLI, and a real tra
 whose drafter raises the engine's mean acceptance length on held-out prompts."""
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_target
+from safetensors.torch import load_file
 
 from blockspec.cli import main as cli_main
 from blockspec.layers.attention import DenseAttention
@@ -79,7 +82,7 @@ def test_block_mask() -> None:
 def test_anchors_lie_in_the_response() -> None:
     ids = torch.zeros(3, 20, dtype=torch.long)
     batch = Batch(ids, lengths=torch.tensor([20, 12, 6]), prompt_lengths=torch.tensor([5, 10, 5]))
-    anchors, valid = sample_anchors(batch, 8, torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(batch, 8, torch.rand(3, 20, generator=torch.Generator().manual_seed(0)))
     assert valid.sum(1).tolist() == [8, 2, 1]  # L - P candidates: 15, 2, 1
     for b in range(3):
         chosen = anchors[b][valid[b]].tolist()
@@ -184,6 +187,38 @@ def test_cli_generates_trains_and_resumes(tmp_path) -> None:
     assert indices == sorted(set(indices)) and indices[-1] <= 13
     assert all(e.index >= 10 for e in again[len(first) :])  # continued where it stopped, nothing redone
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 5
+
+
+def train_as_rank(rank: int, size: int, port: int, cfg: TrainConfig) -> None:
+    """What `torchrun --nproc-per-node SIZE` gives each process: its place in the environment."""
+    torch.set_num_threads(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
+    os.environ.update(env | {"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    train(cfg)
+
+
+def test_two_ranks_generate_and_train_as_one(tmp_path) -> None:
+    """Two data-parallel ranks (gloo on CPU) produce the single process's data file and, after
+    several optimizer steps over batches they split, its weights."""
+    target = make_target(tmp_path / "target", "llama", vocab=VOCAB, layers=2)
+    base = {"model": str(target), "device": "cpu", "layers": 1, "block_size": 4, "max_new_tokens": 12}
+    base |= {"num_prompts": 10, "steps": 4, "batch_size": 4, "blocks_per_seq": 4, "save_dtype": "float32"}
+    train(TrainConfig(output=str(tmp_path / "one"), **base))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(train_as_rank, (2, port, TrainConfig(output=str(tmp_path / "two"), **base)), nprocs=2)
+
+    one, two = (read_examples(tmp_path / d / "data.jsonl") for d in ("one", "two"))
+    assert [e.index for e in one] == list(range(10)) and one == two
+    assert not list((tmp_path / "two").glob("data.rank*"))  # the parts were merged and removed
+    weights = [load_file(tmp_path / d / "checkpoint" / "model.safetensors") for d in ("one", "two")]
+    start = build_drafter(load_target(str(target), torch.float32, CPU).model, TrainConfig(**base), VOCAB - 1)[0]
+    moved = [n for n, p in start.named_parameters() if not torch.equal(p, weights[0][n])]
+    assert len(moved) > 5  # the steps trained something
+    for name in weights[0]:
+        # Adam moves each weight about lr (6e-4) a step: unsynchronised ranks differ by that much
+        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=0, atol=2e-5, msg=name)
 
 
 def test_prompts_come_from_offline_text() -> None:

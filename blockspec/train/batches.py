@@ -20,9 +20,14 @@ class Batch:
     prompt_lengths: torch.Tensor  # [B]
 
 
-def collate(examples: list[Example], device: torch.device, multiple: int = 1) -> Batch:
-    """Pad to the longest example, rounded up to `multiple` (fewer distinct shapes on the GPU)."""
-    width = -(-max(e.length for e in examples) // multiple) * multiple
+def padded_width(examples: list[Example], multiple: int = 1) -> int:
+    """The longest example, rounded up to `multiple` (fewer distinct shapes on the GPU)."""
+    return -(-max(e.length for e in examples) // multiple) * multiple
+
+
+def collate(examples: list[Example], device: torch.device, width: int | None = None) -> Batch:
+    """Right-pad to `width` (default: the longest example)."""
+    width = width or padded_width(examples)
     ids = torch.zeros(len(examples), width, dtype=torch.long)
     for row, e in enumerate(examples):
         ids[row, : e.length] = torch.tensor(e.prompt_ids + e.response_ids)

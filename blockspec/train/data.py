@@ -15,6 +15,7 @@ from tqdm import tqdm
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
 from blockspec.train.config import TrainConfig
+from blockspec.train.distributed import SINGLE, World
 from blockspec.train.prompts import build_prompts, read_prompts
 
 
@@ -67,12 +68,38 @@ def generate_examples(
     return [Example(i, list(p), list(r)) for i, p, r in zip(indices, prompts, outputs) if len(r) >= 2]
 
 
-def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device) -> list[Example]:
-    """Generate (or finish generating) responses to cfg.num_prompts prompts into `path`."""
+def part_path(path: Path, world: World) -> Path:
+    return path if world.size == 1 else path.with_name(f"{path.stem}.rank{world.rank}-of-{world.size}{path.suffix}")
+
+
+def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device, world: World = SINGLE) -> list[Example]:
+    """Generate (or finish generating) responses to cfg.num_prompts prompts into `path`. Under
+    several ranks each answers the prompts i with i % size == rank into its own part file, and
+    rank 0 appends the parts to `path` in prompt order once all are done."""
     done = read_examples(path) if path.is_file() else []
-    start = max((e.index for e in done), default=-1) + 1
-    if start >= cfg.num_prompts:
-        return done
+    part = part_path(path, world)
+    own = read_examples(part) if part != path and part.is_file() else []
+    start = max((e.index for e in done + own), default=-1) + 1
+    todo = [i for i in range(start, cfg.num_prompts) if i % world.size == world.rank]
+    if todo:
+        generate_into(cfg, part, device, todo, world.main)
+    if world.size > 1:
+        world.barrier()
+        if world.main:
+            parts = [part_path(path, World(r, world.size)) for r in range(world.size)]
+            new = [e for p in parts if p.is_file() for e in read_examples(p)]
+            append_examples(path, sorted(new, key=lambda e: e.index))
+            for p in parts:
+                p.unlink(missing_ok=True)
+        world.barrier()
+        done = read_examples(path)
+    elif todo:
+        done = read_examples(path)
+    return done
+
+
+def generate_into(cfg: TrainConfig, path: Path, device: torch.device, todo: list[int], progress: bool) -> None:
+    """Answer the prompts numbered `todo`, appending chunk by chunk to `path`."""
     llm = LLM(
         cfg.model,
         speculative_config=None,
@@ -84,23 +111,19 @@ def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device) -> list
         prompts = token_prompts(llm.engine.vocab_size, cfg.num_prompts, cfg.seed)
     else:
         prompts = read_prompts(cfg.prompts) if cfg.prompts else build_prompts(cfg.num_prompts, cfg.seed)
-        prompts = prompts[: cfg.num_prompts]
     chunk = 8 * cfg.gen_batch_size  # saved per chunk; several batches, so the engine keeps its batch full
-    bar = tqdm(total=len(prompts), initial=min(start, len(prompts)), desc="generating responses", unit="prompt")
-    for first in range(start, len(prompts), chunk):
-        indexed = [(i, chat_ids(llm, prompts[i])) for i in range(first, min(first + chunk, len(prompts)))]
+    bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
+    for first in range(0, len(todo), chunk):
+        indexed = [(i, chat_ids(llm, prompts[i])) for i in todo[first : first + chunk] if i < len(prompts)]
         indexed = [(i, ids) for i, ids in indexed if len(ids) <= cfg.max_prompt_tokens]
         params = [
             SamplingParams(cfg.temperature, max_tokens=cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + i)
             for i, _ in indexed
         ]
-        new = generate_examples(llm, [ids for _, ids in indexed], params, [i for i, _ in indexed])
-        append_examples(path, new)
-        done += new
-        bar.update(min(chunk, len(prompts) - first))
+        append_examples(path, generate_examples(llm, [ids for _, ids in indexed], params, [i for i, _ in indexed]))
+        bar.update(len(todo[first : first + chunk]))
     bar.close()
     del llm  # frees the engine's KV pools before training
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return done

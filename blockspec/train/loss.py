@@ -19,7 +19,8 @@ from blockspec.train.masks import block_attention
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # scalar, differentiable
+    loss_sum: torch.Tensor  # scalar, differentiable: the weighted cross-entropy summed over labelled rows
+    weight: torch.Tensor  # scalar: the summed weights (the loss is loss_sum / weight over the whole batch)
     correct: torch.Tensor  # [g-1] argmax hits per block row 1..g-1
     total: torch.Tensor  # [g-1] labelled rows per block row
     inverse_tau: torch.Tensor  # scalar: sum over valid blocks of 1 / (1 + leading hits)
@@ -27,14 +28,15 @@ class StepResult:
     drafts: torch.Tensor  # [B, N, g-1] greedy drafts of the labelled rows (0 elsewhere)
 
 
-def sample_anchors(batch: Batch, num_blocks: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(batch: Batch, num_blocks: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to num_blocks distinct anchors per sequence, uniformly among positions P-1 .. L-2
     (P prompt tokens, L tokens): at inference the first anchor is the last prompt token, and
-    every anchor needs at least one label after it. Returns anchors [B, N] and valid [B, N]."""
-    b, t = batch.input_ids.shape
+    every anchor needs at least one label after it. `keys` [B, T] are uniform random numbers
+    (the anchors are the positions of the smallest allowed). Returns anchors [B, N] and valid [B, N]."""
+    t = batch.input_ids.shape[1]
     pos = torch.arange(t, device=batch.lengths.device)
     ok = (pos >= batch.prompt_lengths[:, None] - 1) & (pos <= batch.lengths[:, None] - 2)
-    keys = torch.rand(b, t, generator=generator).to(ok.device).masked_fill(~ok, 2.0)
+    keys = keys.to(ok.device).masked_fill(~ok, 2.0)
     keys, anchors = keys.topk(min(num_blocks, t), dim=1, largest=False)
     valid = keys < 2.0
     return torch.where(valid, anchors, 0), valid
@@ -85,11 +87,12 @@ def dflash_loss(
     logits = drafter.compute_logits(hidden, target)  # the target's LM head, frozen
     ce = F.cross_entropy(logits, labels[labelled], reduction="none")
     w = weights.expand_as(labelled)[labelled]
-    loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
 
     with torch.no_grad():
         drafts = torch.zeros_like(labels)
         drafts[labelled] = logits.argmax(-1)
         hits = (drafts == labels) & labelled
         tau = 1 + hits.int().cumprod(-1).sum(-1)[valid]  # greedy acceptance length per block
-    return StepResult(loss, hits.sum((0, 1)), labelled.sum((0, 1)), (1 / tau).sum(), valid.sum(), drafts)
+    return StepResult(
+        (ce * w).sum(), w.sum(), hits.sum((0, 1)), labelled.sum((0, 1)), (1 / tau).sum(), valid.sum(), drafts
+    )

@@ -11,6 +11,7 @@ from blockspec.loading.dflash import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.train.config import TrainConfig, config_from_args
 from blockspec.train.data import generate_dataset, read_examples
+from blockspec.train.distributed import World, close_world, init_world
 from blockspec.train.evaluate import acceptance_lengths, describe
 from blockspec.train.model import build_drafter, default_mask_token_id
 from blockspec.train.prompts import build_prompts, write_prompts
@@ -23,15 +24,23 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.write_prompts:
         write_prompts(build_prompts(cfg.num_prompts, cfg.seed), cfg.write_prompts)
         return Path(cfg.write_prompts)
-    device = torch.device(cfg.device) if cfg.device else default_device()
+    world, device = init_world(torch.device(cfg.device) if cfg.device else default_device())
+    try:
+        return train_on(cfg, world, device)
+    finally:
+        close_world(world)
+
+
+def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    examples = read_examples(cfg.data) if cfg.data else generate_dataset(cfg, out / "data.jsonl", device)
+    examples = read_examples(cfg.data) if cfg.data else generate_dataset(cfg, out / "data.jsonl", device, world)
     held_out = examples[len(examples) - cfg.eval_prompts :] if cfg.eval_prompts else []
     examples = examples[: len(examples) - len(held_out)]
     if not examples:
         raise ValueError("no training examples")
-    print(f"{len(examples)} training sequences, {sum(e.length for e in examples)} tokens; {len(held_out)} held out")
+    say = print if world.main else lambda *_: None
+    say(f"{len(examples)} training sequences, {sum(e.length for e in examples)} tokens; {len(held_out)} held out")
 
     target = load_target(cfg.model, resolve_dtype(None, device), device)
     target.model.requires_grad_(False)
@@ -39,14 +48,16 @@ def train(cfg: TrainConfig) -> Path:
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(target.tokenizer, vocab)
     drafter, copied = build_drafter(target.model, cfg, mask_id)
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(
+    say(
         f"drafter: {cfg.layers} layers, {n_params / 1e6:.1f}M parameters, block {cfg.block_size}, "
         f"target layers {list(drafter.target_layer_ids)}, mask token {mask_id}, "
         f"init {'copied from the target' if copied else 'random'}"
     )
-    Trainer(cfg, target.model, drafter, examples, device).run()
+    Trainer(cfg, target.model, drafter, examples, device, world).run()
 
     path = out / "drafter"
+    if not world.main:
+        return path
     save_drafter(drafter, target.model, path, dtype=resolve_dtype(cfg.save_dtype, device))
     print(f"drafter saved to {path}")
     del target, drafter

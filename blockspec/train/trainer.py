@@ -14,10 +14,11 @@ from tqdm import tqdm
 
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.models.llama import CausalLM
-from blockspec.train.batches import BatchOrder, collate
+from blockspec.train.batches import BatchOrder, collate, padded_width
 from blockspec.train.checkpoint import load_checkpoint, save_checkpoint
 from blockspec.train.config import TrainConfig
 from blockspec.train.data import Example
+from blockspec.train.distributed import SINGLE, World
 from blockspec.train.loss import StepResult, dflash_loss, row_weights, sample_anchors
 
 
@@ -34,11 +35,19 @@ class Meter:
     tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
 
-    def add(self, r: StepResult, tokens: int) -> None:
-        self.loss += r.loss.detach()
+    def add(self, loss: torch.Tensor, r: StepResult, tokens: int) -> None:
+        self.loss += loss.detach()
         self.correct, self.total = self.correct + r.correct, self.total + r.total
         self.inverse_tau, self.blocks = self.inverse_tau + r.inverse_tau, self.blocks + r.blocks
         self.steps, self.tokens = self.steps + 1, self.tokens + tokens
+
+    def reduce(self, world: World, device: torch.device) -> None:
+        """Sums over ranks, each having seen its share of every batch (its loss is its share)."""
+        parts = [self.loss, self.correct, self.total, self.inverse_tau, self.blocks, self.tokens]
+        flat = [torch.as_tensor(x, dtype=torch.float64, device=device).reshape(-1) for x in parts]
+        sums = world.all_sum(torch.cat(flat)).split([f.numel() for f in flat])
+        self.loss, self.correct, self.total, self.inverse_tau, self.blocks = sums[:5]
+        self.tokens = int(sums[5])
 
     def summary(self) -> dict:
         acc = (self.correct / torch.as_tensor(self.total).clamp_min(1)).tolist()
@@ -54,15 +63,24 @@ class Meter:
 
 class Trainer:
     def __init__(
-        self, cfg: TrainConfig, target: CausalLM, drafter: DFlashDrafter, examples: list[Example], device: torch.device
+        self,
+        cfg: TrainConfig,
+        target: CausalLM,
+        drafter: DFlashDrafter,
+        examples: list[Example],
+        device: torch.device,
+        world: World = SINGLE,
     ) -> None:
         self.cfg, self.target, self.drafter, self.examples, self.device = cfg, target, drafter, examples, device
-        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.world = world
+        self.params = params = [p for p in drafter.parameters() if p.requires_grad]
         cuda = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=cuda or None
         )
         self.order = BatchOrder([e.length for e in examples], cfg.batch_size, cfg.seed)
+        if self.order.batch_size < world.size:
+            raise ValueError(f"batch_size {self.order.batch_size} is smaller than the {world.size} ranks sharing it")
         self.weights = row_weights(drafter.block_size, cfg.loss_gamma, device)
         self.flex = cfg.attention == "flex" or (cfg.attention == "auto" and cuda)
         self.pad_multiple = 128 if self.flex else 1  # few distinct shapes for the compiled kernel
@@ -78,27 +96,42 @@ class Trainer:
         progress = (step - warmup) / max(1, cfg.steps - warmup)
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
-    def train_step(self) -> tuple[StepResult, int]:
-        cfg = self.cfg
-        batch = collate([self.examples[i] for i in self.order(self.step)], self.device, self.pad_multiple)
-        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
-        anchors, valid = sample_anchors(batch, cfg.blocks_per_seq, generator)
+    def train_step(self) -> tuple[torch.Tensor, StepResult, int]:
+        """One step over the step's batch, of which this rank takes every size-th example: the
+        padded width and the anchors' random keys are the whole batch's, so the ranks together
+        compute exactly the single-process step."""
+        cfg, world = self.cfg, self.world
+        examples = [self.examples[i] for i in self.order(self.step)]
+        width = padded_width(examples, self.pad_multiple)
+        keys = torch.rand(
+            len(examples), width, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
+        )
+        batch = collate(examples[world.rank :: world.size], self.device, width)
+        anchors, valid = sample_anchors(batch, cfg.blocks_per_seq, keys[world.rank :: world.size])
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             result = dflash_loss(self.target, self.drafter, batch, anchors, valid, self.weights, self.flex)
+        loss = result.loss_sum / world.all_sum(result.weight.detach().clone()).clamp_min(1e-6)
         self.optimizer.zero_grad(set_to_none=True)
-        result.loss.backward()
+        loss.backward()
+        world.sum_gradients(self.params)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.step += 1
-        return result, int(batch.lengths.sum())
+        return loss, result, int(batch.lengths.sum())
 
     def save(self) -> None:
-        save_checkpoint(self.out / "checkpoint", self.step, self.drafter, self.optimizer, {"config": asdict(self.cfg)})
+        if self.world.main:
+            save_checkpoint(
+                self.out / "checkpoint", self.step, self.drafter, self.optimizer, {"config": asdict(self.cfg)}
+            )
 
     def log(self, meter: Meter, bar: tqdm) -> None:
+        meter.reduce(self.world, self.device)
+        if not self.world.main:
+            return
         s = meter.summary() | {"step": self.step, "lr": self.lr_at(self.step - 1)}
         with open(self.out / "log.jsonl", "a") as f:
             f.write(json.dumps(s) + "\n")
@@ -113,7 +146,8 @@ class Trainer:
         end = min(until or self.cfg.steps, self.cfg.steps)
         self.out.mkdir(parents=True, exist_ok=True)
         self.drafter.train()
-        bar, meter = tqdm(total=end, initial=self.step, desc="training drafter", unit="step"), Meter()
+        bar = tqdm(total=end, initial=self.step, desc="training drafter", unit="step", disable=not self.world.main)
+        meter = Meter()
         try:
             while self.step < end:
                 meter.add(*self.train_step())
