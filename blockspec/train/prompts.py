@@ -8,6 +8,7 @@ lacks these sources, where `blockspec train --prompts FILE` reads them."""
 
 import ast
 import gzip
+import itertools
 import json
 import random
 import re
@@ -46,6 +47,12 @@ TOPIC_TASKS = [  # {} is a topic: what a program does, e.g. "list directory cont
     "Write an email to your team proposing a script to {}.",
     "Describe step by step how you would {} without special tools.",
     "Write a short story in which someone has to {}.",
+    "Pretend you are a tired system administrator who must {} before dawn. Describe your night.",
+    "How has the need to {} changed the way people work with computers? Answer in two paragraphs.",
+    "Compare two different approaches to {}, and say which you would choose and why.",
+    "Write a persuasive paragraph arguing that every beginner should learn to {}.",
+    "Explain to a ten-year-old what it means to {}.",
+    "Write a dialogue between a teacher and a student about how to {}.",
 ]
 EXTRACT_TASKS = [
     "Extract every command, file name or option mentioned in this text, as a JSON list:\n\n{}",
@@ -76,8 +83,8 @@ def code_task(node: ast.AST, code: str, rng: random.Random) -> str | None:
     kind = "class" if isinstance(node, ast.ClassDef) else "function"
     doc = ast.get_docstring(node)
     lines = code.splitlines()[:MAX_CODE_LINES]
-    choice = rng.randrange(6)
-    if choice >= 4 and doc and kind == "function":
+    choice = rng.randrange(8)
+    if choice >= 4 and doc and kind == "function":  # half the documented functions: a stub, as HumanEval asks
         return rng.choice(STUB_TASKS).format(stub(node, doc))
     if choice == 0 and doc:
         header = node.name if kind == "class" else f"{node.name}({ast.unparse(node.args)})"
@@ -162,13 +169,13 @@ def man_name(path: Path) -> tuple[str, str] | None:
 
 def man_prompts(path: Path, rng: random.Random) -> list[str]:
     named = man_name(path)
-    return [rng.choice(MAN_TASKS).format(*named)] if named else []
+    return [task.format(*named) for task in MAN_TASKS] if named else []
 
 
 def topic_prompts(path: Path, rng: random.Random) -> list[str]:
-    """A general task (writing, advice, a story) about what a man page's program does."""
+    """General tasks (writing, advice, a story, role play) about what a man page's program does."""
     named = man_name(path)
-    return [rng.choice(TOPIC_TASKS).format(named[1][0].lower() + named[1][1:])] if named else []
+    return [task.format(named[1][0].lower() + named[1][1:]) for task in TOPIC_TASKS] if named else []
 
 
 # --- arithmetic word problems (made up, never from GSM8K) ------------------------------------
@@ -183,6 +190,10 @@ def word_problems(rng: random.Random) -> Iterator[str]:
             f"{a * b + c} {item} are shared equally among {b} people. How many does each get, and how many are left?",
             f"Solve for x: {b}x + {a} = {b * c + a}.",
             f"A train covers {a * 10} km in {b} hours. At that speed, how far does it go in {b + c} hours?",
+            f"A rectangle is {a} cm long and {b} cm wide. What are its area and its perimeter?",
+            f"Ann is {a} years old and {b} years older than Ben. How old will Ben be in {c} years?",
+            f"A {item.rstrip('s')} costs ${a * 10}. It is discounted by {b * 5}%. What is the new price?",
+            f"What is {a * b} divided by {b}, plus {c} squared?",
         ]
         yield rng.choice(problems) + " " + rng.choice(["Explain your reasoning.", "Show your work step by step."])
 
@@ -206,16 +217,16 @@ def from_files(
 
 
 def build_prompts(n: int, seed: int = 0) -> list[str]:
-    """n distinct instructions: 40% from code, 20% each from docs and general tasks, 10% each
-    from man pages and word problems (a source that runs dry leaves its share to the others).
+    """n distinct instructions: 35% from code, 20% from docs, 25% general tasks, 10% each from
+    man pages and word problems (a source that runs dry leaves its share to the others).
     Deterministic for a seed."""
     rng = random.Random(seed)
     sources = [
-        [4.0, from_files(stdlib_files(), code_prompts, rng)],
+        [3.5, from_files(stdlib_files(), code_prompts, rng)],
         [2.0, from_files(doc_files(), doc_prompts, rng)],
-        [2.0, from_files(man_files(), topic_prompts, rng)],
+        [2.5, from_files(man_files(), topic_prompts, rng)],
         [1.0, from_files(man_files(), man_prompts, rng)],
-        [1.0, word_problems(rng)],
+        [1.0, itertools.islice(word_problems(rng), n // 10)],  # templated: capped at their share
     ]
     prompts, seen = [], set()
     while len(prompts) < n and sources:
