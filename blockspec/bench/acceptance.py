@@ -48,6 +48,13 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return outs, time.perf_counter() - start
 
 
+def warm_up(engines: dict[str, LLM], prompts: list[list[int]], temperatures: list[float]) -> None:
+    """Graph captures, kernel compiles and adaptive width's first exploration, outside the timings."""
+    for llm in engines.values():
+        for temperature in temperatures:
+            llm.generate(prompts[:2], SamplingParams(temperature=temperature, max_tokens=32))
+
+
 def summarize(outs: list, elapsed: float) -> dict:
     taus = [a for o in outs for a in o.metrics.acceptance_lengths]
     hist = {}
@@ -90,10 +97,12 @@ def run(args: argparse.Namespace) -> None:
             specs["dflash_fp8"] = {"model": draft, "fp8": True, "adaptive_width": False}
     engines = {k: LLM(args.model, v, args.device, args.dtype, max_num_seqs=args.batch_size) for k, v in specs.items()}
     sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
-    results = []
+    results, temperatures = [], [float(t) for t in args.temperatures.split(",")]
     for set_name, texts in sets.items():
         prompts = [engines["plain"].chat_prompt([{"role": "user", "content": t}]) for t in texts[: args.limit]]
-        for temperature in (float(t) for t in args.temperatures.split(",")):
+        if not results:
+            warm_up(engines, prompts, temperatures)
+        for temperature in temperatures:
             params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens)  # unseeded: adapts
             row = {"set": set_name, "temperature": temperature, "prompts": len(prompts)}
             for name, llm in engines.items():

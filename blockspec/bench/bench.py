@@ -14,6 +14,7 @@ import torch
 
 from blockspec.bench.presets import is_preset, random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.runner import ModelRunner
 from blockspec.llm import default_device, resolve_dtype
@@ -110,7 +111,7 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: 
     params = SamplingParams(temperature=0, max_tokens=(steps + warmup + 4) * engine.max_width, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(torch.randint(0, vocab - 1, (prompt_len,), generator=gen).tolist(), params)
-    for _ in range(warmup):  # prefill, graph captures
+    for _ in range(warmup):  # prefill, graph captures, adaptive exploration
         engine.step()
     timer = PhaseTimer(engine.runner, cuda)
     seqs = list(engine.scheduler.running)
@@ -135,7 +136,9 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
         if drafter is not None
         else None
     )
-    max_len = args.prompt_len + (args.steps + args.warmup + 8) * args.block_size
+    # Adaptive width explores its widths (at most two steps each, capturing their graphs) before it settles.
+    warmup = args.warmup + (2 * len(width_classes(args.block_size)) if args.adaptive_width and drafter else 0)
+    max_len = args.prompt_len + (args.steps + warmup + 8) * args.block_size
     config = EngineConfig(
         max_num_seqs=batch,
         max_model_len=max_len,
@@ -144,7 +147,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
         num_pages=batch * (-(-max_len // 16) + 2) + 1,
     )
     engine = LLMEngine(target, drafter, spec, config)
-    m = measure(engine, batch, args.prompt_len, args.steps, args.warmup, cuda)
+    m = measure(engine, batch, args.prompt_len, args.steps, warmup, cuda)
     step_ms = m["elapsed"] * 1e3 / args.steps
     hist = {}
     for t in m["taus"]:

@@ -15,7 +15,7 @@ from torch import nn
 from blockspec.layers.attention import AttentionMetadata, write_kv
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, norm_rope
-from blockspec.models.llama import DecoderLayer, KVCache, layer_spec
+from blockspec.models.llama import DecoderLayer, KVCache, decoder_stack, layer_spec
 
 
 def dflash_value(config, name: str, default=None):
@@ -93,9 +93,7 @@ class DFlashDrafter(nn.Module):
         """embeds: the target's embedding of the block rows [B, S, H]; returns normed hidden."""
         x = embeds * self.input_embedding_scale
         rope = self.rotary(positions, x.dtype)
-        for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, cache, attn)
-        return self.norm(x)
+        return decoder_stack(self.layers, x, rope, kv_caches, attn, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
         """Logits through the target's LM head, or its FP8 copy (`quantize_drafter`)."""

@@ -97,10 +97,37 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(s)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, attn: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream comes in and goes out as x + delta, so that each residual add is
+        fused into the norm after it (delta None: the stream is x)."""
+        x, h = self.input_layernorm.add(x, delta)
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(h, rope, cache, attn))
+        return x, self.mlp(h)
+
+
+def decoder_stack(
+    layers: nn.ModuleList,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: list[KVCache],
+    attn: AttentionMetadata,
+    norm: RMSNorm,
+    capture: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """`layers` then the final `norm`: the normed output, and the residual stream after each
+    layer in `capture`."""
+    delta, captured = None, {}
+    for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+        x, delta = layer(x, delta, rope, cache, attn)
+        if i in capture:
+            captured[i] = x + delta
+    return norm.add(x, delta)[1], captured
 
 
 class Backbone(nn.Module):
@@ -147,12 +174,7 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
-        captured = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, kv_caches[i], attn)
-            if i in capture:
-                captured[i] = x
-        hidden = self.model.norm(x)
+        hidden, captured = decoder_stack(self.model.layers, x, rope, kv_caches, attn, self.model.norm, capture)
         if len(self.model.layers) - 1 in captured:  # HF's hidden_states[L] (what drafters train on) is normed
             captured[len(self.model.layers) - 1] = hidden
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
