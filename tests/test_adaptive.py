@@ -4,10 +4,12 @@ exactly the target's."""
 
 import random
 
+import pytest
 from conftest import make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
 from blockspec.engine.adaptive import AdaptiveWidth, width_classes
+from blockspec.engine.speculative import SimulatedAcceptance
 
 
 def run(policy: AdaptiveWidth, cost, accept_rate: float, steps: int, batch: int = 1) -> list[int]:
@@ -88,3 +90,16 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
     llm.engine.step()
     widths, chosen = llm.engine.step_widths(llm.engine.scheduler.running)
     assert widths == [8, 8, 8] and chosen is None
+
+
+def test_simulated_acceptance_has_its_mean_at_the_full_block() -> None:
+    """The bench's simulated drafter: mean tau at the full block, geometric runs (so a narrower
+    block commits fewer tokens, as with a real drafter), every length possible."""
+    simulated = SimulatedAcceptance(6.5, max_drafts=15)
+    full = [simulated(15) + 1 for _ in range(20000)]
+    narrow = [simulated(7) + 1 for _ in range(20000)]
+    assert abs(sum(full) / len(full) - 6.5) < 0.1
+    assert sum(narrow) / len(narrow) < 5.5  # about 5.0: the runs past 8 are cut
+    assert min(full) == 1 and max(full) == 16
+    with pytest.raises(ValueError, match="simulated tau"):
+        SimulatedAcceptance(17, max_drafts=15)

@@ -55,7 +55,7 @@ class LLMEngine:
         )
         window = spec.window if spec else None
         self.runner = ModelRunner(model, drafter, *caches, config.page_size, window, graphs)
-        self.simulated = SimulatedAcceptance(config.simulate_tau) if config.simulate_tau else None
+        self.simulated = SimulatedAcceptance(config.simulate_tau, self.max_width - 1) if config.simulate_tau else None
         self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.width)
         self.requests: dict[str, Sequence] = {}
 

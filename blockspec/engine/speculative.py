@@ -5,6 +5,7 @@ path. Greedy rows are accepted for the whole batch at once; sampled rows run exa
 speculative sampling with each sequence's own generator, so a seeded request's output does
 not depend on what it is batched with."""
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,17 +23,26 @@ class StepOutput:
 
 
 class SimulatedAcceptance:
-    """Benchmarks only: replaces greedy acceptance by a fixed pattern whose mean acceptance
-    length is `tau` (values floor/ceil of tau - 1, clamped to the block), so that random
-    weights can be timed at a realistic tau. Output tokens are then not the target's."""
+    """Benchmarks only: replaces greedy acceptance by draws with mean acceptance length `tau` at
+    the full block (`max_drafts` drafts), so that random weights can be timed at a realistic tau.
+    Each draft is accepted with one probability p, given the ones before it were (p solves
+    1 + p + ... + p^max_drafts = tau): as with real drafters, long runs are rarer than short ones
+    and narrower blocks commit fewer tokens. Output tokens are then not the target's."""
 
-    def __init__(self, tau: float) -> None:
-        self.mean_accepted, self.count = tau - 1, 0
+    def __init__(self, tau: float, max_drafts: int, seed: int = 0) -> None:
+        if not 1 <= tau <= max_drafts + 1:
+            raise ValueError(f"a simulated tau must lie in [1, {max_drafts + 1}] (the block width), got {tau}")
+        low, high = 0.0, 1.0
+        for _ in range(60):  # bisection: the mean grows with p
+            p = (low + high) / 2
+            low, high = (p, high) if sum(p**k for k in range(max_drafts + 1)) < tau else (low, p)
+        self.p, self.rng = low, random.Random(seed)
 
     def __call__(self, num_drafts: int) -> int:
-        self.count += 1
-        a = int(self.count * self.mean_accepted) - int((self.count - 1) * self.mean_accepted)
-        return min(a, num_drafts)
+        accepted = 0
+        while accepted < num_drafts and self.rng.random() < self.p:
+            accepted += 1
+        return accepted
 
 
 def dflash_draft(
