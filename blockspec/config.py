@@ -47,7 +47,7 @@ class EngineConfig:
     num_pages: int | None = None  # KV pages per pool; None: sized from max_num_seqs and max_model_len
     max_num_batched_tokens: int = 8192  # prompt tokens admitted per prefill
     cuda_graphs: bool = True  # capture decoding steps as CUDA graphs (CUDA only)
-    simulate_tau: float | None = None  # benchmarks only: force a greedy acceptance pattern of this mean
+    simulate_tau: float | None = None  # benchmarks only: draw acceptance with this mean at the full block
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "page_size", "max_num_batched_tokens"):

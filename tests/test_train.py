@@ -20,7 +20,7 @@ from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams
 from blockspec.train import TrainConfig, train
 from blockspec.train.batches import Batch, collate
-from blockspec.train.data import append_examples, generate_examples, read_examples, token_prompts
+from blockspec.train.data import Example, append_examples, generate_examples, merge_parts, read_examples, token_prompts
 from blockspec.train.evaluate import acceptance_lengths
 from blockspec.train.loss import dflash_loss, row_weights, sample_anchors
 from blockspec.train.masks import FlexBlockAttention, block_mask, flex_block_mask
@@ -219,6 +219,23 @@ def test_two_ranks_generate_and_train_as_one(tmp_path) -> None:
     for name in weights[0]:
         # Adam moves each weight about lr (6e-4) a step: unsynchronised ranks differ by that much
         torch.testing.assert_close(weights[1][name], weights[0][name], rtol=0, atol=2e-5, msg=name)
+    logs = [[json.loads(x) for x in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in ("one", "two")]
+    for one_line, two_line in zip(*logs, strict=True):  # the metrics summed over ranks: the whole batch's
+        for key in ("loss", "tau_est"):
+            assert two_line[key] == pytest.approx(one_line[key], rel=1e-4), key
+        assert two_line["acc"] == pytest.approx(one_line["acc"], abs=1e-4)
+
+
+def test_merging_parts_keeps_each_prompt_once(tmp_path) -> None:
+    """Rank parts (this run's, or an interrupted run's with another number of ranks) are appended
+    in prompt order, prompts already merged are not added twice, and the parts go."""
+    path = tmp_path / "data.jsonl"
+    append_examples(path, [Example(i, [1], [2, 3]) for i in (0, 1)])
+    append_examples(tmp_path / "data.rank0-of-2.jsonl", [Example(i, [1], [2, 3]) for i in (2, 4)])
+    append_examples(tmp_path / "data.rank1-of-2.jsonl", [Example(i, [1], [2, 3]) for i in (1, 3)])
+    merge_parts(path, sorted(tmp_path.glob("data.rank*")))
+    assert [e.index for e in read_examples(path)] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]
 
 
 def test_prompts_come_from_offline_text() -> None:

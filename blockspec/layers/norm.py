@@ -13,8 +13,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * x.to(dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(x + delta, its RMSNorm): the residual add and the norm that follows it, one kernel on the GPU."""
+def add_rms_norm_ref(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm): the residual add and the norm that follows it, one kernel on the
+    GPU. Compiled, the norm may read the sum before its rounding to x's dtype (bf16: within an ulp
+    of the eager result)."""
     x = x + delta
     return x, rms_norm_ref(x, weight, eps)
 

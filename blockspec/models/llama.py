@@ -123,7 +123,7 @@ def decoder_stack(
     """`layers` then the final `norm`: the normed output, and the residual stream after each
     layer in `capture`."""
     delta, captured = None, {}
-    for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+    for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
         x, delta = layer(x, delta, rope, cache, attn)
         if i in capture:
             captured[i] = x + delta

@@ -5,7 +5,9 @@ appends chunk by chunk, so an interrupted run resumes where its file stops."""
 import gc
 import gzip
 import json
+import os
 import random
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -72,13 +74,37 @@ def part_path(path: Path, world: World) -> Path:
     return path if world.size == 1 else path.with_name(f"{path.stem}.rank{world.rank}-of-{world.size}{path.suffix}")
 
 
+def merge_parts(path: Path, parts: list[Path]) -> None:
+    """Append the parts' examples to `path` in prompt order, each prompt once, then delete the
+    parts. `path` is replaced whole, so a crash leaves the parts or the merge, never half of one."""
+    if not parts:
+        return
+    seen = {e.index for e in read_examples(path)} if path.is_file() else set()
+    new = {e.index: e for p in parts for e in read_examples(p) if e.index not in seen}
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.copyfile(path, tmp) if path.is_file() else tmp.write_text("")
+    append_examples(tmp, sorted(new.values(), key=lambda e: e.index))
+    os.replace(tmp, path)
+    for p in parts:
+        p.unlink()
+
+
 def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device, world: World = SINGLE) -> list[Example]:
     """Generate (or finish generating) responses to cfg.num_prompts prompts into `path`. Under
     several ranks each answers the prompts i with i % size == rank into its own part file, and
     rank 0 appends the parts to `path` in prompt order once all are done."""
+    own_size = [part_path(path, World(r, world.size)) for r in range(world.size)] if world.size > 1 else []
+    if world.main:
+        # Parts that an interrupted run with another number of ranks left: merged first (its ranks
+        # may have stopped at different prompts; those between are skipped, not redone).
+        leftovers = sorted(path.parent.glob(f"{path.stem}.rank*-of-*{path.suffix}"))
+        merge_parts(path, [p for p in leftovers if p not in own_size])
+    world.barrier()
     done = read_examples(path) if path.is_file() else []
     part = part_path(path, world)
-    own = read_examples(part) if part != path and part.is_file() else []
+    if part != path:
+        part.touch()  # an empty part still tells the merge this rank is done
+    own = read_examples(part) if part != path else []
     start = max((e.index for e in done + own), default=-1) + 1
     todo = [i for i in range(start, cfg.num_prompts) if i % world.size == world.rank]
     if todo:
@@ -86,16 +112,9 @@ def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device, world: 
     if world.size > 1:
         world.barrier()
         if world.main:
-            parts = [part_path(path, World(r, world.size)) for r in range(world.size)]
-            new = [e for p in parts if p.is_file() for e in read_examples(p)]
-            append_examples(path, sorted(new, key=lambda e: e.index))
-            for p in parts:
-                p.unlink(missing_ok=True)
+            merge_parts(path, own_size)
         world.barrier()
-        done = read_examples(path)
-    elif todo:
-        done = read_examples(path)
-    return done
+    return read_examples(path) if todo or world.size > 1 else done
 
 
 def generate_into(cfg: TrainConfig, path: Path, device: torch.device, todo: list[int], progress: bool) -> None:
@@ -111,10 +130,12 @@ def generate_into(cfg: TrainConfig, path: Path, device: torch.device, todo: list
         prompts = token_prompts(llm.engine.vocab_size, cfg.num_prompts, cfg.seed)
     else:
         prompts = read_prompts(cfg.prompts) if cfg.prompts else build_prompts(cfg.num_prompts, cfg.seed)
+        if len(prompts) < cfg.num_prompts:
+            raise ValueError(f"{cfg.prompts} holds {len(prompts)} prompts, fewer than num_prompts {cfg.num_prompts}")
     chunk = 8 * cfg.gen_batch_size  # saved per chunk; several batches, so the engine keeps its batch full
     bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
     for first in range(0, len(todo), chunk):
-        indexed = [(i, chat_ids(llm, prompts[i])) for i in todo[first : first + chunk] if i < len(prompts)]
+        indexed = [(i, chat_ids(llm, prompts[i])) for i in todo[first : first + chunk]]
         indexed = [(i, ids) for i, ids in indexed if len(ids) <= cfg.max_prompt_tokens]
         params = [
             SamplingParams(cfg.temperature, max_tokens=cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + i)

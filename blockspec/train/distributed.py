@@ -15,6 +15,7 @@ import torch.distributed as dist
 class World:
     rank: int = 0
     size: int = 1
+    waits: object = None  # process group of the barriers, with a timeout long enough for data generation
 
     @property
     def main(self) -> bool:
@@ -37,7 +38,7 @@ class World:
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier()
+            dist.barrier(group=self.waits)
 
 
 SINGLE = World()  # one process alone
@@ -53,10 +54,11 @@ def init_world(device: torch.device) -> tuple[World, torch.device]:
     if device.type == "cuda":
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-    # Ranks wait for each other at the end of data generation, which takes minutes to hours.
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=size, timeout=datetime.timedelta(hours=6))
-    return World(rank, size), device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size)
+    # Ranks wait for each other at the end of data generation, which takes minutes to hours; a
+    # collective of training keeps the default timeout, so a rank that died is noticed soon.
+    waits = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
+    return World(rank, size, waits), device
 
 
 def close_world(world: World) -> None:
