@@ -192,7 +192,7 @@ def test_cli_generates_trains_and_resumes(tmp_path) -> None:
 def train_as_rank(rank: int, size: int, port: int, cfg: TrainConfig) -> None:
     """What `torchrun --nproc-per-node SIZE` gives each process: its place in the environment."""
     torch.set_num_threads(1)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size), "GLOO_SOCKET_IFNAME": "lo"}
     os.environ.update(env | {"RANK": str(rank), "LOCAL_RANK": str(rank)})
     train(cfg)
 
