@@ -10,6 +10,9 @@ from blockspec.bench.presets import random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import LLMEngine
 from blockspec.layers import attention
+from blockspec.layers.activation import silu_mul
+from blockspec.layers.norm import add_rms_norm, rms_norm
+from blockspec.layers.rotary import norm_rope
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 9, 2, 11], list(range(20, 57)), [7] * 3, [(i * 37) % 120 for i in range(70)]]
@@ -56,6 +59,31 @@ def teacher_forced_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
             tables,
         )
         return eng.target.model.compute_logits(hidden)[0]
+
+
+@torch.no_grad()
+def test_fused_elementwise_ops_match_their_eager_reference():
+    """Each torch.compile'd op against its eager definition, bf16 at Qwen3-8B widths: the
+    residual sum exactly; normed outputs within bf16 rounding (the fused kernel may skip a
+    rounding of an intermediate)."""
+    torch.manual_seed(0)
+    x, delta = (torch.randn(3, 16, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    heads = torch.randn(3, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(3, 16, 128, device="cuda")
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    cases = [
+        (rms_norm, (x, weight, 1e-6)),
+        (add_rms_norm, (x, delta, weight, 1e-6)),
+        (silu_mul, (torch.cat([x, delta], dim=-1),)),
+        (norm_rope, (heads, weight[:128], 1e-6, cos, sin)),
+    ]
+    for op, args in cases:
+        fused, eager = op(*args), op.eager(*args)
+        if op is add_rms_norm:
+            assert torch.equal(fused[0], eager[0])
+            fused, eager = fused[1], eager[1]
+        torch.testing.assert_close(fused, eager, rtol=2e-2, atol=2e-2, msg=op.__name__)
 
 
 def test_bf16_real_geometry_agreement():
