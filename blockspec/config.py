@@ -47,6 +47,9 @@ class EngineConfig:
     num_pages: int | None = None  # KV pages per pool; None: sized from max_num_seqs and max_model_len
     max_num_batched_tokens: int = 8192  # prompt tokens admitted per prefill
     cuda_graphs: bool = True  # capture decoding steps as CUDA graphs (CUDA only)
+    # Launch each step before the one in flight reaches the host, from its results still on the
+    # device (DFlash and plain decoding); None: on where the device runs asynchronously (CUDA).
+    async_steps: bool | None = None
     simulate_tau: float | None = None  # benchmarks only: draw acceptance with this mean at the full block
 
     def __post_init__(self) -> None:

@@ -88,7 +88,8 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
         llm.engine.add_request([5, 9], SamplingParams(temperature=0.8, seed=seed, max_tokens=20))
     llm.engine.add_request([5, 9], SamplingParams(temperature=0, max_tokens=20))
     llm.engine.step()
-    widths, chosen = llm.engine.step_widths(llm.engine.scheduler.running)
+    running = llm.engine.scheduler.running
+    widths, chosen = llm.engine.step_widths(running, [llm.engine.width(s) for s in running])
     assert widths == [8, 8, 8] and chosen is None
 
 

@@ -1,13 +1,15 @@
 """Many requests through a deliberately small KV pool: sequences are preempted and
 recomputed, and every output equals that request run alone."""
 
+import pytest
 import torch
 from conftest import make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
 
 
-def test_small_pool_preempts_without_changing_outputs(tmp_path):
+@pytest.mark.parametrize("async_steps", [False, True], ids=["lock-step", "launched-ahead"])
+def test_small_pool_preempts_without_changing_outputs(tmp_path, async_steps):
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=6)
     gen = torch.Generator().manual_seed(0)
@@ -20,7 +22,7 @@ def test_small_pool_preempts_without_changing_outputs(tmp_path):
     ]
     spec = {"model": str(d)}
     # 14 usable pages of 4 tokens hold one longest sequence (max_model_len 48 + block) but not many.
-    small = LLM(str(t), spec, device="cpu", page_size=4, num_pages=15, max_model_len=48)
+    small = LLM(str(t), spec, device="cpu", page_size=4, num_pages=15, max_model_len=48, async_steps=async_steps)
     outs = small.generate(prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.scheduler.allocator.num_free == 14  # every page came back

@@ -89,7 +89,7 @@ def test_mixed_block_widths_keep_the_target_distribution(pair, monkeypatch):
     t, d = pair
     llm = LLM(str(t), {"model": str(d), "num_speculative_tokens": 2}, device="cpu", max_num_seqs=512)
     engine, rng = llm.engine, random.Random(0)
-    monkeypatch.setattr(engine, "step_widths", lambda seqs: ([rng.randint(1, engine.width(s)) for s in seqs], None))
+    monkeypatch.setattr(engine, "step_widths", lambda seqs, full: ([rng.randint(1, f) for f in full], None))
     counts, steps = sampled_counts(llm, CASES[0])
     assert {1, 2, 3} <= set(steps)
     assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) > 1e-3

@@ -54,3 +54,24 @@ def test_marked_text_highlights_accepted_drafts(pair: tuple[LLM, LLM]) -> None:
     marked = marked_text(spec, out)
     assert marked.replace(GREEN, "").replace(RESET, "") == out.outputs[0].text
     assert marked.count(GREEN) == sum(n > 1 for n in out.metrics.acceptance_lengths) > 0
+
+
+def test_steps_launched_ahead_change_nothing(pair: tuple[LLM, LLM]) -> None:
+    """Each step launched from the results of the one in flight, still on the device (as on a
+    GPU), gives the lock-step engine's output: greedy token for token, and seeded samples."""
+    spec, _ = pair
+    ahead = LLM(device="cpu", dtype="float32", async_steps=True)
+    launched, launch_ahead = [], ahead.engine.launch_ahead
+    ahead.engine.launch_ahead = lambda prev: launched.append(launch_ahead(prev)) or launched[-1]
+    prompts = [spec.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, seed=i) for i in range(len(prompts))]
+    lengths = []
+    for params in (greedy, seeded):
+        fast, lock_step = ahead.generate(prompts, params), spec.generate(prompts, params)
+        for f, s in zip(fast, lock_step):
+            assert f.outputs[0].token_ids == s.outputs[0].token_ids
+            assert f.outputs[0].text == s.outputs[0].text
+            lengths += f.metrics.acceptance_lengths
+    assert sum(f is not None for f in launched) > 20  # most steps were launched ahead
+    assert max(lengths) > 3  # blocks with accepted drafts moved the next anchor on the device

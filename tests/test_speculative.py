@@ -104,9 +104,11 @@ def test_eos_stops_and_drafts_are_returned(tmp_path, oracle):
     assert all(len(d) <= 7 for d in drafts) and sum(out.metrics.acceptance_lengths) == len(out.outputs[0].token_ids)
 
 
-def test_stream_yields_growing_outputs_that_end_as_generate(tmp_path):
+@pytest.mark.parametrize("async_steps", [False, True], ids=["lock-step", "launched-ahead"])
+def test_stream_yields_growing_outputs_that_end_as_generate(tmp_path, async_steps):
     t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
-    llm = LLM(str(t), {"model": str(make_drafter(tmp_path / "d", t, block_size=8))}, device="cpu")
+    drafter = {"model": str(make_drafter(tmp_path / "d", t, block_size=8))}
+    llm = LLM(str(t), drafter, device="cpu", async_steps=async_steps)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     parts = list(llm.stream("w5 w9 w11", params))
     ids = [p.outputs[0].token_ids for p in parts]

@@ -2,6 +2,7 @@
 facade and the HTTP server both drive it through add_request / step / abort."""
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +15,15 @@ from blockspec.engine.ngram import NgramProposer
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.speculative import Proposer, SimulatedAcceptance, StepOutput, decode_step, dflash_draft
+from blockspec.engine.speculative import (
+    LaunchedStep,
+    Proposer,
+    SimulatedAcceptance,
+    StepOutput,
+    dflash_draft,
+    finish_step,
+    launch_step,
+)
 from blockspec.layers.quantization import quantize_drafter, resolve_fp8
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
@@ -24,6 +33,16 @@ from blockspec.sampling import SamplingParams
 CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
 GPU_KV_FRACTION = 0.5  # of free device memory
 NGRAM_DRAFTS = 7  # default drafts per step of the n-gram proposer
+
+
+@dataclass
+class Flight:
+    """A launched step and what the adaptive width policy learns from it."""
+
+    step: LaunchedStep
+    chosen: int | None  # the width the policy chose (None: it did not choose)
+    started: float | None  # wall clock at launch; None: launched ahead (timed from the completion before)
+    timed: bool  # False: its time is not a measure of its width (a prefill ran with it)
 
 
 class LLMEngine:
@@ -58,6 +77,12 @@ class LLMEngine:
         self.simulated = SimulatedAcceptance(config.simulate_tau, self.max_width - 1) if config.simulate_tau else None
         self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.width)
         self.requests: dict[str, Sequence] = {}
+        # Launching a step before the one in flight reaches the host needs the next anchors on the
+        # device: true of the drafter and plain decoding, not of the n-gram proposer (host tokens).
+        run_ahead = config.async_steps if config.async_steps is not None else self.device.type == "cuda"
+        self.run_ahead = run_ahead and self.proposer is dflash_draft
+        self.in_flight: Flight | None = None
+        self.last_completion = 0.0
 
     def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer]:
         """The widest block a step verifies (anchor + drafts) and the proposer of the drafts."""
@@ -92,19 +117,21 @@ class LLMEngine:
             budget = CPU_KV_BUDGET
         return max(2, min(wanted, int(budget // self.page_bytes())))
 
-    def width(self, seq: Sequence) -> int:
-        """Most rows the next step may verify: anchor + drafts, never past max_tokens or the context."""
-        remaining = seq.params.max_tokens - seq.num_generated
-        room = self.max_model_len - len(seq.token_ids)
-        return max(1, min(self.max_width, remaining, room))
+    def width(self, seq: Sequence, ahead: int = 0) -> int:
+        """Most rows the next step may verify: anchor + drafts, never past max_tokens or the
+        context. `ahead`: rows of a step in flight, counted as if all were committed (< 1: the
+        sequence may finish with that step)."""
+        remaining = seq.params.max_tokens - seq.num_generated - ahead
+        room = self.max_model_len - len(seq.token_ids) - ahead
+        return min(self.max_width, remaining, room)
 
-    def step_widths(self, seqs: list[Sequence]) -> tuple[list[int], int | None]:
-        """Each sequence's rows this step, and the width the adaptive policy chose (None if it
-        did not choose). A seeded sample depends on where blocks start (its drafts do), so it
-        keeps the full, deterministic width to stay reproducible; the step then verifies full
-        rows anyway and every sequence takes them. Greedy output never depends on widths."""
-        full = [self.width(s) for s in seqs]
-        if self.adaptive is None or any(s.params.seed is not None and not s.params.greedy for s in seqs):
+    def step_widths(self, seqs: list[Sequence], full: list[int]) -> tuple[list[int], int | None]:
+        """Each sequence's rows this step (at most `full`), and the width the adaptive policy chose
+        (None if it did not choose). A seeded sample depends on where blocks start (its drafts
+        do), so it keeps the full, deterministic width to stay reproducible; the step then
+        verifies full rows anyway and every sequence takes them. Greedy output never depends on
+        widths."""
+        if self.adaptive is None or any(s.seeded_sample for s in seqs):
             return full, None
         chosen = self.adaptive.choose(len(seqs))
         return [min(chosen, w) for w in full], chosen
@@ -153,8 +180,25 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """Admit and prefill what fits, then one decoding step for every running sequence.
-        Returns the sequences that got tokens; finished ones leave the engine."""
+        """Complete the step in flight, or run one from the committed state; returns the
+        sequences that got tokens (finished ones leave the engine). With `run_ahead`, the next
+        step is launched before the one in flight is read, from its results still on the device,
+        so that the host's bookkeeping overlaps the device's work; a step from the committed
+        state then stays in flight until the next call."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None:
+            self.in_flight = self.launch_ahead(prev)
+        done = self.complete(prev) if prev is not None else []
+        if self.in_flight is None:
+            fresh = self.launch()
+            if fresh is not None and self.run_ahead:
+                self.in_flight = fresh
+            elif fresh is not None:
+                done = self.complete(fresh)
+        return done
+
+    def launch(self) -> Flight | None:
+        """Admit and prefill what fits, then launch a step of every running sequence."""
         self.scheduler.admit()
         # Every running sequence with unprocessed tokens, not only the newly admitted: after a
         # failed prefill (e.g. out of memory) the next step redoes it instead of skipping it.
@@ -163,23 +207,52 @@ class LLMEngine:
             self.runner.prefill(pending)
         seqs = self.scheduler.schedule_step()
         if not seqs:
-            return []
-        widths, chosen = self.step_widths(seqs)
-        start = time.perf_counter()
-        outputs = decode_step(self.runner, seqs, widths, self.proposer, self.simulated)
-        # decode_step has read its results (its one sync); the context commit it launched last runs on
-        # while the host commits and is charged to the next step, so a steady state measures whole steps.
+            return None
+        widths, chosen = self.step_widths(seqs, [self.width(s) for s in seqs])
+        started = time.perf_counter()
+        anchors = self.runner.tensor([s.anchor for s in seqs])[:, None]
+        step = launch_step(self.runner, seqs, widths, anchors, None, self.proposer, self.simulated)
+        # Timed only in lock-step: a prefill's device time would be charged to it, and a step left
+        # in flight is completed after the caller's own work.
+        return Flight(step, chosen, started, not pending and not self.run_ahead)
+
+    def launch_ahead(self, prev: Flight) -> Flight | None:
+        """The next step of prev's sequences, anchored at prev's bonus tokens and its new lengths,
+        both still on the device; None where it cannot start before prev is committed (newcomers
+        to admit, a sequence that finished or may finish with prev, pages short)."""
+        seqs, widths = prev.step.seqs, prev.step.widths
+        if not self.run_ahead or self.scheduler.admission_open() or any(s.finished for s in seqs):
+            return None
+        bound = [self.width(s, ahead=w) for s, w in zip(seqs, widths)]
+        # A seeded sample keeps the widths a step from the committed state would give it.
+        if any(b < (self.max_width if s.seeded_sample else 1) for s, b in zip(seqs, bound)):
+            return None
+        if not self.scheduler.allocate_ahead(seqs, [s.num_cached + w + b for s, w, b in zip(seqs, widths, bound)]):
+            return None
+        widths_next, chosen = self.step_widths(seqs, bound)
+        step = prev.step
+        launched = launch_step(
+            self.runner, seqs, widths_next, step.bonus[:, None], step.next_starts(), self.proposer, self.simulated
+        )
+        return Flight(launched, chosen, None, True)
+
+    def complete(self, flight: Flight) -> list[Sequence]:
+        """Read a step's results and commit them (sequences finished meanwhile are skipped)."""
+        outputs = finish_step(flight.step)
+        now = time.perf_counter()
+        seqs, widths = flight.step.seqs, flight.step.widths
         if self.adaptive:
-            seconds = time.perf_counter() - start
-            # The time counts for the chosen width only if the step ran it, and no prefill's
-            # device time (asynchronous, finished inside decode_step) was mixed in.
-            ran = chosen is not None and not pending and self.adaptive.row_class(max(widths)) == chosen
+            started = flight.started if flight.started is not None else self.last_completion
+            # The time counts for the chosen width only if the step ran it.
+            ran = flight.timed and flight.chosen is not None and self.adaptive.row_class(max(widths)) == flight.chosen
             offered = [len(o.draft_token_ids) for o in outputs]
             accepted = [len(o.new_token_ids) - 1 for o in outputs]
-            self.adaptive.observe(len(seqs), chosen, seconds if ran else None, offered, accepted)
-        for seq, out in zip(seqs, outputs):
+            self.adaptive.observe(len(seqs), flight.chosen, now - started if ran else None, offered, accepted)
+        self.last_completion = now
+        live = [(s, o) for s, o in zip(seqs, outputs) if not s.finished]
+        for seq, out in live:
             self.commit(seq, out)
-        return seqs
+        return [s for s, _ in live]
 
     def commit(self, seq: Sequence, out: StepOutput) -> None:
         for committed, token in enumerate(out.new_token_ids, 1):

@@ -67,6 +67,16 @@ class ModelRunner:
         host = torch.as_tensor(np.asarray(data, dtype=np.int64))
         return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
+    def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying x to the host; the copy is complete once the event (None on the CPU) passed."""
+        if self.device.type != "cuda":
+            return x, None
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
     def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """[B, M] page ids padded with the trash page, M the most pages a sequence holds: the
         host cost and the copy follow the pages in use, not the context limit."""
@@ -129,9 +139,13 @@ class ModelRunner:
         for s, n in zip(seqs, lengths):
             s.num_cached += n
 
-    def step_inputs(self, seqs: list[Sequence], widths: list[int]) -> tuple[torch.Tensor, ...]:
-        """(starts, lengths, block_tables) of a decoding step: row 0 of each block is its anchor."""
-        return self.tensor([s.num_cached for s in seqs]), self.tensor(widths), self.block_tables(seqs)
+    def step_inputs(
+        self, seqs: list[Sequence], widths: list[int], starts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """(starts, lengths, block_tables) of a decoding step: row 0 of each block is its anchor, at
+        `starts` (default: the committed lengths; a step launched ahead passes them on the device)."""
+        starts = starts if starts is not None else self.tensor([s.num_cached for s in seqs])
+        return starts, self.tensor(widths), self.block_tables(seqs)
 
     @torch.inference_mode()
     def propose(self, anchors: torch.Tensor, inputs: tuple, width: int) -> torch.Tensor:

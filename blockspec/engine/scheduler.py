@@ -32,8 +32,7 @@ class Scheduler:
         eager forward costing several decoding steps, so one per finished sequence would
         dominate a full batch's time."""
         admitted, num_tokens = [], 0
-        free_slots = self.config.max_num_seqs - len(self.running)
-        if free_slots < min(len(self.waiting), max(1, self.config.max_num_seqs // 8)):
+        if not self.admission_open():
             return admitted
         # Pages the running sequences need for their next step are not free for newcomers.
         reserved = sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.width(s)) for s in self.running)
@@ -51,6 +50,22 @@ class Scheduler:
             num_tokens += num_prefill
         self.running.extend(admitted)
         return admitted
+
+    def admission_open(self) -> bool:
+        """Whether admit() would take newcomers now (see there)."""
+        free_slots = self.config.max_num_seqs - len(self.running)
+        return bool(self.waiting) and free_slots >= min(len(self.waiting), max(1, self.config.max_num_seqs // 8))
+
+    def allocate_ahead(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
+        """Pages for a step launched before the one in flight is committed, or False (nothing
+        allocated, nobody preempted) when the pool is short: the engine then completes the step in
+        flight first and schedules as usual."""
+        needed = sum(self.allocator.pages_needed(s.block_table, n) for s, n in zip(seqs, num_tokens))
+        if needed > self.allocator.num_free:
+            return False
+        for s, n in zip(seqs, num_tokens):
+            self.allocator.allocate(s.block_table, n)
+        return True
 
     def schedule_step(self) -> list[Sequence]:
         """Allocate the pages of every running sequence's next step, preempting from the

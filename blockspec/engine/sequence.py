@@ -66,5 +66,10 @@ class Sequence:
         return self.num_cached < len(self.token_ids) - 1
 
     @property
+    def seeded_sample(self) -> bool:
+        """A seeded sampled request: reproducible only if its blocks start where they always do."""
+        return self.params.seed is not None and not self.params.greedy
+
+    @property
     def finished(self) -> bool:
         return self.status == Status.FINISHED

@@ -3,7 +3,9 @@
 Width w (rows per sequence) = anchor + w-1 drafts; w = 1 is plain decoding through the same
 path. Greedy rows are accepted for the whole batch at once; sampled rows run exact
 speculative sampling with each sequence's own generator, so a seeded request's output does
-not depend on what it is batched with."""
+not depend on what it is batched with. A step is launched (`launch_step`) and later finished
+(`finish_step`, its one read of device results); in between, the engine may launch the next
+step from this one's results still on the device."""
 
 import random
 from collections.abc import Callable
@@ -71,15 +73,36 @@ def sample_step(
     return rejection_sample(drafts[: width - 1], p, q if q is not None else p[:0], seq.generator)
 
 
-def decode_step(
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device: its results reach the host in `host` once
+    `ready` (None: already there) has passed."""
+
+    seqs: list[Sequence]
+    widths: list[int]
+    starts: torch.Tensor  # [B] on the device: position of each block's anchor
+    accepted: torch.Tensor  # [B] on the device
+    bonus: torch.Tensor  # [B] on the device: the next step's anchors
+    host: torch.Tensor  # [B, 2 + S-1]: accepted, bonus, drafts
+    ready: torch.cuda.Event | None
+
+    def next_starts(self) -> torch.Tensor:
+        return self.starts + self.accepted + 1
+
+
+def launch_step(
     runner: ModelRunner,
     seqs: list[Sequence],
     widths: list[int],
+    anchors: torch.Tensor,
+    starts: torch.Tensor | None,
     proposer: Proposer = dflash_draft,
     simulated: SimulatedAcceptance | None = None,
-) -> list[StepOutput]:
-    anchors = runner.tensor([s.anchor for s in seqs])[:, None]
-    inputs = runner.step_inputs(seqs, widths)
+) -> LaunchedStep:
+    """Queue propose -> verify -> accept -> commit context for blocks anchored at `anchors` [B, 1]
+    at positions `starts` [B] (None: the committed lengths); a step launched ahead passes both
+    while the step before is still computing them."""
+    inputs = runner.step_inputs(seqs, widths, starts)
     drafts, q = anchors[:, :0], [None] * len(seqs)
     if max(widths) > 1:
         drafts, q, used = proposer(runner, seqs, widths, anchors, inputs)
@@ -99,11 +122,16 @@ def decode_step(
         rows = runner.tensor(sampled)
         accepted = accepted.index_put((rows,), torch.stack([a for a, _ in results]).to(accepted.dtype))
         bonus = bonus.index_put((rows,), torch.stack([t for _, t in results]).to(bonus.dtype))
-    # The step's one read of device results: counts, bonus tokens and drafts together.
-    rows = torch.cat([accepted[:, None].long(), bonus[:, None].long(), drafts.long()], dim=1).tolist()
-    runner.commit_context(features, inputs, accepted + 1)  # runs while the host commits
-    accepted, bonus, host_drafts = [r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows]
-    return [
-        StepOutput(host_drafts[i][: accepted[i]] + [bonus[i]], host_drafts[i][: widths[i] - 1])
-        for i in range(len(seqs))
-    ]
+    # The step's one read of device results: counts, bonus tokens and drafts together, copied
+    # before the context commit is queued, so that the read does not wait for it.
+    host, ready = runner.to_host(torch.cat([accepted[:, None].long(), bonus[:, None].long(), drafts.long()], dim=1))
+    runner.commit_context(features, inputs, accepted + 1)
+    return LaunchedStep(seqs, widths, inputs[0], accepted, bonus, host, ready)
+
+
+def finish_step(step: LaunchedStep) -> list[StepOutput]:
+    """Wait for the step's results and return them per sequence."""
+    if step.ready is not None:
+        step.ready.synchronize()
+    rows = step.host.tolist()
+    return [StepOutput(r[2 : 2 + r[0]] + [r[1]], r[2 : 1 + w]) for r, w in zip(rows, step.widths)]
