@@ -3,6 +3,7 @@ narrower widths only while they save time, and any sequence of widths leaves gre
 exactly the target's."""
 
 import random
+import time
 
 import pytest
 from conftest import make_drafter, make_target
@@ -104,3 +105,20 @@ def test_simulated_acceptance_has_its_mean_at_the_full_block() -> None:
     assert min(full) == 1 and max(full) == 16
     with pytest.raises(ValueError, match="simulated tau"):
         SimulatedAcceptance(17, max_drafts=15)
+
+
+def test_a_step_left_in_flight_by_finished_sequences_is_not_timed(tmp_path) -> None:
+    """With steps launched ahead, a sequence that stops leaves the next step in flight; completing
+    it later (after the engine idled) must not charge the idle time to its width."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    llm = LLM(str(t), {"model": str(make_drafter(tmp_path / "d", t, block_size=8))}, device="cpu", async_steps=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    free = llm.generate([[5, 9]], params)[0].outputs[0].token_ids
+    stop = free[20]
+    llm.generate([[5, 9]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop]))
+    engine = llm.engine
+    assert engine.in_flight is not None and all(s.finished for s in engine.in_flight.step.seqs)
+    cost = dict(engine.adaptive.cost)
+    time.sleep(0.3)
+    assert engine.step() == [] and engine.in_flight is None
+    assert engine.adaptive.cost == cost

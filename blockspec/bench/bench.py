@@ -136,8 +136,9 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
         if drafter is not None
         else None
     )
-    # Adaptive width explores its widths (at most two steps each, capturing their graphs) before it settles.
-    warmup = args.warmup + (2 * len(width_classes(args.block_size)) if args.adaptive_width and drafter else 0)
+    # Adaptive width explores its widths before it settles: a step to capture each width's graphs and
+    # one to time it, plus one with steps launched ahead (a width is chosen before the last is seen).
+    warmup = args.warmup + (3 * len(width_classes(args.block_size)) if args.adaptive_width and drafter else 0)
     max_len = args.prompt_len + (args.steps + warmup + 8) * args.block_size
     config = EngineConfig(
         max_num_seqs=batch,

@@ -185,10 +185,13 @@ class LLMEngine:
         step is launched before the one in flight is read, from its results still on the device,
         so that the host's bookkeeping overlaps the device's work; a step from the committed
         state then stays in flight until the next call."""
-        prev, self.in_flight = self.in_flight, None
+        prev, done = self.in_flight, []
         if prev is not None:
-            self.in_flight = self.launch_ahead(prev)
-        done = self.complete(prev) if prev is not None else []
+            graphs = self.runner.num_graphs()
+            self.in_flight = self.launch_ahead(prev)  # on an error, prev stays in flight
+            if self.runner.num_graphs() > graphs:  # a capture (it synchronizes) fell in prev's time
+                prev.timed = False
+            done = self.complete(prev)
         if self.in_flight is None:
             fresh = self.launch()
             if fresh is not None and self.run_ahead:
@@ -212,9 +215,7 @@ class LLMEngine:
         started = time.perf_counter()
         anchors = self.runner.tensor([s.anchor for s in seqs])[:, None]
         step = launch_step(self.runner, seqs, widths, anchors, None, self.proposer, self.simulated)
-        # Timed only in lock-step: a prefill's device time would be charged to it, and a step left
-        # in flight is completed after the caller's own work.
-        return Flight(step, chosen, started, not pending and not self.run_ahead)
+        return Flight(step, chosen, started, not pending)  # a prefill's device time is not the step's
 
     def launch_ahead(self, prev: Flight) -> Flight | None:
         """The next step of prev's sequences, anchored at prev's bonus tokens and its new lengths,
@@ -241,15 +242,17 @@ class LLMEngine:
         outputs = finish_step(flight.step)
         now = time.perf_counter()
         seqs, widths = flight.step.seqs, flight.step.widths
-        if self.adaptive:
+        live = [(s, o) for s, o in zip(seqs, outputs) if not s.finished]
+        if self.adaptive and live:
             started = flight.started if flight.started is not None else self.last_completion
-            # The time counts for the chosen width only if the step ran it.
-            ran = flight.timed and flight.chosen is not None and self.adaptive.row_class(max(widths)) == flight.chosen
-            offered = [len(o.draft_token_ids) for o in outputs]
-            accepted = [len(o.new_token_ids) - 1 for o in outputs]
+            # The time counts for the chosen width only if the step ran it, and not for a step left
+            # in flight by sequences that finished (the engine may have idled since).
+            ran = flight.timed and len(live) == len(seqs) and flight.chosen is not None
+            ran = ran and self.adaptive.row_class(max(widths)) == flight.chosen
+            offered = [len(o.draft_token_ids) for _, o in live]
+            accepted = [len(o.new_token_ids) - 1 for _, o in live]
             self.adaptive.observe(len(seqs), flight.chosen, now - started if ran else None, offered, accepted)
         self.last_completion = now
-        live = [(s, o) for s, o in zip(seqs, outputs) if not s.finished]
         for seq, out in live:
             self.commit(seq, out)
         return [s for s, _ in live]

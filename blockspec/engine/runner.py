@@ -85,6 +85,10 @@ class ModelRunner:
             row[: len(s.block_table)] = s.block_table
         return self.tensor(tables)
 
+    def num_graphs(self) -> int:
+        """CUDA graphs captured so far (a capture synchronizes the device and compiles)."""
+        return len(self.graphs.graphs) if self.graphs is not None else 0
+
     def run(self, name: str, fn, *inputs: torch.Tensor):
         """fn(*inputs) eagerly, or as a CUDA graph replay when graphs are on."""
         if self.graphs is None:

@@ -34,16 +34,15 @@ class Scheduler:
         admitted, num_tokens = [], 0
         if not self.admission_open():
             return admitted
-        # Pages the running sequences need for their next step are not free for newcomers.
-        reserved = sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.width(s)) for s in self.running)
+        reserved = self.reserved_pages()
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
             num_prefill = len(seq.pending_prefill)
             if admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens:
                 break
-            needed = len(seq.token_ids) - 1 + self.width(seq)  # the prefill and the first step
-            if self.allocator.pages_needed(seq.block_table, needed) > self.allocator.num_free - reserved:
+            if not self.fits(seq, reserved):
                 break
+            needed = len(seq.token_ids) - 1 + self.width(seq)  # the prefill and the first step
             self.allocator.allocate(seq.block_table, needed)
             seq.status = Status.RUNNING
             admitted.append(self.waiting.popleft())
@@ -52,9 +51,20 @@ class Scheduler:
         return admitted
 
     def admission_open(self) -> bool:
-        """Whether admit() would take newcomers now (see there)."""
+        """Whether admit() would take a newcomer now (see there)."""
         free_slots = self.config.max_num_seqs - len(self.running)
-        return bool(self.waiting) and free_slots >= min(len(self.waiting), max(1, self.config.max_num_seqs // 8))
+        if not self.waiting or free_slots < min(len(self.waiting), max(1, self.config.max_num_seqs // 8)):
+            return False
+        return self.fits(self.waiting[0], self.reserved_pages())
+
+    def reserved_pages(self) -> int:
+        """Pages the running sequences need for their next step: not free for newcomers."""
+        return sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.width(s)) for s in self.running)
+
+    def fits(self, seq: Sequence, reserved: int) -> bool:
+        """Whether the pool holds a newcomer's prefill and first step beside the reserved pages."""
+        needed = len(seq.token_ids) - 1 + self.width(seq)
+        return self.allocator.pages_needed(seq.block_table, needed) <= self.allocator.num_free - reserved
 
     def allocate_ahead(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
         """Pages for a step launched before the one in flight is committed, or False (nothing
