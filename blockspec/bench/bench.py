@@ -144,6 +144,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
         max_num_seqs=batch,
         max_model_len=max_len,
         cuda_graphs=not args.no_cuda_graphs,
+        async_steps=False if args.lock_step else None,
         simulate_tau=args.simulate_tau if drafter is not None else None,
         num_pages=batch * (-(-max_len // 16) + 2) + 1,
     )
@@ -233,6 +234,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument(
+        "--lock-step", action="store_true", help="read each step before launching the next (no launch ahead)"
+    )
     p.add_argument("--fp8", default="off", help="weight-only FP8 drafter: off, on, auto")
     p.add_argument(
         "--adaptive-width", action="store_true", help="let steps narrow the block (default: every step at full width)"
