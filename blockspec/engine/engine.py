@@ -41,8 +41,8 @@ class Flight:
 
     step: LaunchedStep
     chosen: int | None  # the width the policy chose (None: it did not choose)
-    started: float | None  # wall clock at launch; None: launched ahead (timed from the completion before)
-    timed: bool  # False: its time is not a measure of its width (a prefill ran with it)
+    launched: float  # wall clock at launch
+    timed: bool  # False: its time is not a measure of its width (a prefill or a capture ran in it)
 
 
 class LLMEngine:
@@ -235,7 +235,7 @@ class LLMEngine:
         launched = launch_step(
             self.runner, seqs, widths_next, step.bonus[:, None], step.next_starts(), self.proposer, self.simulated
         )
-        return Flight(launched, chosen, None, True)
+        return Flight(launched, chosen, time.perf_counter(), True)
 
     def complete(self, flight: Flight) -> list[Sequence]:
         """Read a step's results and commit them (sequences finished meanwhile are skipped)."""
@@ -244,7 +244,8 @@ class LLMEngine:
         seqs, widths = flight.step.seqs, flight.step.widths
         live = [(s, o) for s, o in zip(seqs, outputs) if not s.finished]
         if self.adaptive and live:
-            started = flight.started if flight.started is not None else self.last_completion
+            # A step launched ahead starts on the device when the step before it ends.
+            started = max(flight.launched, self.last_completion)
             # The time counts for the chosen width only if the step ran it, and not for a step left
             # in flight by sequences that finished (the engine may have idled since).
             ran = flight.timed and len(live) == len(seqs) and flight.chosen is not None

@@ -32,7 +32,7 @@ class Scheduler:
         eager forward costing several decoding steps, so one per finished sequence would
         dominate a full batch's time."""
         admitted, num_tokens = [], 0
-        if not self.admission_open():
+        if not self.slots_open():
             return admitted
         reserved = self.reserved_pages()
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
@@ -42,8 +42,7 @@ class Scheduler:
                 break
             if not self.fits(seq, reserved):
                 break
-            needed = len(seq.token_ids) - 1 + self.width(seq)  # the prefill and the first step
-            self.allocator.allocate(seq.block_table, needed)
+            self.allocator.allocate(seq.block_table, self.first_step_tokens(seq))
             seq.status = Status.RUNNING
             admitted.append(self.waiting.popleft())
             num_tokens += num_prefill
@@ -51,20 +50,28 @@ class Scheduler:
         return admitted
 
     def admission_open(self) -> bool:
-        """Whether admit() would take a newcomer now (see there)."""
+        """Whether admit() would take a newcomer now."""
+        return self.slots_open() and self.fits(self.waiting[0], self.reserved_pages())
+
+    def slots_open(self) -> bool:
+        """Newcomers wait, and under a backlog until an eighth of the batch is free (see admit)."""
         free_slots = self.config.max_num_seqs - len(self.running)
-        if not self.waiting or free_slots < min(len(self.waiting), max(1, self.config.max_num_seqs // 8)):
-            return False
-        return self.fits(self.waiting[0], self.reserved_pages())
+        return bool(self.waiting) and free_slots >= min(len(self.waiting), max(1, self.config.max_num_seqs // 8))
 
     def reserved_pages(self) -> int:
         """Pages the running sequences need for their next step: not free for newcomers."""
         return sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.width(s)) for s in self.running)
 
+    def first_step_tokens(self, seq: Sequence) -> int:
+        """Positions a newcomer's prefill and first step write."""
+        return len(seq.token_ids) - 1 + self.width(seq)
+
     def fits(self, seq: Sequence, reserved: int) -> bool:
         """Whether the pool holds a newcomer's prefill and first step beside the reserved pages."""
-        needed = len(seq.token_ids) - 1 + self.width(seq)
-        return self.allocator.pages_needed(seq.block_table, needed) <= self.allocator.num_free - reserved
+        return (
+            self.allocator.pages_needed(seq.block_table, self.first_step_tokens(seq))
+            <= self.allocator.num_free - reserved
+        )
 
     def allocate_ahead(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
         """Pages for a step launched before the one in flight is committed, or False (nothing
