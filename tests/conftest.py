@@ -138,3 +138,16 @@ def oracle(monkeypatch):
 
     monkeypatch.setattr(engine_module, "dflash_draft", propose)
     return answers
+
+
+def count_launches_ahead(llm) -> list[bool]:
+    """Records, for every step that could have been launched ahead, whether it was."""
+    record, launch_ahead = [], llm.engine.launch_ahead
+
+    def counted(prev):
+        flight = launch_ahead(prev)
+        record.append(flight is not None)
+        return flight
+
+    llm.engine.launch_ahead = counted
+    return record

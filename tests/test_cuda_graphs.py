@@ -2,7 +2,8 @@
 of outputs), run on the CPU with a stand-in graph that replays by calling the captured
 function on its static buffers: outputs must equal the eager engine's."""
 
-from conftest import make_drafter, make_target
+import pytest
+from conftest import count_launches_ahead, make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
 from blockspec.engine.cuda_graphs import GraphCache
@@ -27,7 +28,10 @@ class CpuGraphCache(GraphCache):
         return ReplayByCall(fn, static, out), static, out
 
 
-def test_graph_bookkeeping_matches_eager(tmp_path):
+@pytest.mark.parametrize("async_steps", [False, True], ids=["lock-step", "launched-ahead"])
+def test_graph_bookkeeping_matches_eager(tmp_path, async_steps):
+    """Launched ahead, a step replays the graphs while the results of the step before, computed
+    from the same static buffers, are still to be read: they must not alias them."""
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
     prompts = [[5, 9], list(range(20, 45)), [7] * 3, [(i * 37) % 120 for i in range(40)], [3]]
@@ -37,12 +41,14 @@ def test_graph_bookkeeping_matches_eager(tmp_path):
     ]  # max_tokens not multiples of the width: narrower last steps
     for spec in ({"model": str(d)}, {"method": "ngram", "num_speculative_tokens": 5}, None):
         eager = LLM(str(t), spec, device="cpu", page_size=4)
-        graphed = LLM(str(t), spec, device="cpu", page_size=4)
+        graphed = LLM(str(t), spec, device="cpu", page_size=4, async_steps=async_steps)
+        launched = count_launches_ahead(graphed)
         runner = graphed.engine.runner
         runner.graphs = CpuGraphCache(8, -(-graphed.engine.max_model_len // 4), (2, 4, graphed.engine.max_width))
         a = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
         b = [o.outputs[0].token_ids for o in graphed.generate(prompts, params)]
         assert a == b
+        assert any(launched) == (async_steps and (spec is None or "method" not in spec))  # n-gram: never
         assert {k[1] for k in runner.graphs.graphs} >= {8, 4}  # batches shrank across buckets as requests ended
         if spec is not None:  # narrow last steps ran in the narrow row classes
             assert {k[2] for k in runner.graphs.graphs} >= {2, 4, graphed.engine.max_width}

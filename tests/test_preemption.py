@@ -3,7 +3,7 @@ recomputed, and every output equals that request run alone."""
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import count_launches_ahead, make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
 
@@ -23,7 +23,9 @@ def test_small_pool_preempts_without_changing_outputs(tmp_path, async_steps):
     spec = {"model": str(d)}
     # 14 usable pages of 4 tokens hold one longest sequence (max_model_len 48 + block) but not many.
     small = LLM(str(t), spec, device="cpu", page_size=4, num_pages=15, max_model_len=48, async_steps=async_steps)
+    launched = count_launches_ahead(small)
     outs = small.generate(prompts, params)
+    assert any(launched) == async_steps  # launched ahead between preemptions (105 of 186 steps measured)
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.scheduler.allocator.num_free == 14  # every page came back
     alone = LLM(str(t), spec, device="cpu", page_size=4, max_model_len=48)

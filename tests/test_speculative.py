@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import add_word_tokenizer, make_drafter, make_target
+from conftest import add_word_tokenizer, count_launches_ahead, make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
@@ -109,11 +109,13 @@ def test_stream_yields_growing_outputs_that_end_as_generate(tmp_path, async_step
     t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
     drafter = {"model": str(make_drafter(tmp_path / "d", t, block_size=8))}
     llm = LLM(str(t), drafter, device="cpu", async_steps=async_steps)
+    launched = count_launches_ahead(llm)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     parts = list(llm.stream("w5 w9 w11", params))
     ids = [p.outputs[0].token_ids for p in parts]
     assert all(a == b[: len(a)] and len(a) < len(b) for a, b in itertools.pairwise(ids))  # each step extends the last
     assert parts[-1].finished and not any(p.finished for p in parts[:-1])
+    assert any(launched) == async_steps
     final = llm.generate("w5 w9 w11", params)[0]
     assert parts[-1].outputs[0].token_ids == final.outputs[0].token_ids
     assert parts[-1].outputs[0].text == final.outputs[0].text
