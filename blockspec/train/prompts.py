@@ -158,7 +158,7 @@ def man_name(path: Path) -> tuple[str, str] | None:
     """(name, what it does) from the NAME line ("ls \\- list directory contents")."""
     match = re.search(r"^\.SH\s+\"?NAME\"?\s*\n(.*?)(?=^\.S[HS])", read_text(path), re.MULTILINE | re.DOTALL)
     if not match:
-        return []
+        return None
     text = " ".join(line for line in match.group(1).splitlines() if not line.startswith("."))
     text = re.sub(r"\\f(\(..|\[[^]]*\]|.)|\\&|\\\*.", "", text).replace("\\-", "-").replace("\\", "")
     name, sep, what = text.partition(" - ")
