@@ -1,15 +1,9 @@
 """Weight-only FP8 (E4M3, per-row scales): quantization error bounds, the reference Fp8Linear,
-swapping a drafter's linears (greedy output stays the target's), and the Triton kernel against
-the reference.
-
-The kernel runs for real with a GPU (bf16/fp16/fp32, drafter shapes, CUDA-graph capture) and in
-Triton's interpreter without one (fp16/fp32, small odd shapes; the interpreter's tl.dot mishandles
-bf16, which it stores as uint16, so bf16 is covered on the GPU only). Kernel tests are skipped
-where triton is not installed."""
+and swapping a drafter's linears (greedy output stays the target's). The Triton kernel behind
+Fp8Linear on CUDA is tested in test_kernels_linear.py."""
 
 import fnmatch
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -19,6 +13,7 @@ from transformers import Qwen3Config
 
 from blockspec import LLM, SamplingParams
 from blockspec.layers import quantization
+from blockspec.layers.linear import Linear
 from blockspec.layers.quantization import (
     DRAFTER_FP8_PATTERNS,
     FP8_DTYPE,
@@ -177,13 +172,13 @@ def test_quantize_linears_swaps_only_the_requested_layers():
         if name in names:
             assert isinstance(module, Fp8Linear)
         elif name.endswith("_proj") or name == "fc":
-            assert type(module) is nn.Linear, name
+            assert type(module) is Linear, name
     mlp_after = drafter.layers[0].mlp(x)
     assert (mlp_after - mlp_before).norm() / mlp_before.norm() < REL_STEP  # gate, up, down quantized
     # the rest by the default patterns; a callable filter; nothing twice
     names = quantize_linears(drafter, DRAFTER_FP8_PATTERNS)
     assert names == [n for n in linears if n not in mlp] and "fc" in names and "layers.1.self_attn.o_proj" in names
-    assert not any(type(m) is nn.Linear for m in drafter.modules())
+    assert not any(type(m) is Linear for m in drafter.modules())
     assert quantize_linears(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), lambda n: n == "2") == ["2"]
 
 
@@ -236,164 +231,3 @@ def test_fp8_drafter_keeps_greedy_output_lossless(llama_pair):
     agree = sum(a == b for x, y in zip(fp8_drafts, bf16_drafts) for a, b in zip(x, y))
     print(f"FP8 drafts equal to the unquantized drafter's: {agree}/{sum(map(len, bf16_drafts))}")
     assert agree >= 0.8 * sum(map(len, bf16_drafts))
-
-
-# -- the Triton kernel ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    """The kernel module; without a GPU, a private copy whose kernels are decorated for Triton's
-    interpreter (TRITON_INTERPRET is read at decoration time; it is set only while the copy loads,
-    so other modules' kernels are unaffected). The kernels call no @triton.jit helpers (tl.zeros
-    and friends were decorated when triton was first imported, possibly not for the interpreter)."""
-    pytest.importorskip("triton")
-    if CUDA:
-        from blockspec.layers.kernels import fp8_linear
-
-        return fp8_linear
-    spec = importlib.util.find_spec("blockspec.layers.kernels.fp8_linear")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        copy = importlib.util.spec_from_file_location("_fp8_linear_interpreted", spec.origin)
-        module = importlib.util.module_from_spec(copy)
-        copy.loader.exec_module(module)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return module
-
-
-def check_kernel(kernel, M, N, K, dtype, bias, config=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 0.1
-    q, scale = quantize_weight(w.to(DEVICE))
-    b = (torch.randn(N, generator=gen) * 0.1).to(DEVICE, dtype) if bias else None
-    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
-    y = kernel.fp8_linear(x, q, scale, b, config)
-    assert y.shape == (M, N) and y.dtype == dtype
-    ref = F.linear(x.float(), dequantize_weight(q, scale, torch.float32), None if b is None else b.float())
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype] * ref.abs().max().item()
-    err = (y.float() - ref).abs().max().item()
-    assert err <= tol, (M, N, K, dtype, config, err, tol)
-
-
-INTERPRETED_CASES = [  # M, N, K, dtype, bias, config (None: choose_config)
-    (1, 200, 300, torch.float16, True, None),
-    (16, 96, 512, torch.float32, False, None),
-    (37, 130, 100, torch.float16, True, None),
-    (1, 64, 256, torch.float16, False, "split"),
-    (16, 72, 96, torch.float32, True, "split"),
-    (37, 40, 70, torch.float32, False, "odd-split"),
-    (300, 48, 40, torch.float16, True, None),
-]
-
-
-def resolve_config(kernel, spec):
-    if spec == "split":
-        return kernel.Fp8Config(16, 32, 32, split_k=2)
-    if spec == "odd-split":
-        return kernel.Fp8Config(32, 16, 16, split_k=3)
-    return None
-
-
-@needs_triton
-@pytest.mark.parametrize("M,N,K,dtype,bias,config", INTERPRETED_CASES)
-def test_kernel_matches_reference_small(kernel, M, N, K, dtype, bias, config):
-    check_kernel(kernel, M, N, K, dtype, bias, resolve_config(kernel, config))
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_dequant_kernel_is_the_reference_bit_for_bit(kernel, dtype):
-    q, s = quantize_weight(random_weight(37, 300, seed=2).to(DEVICE))
-    expected = dequantize_weight(q, s, dtype, use_kernel=False)
-    got = kernel.dequantize_fp8(q, s, dtype)
-    if CUDA or dtype != torch.bfloat16:
-        assert torch.equal(got, expected)
-    else:  # the interpreter casts float32 -> bf16 by truncation, the GPU rounds to nearest even
-        torch.testing.assert_close(got, expected, rtol=2**-7, atol=0)
-
-
-@needs_triton
-def test_choose_config_for_drafter_shapes(kernel):
-    shapes = [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (4096, 12288)]
-    shapes += [(10240, 4096), (4096, 20480), (151936, 4096)]  # fused K/V, fc, LM head
-    for M in (1, 16, 37, 256, 1024):
-        for N, K in shapes:
-            c = kernel.choose_config(M, N, K, 132)
-            k_steps = -(-K // c.block_k)
-            assert k_steps % c.split_k == 0 and k_steps // c.split_k >= 2, (M, N, K, c)
-            assert c.block_m >= 16 and c.block_n >= 16 and c.block_k >= 16
-            tiles = -(-M // c.block_m) * -(-N // c.block_n)
-            assert c.split_k == 1 or tiles * c.split_k // 2 < 2 * 132, (M, N, K, c)
-    assert kernel.choose_config(16, 1024, 4096, 132).split_k > 1  # k/v projection: too few tiles alone
-    assert kernel.choose_config(16, 151936, 4096, 132).split_k == 1  # LM head: plenty
-
-
-@needs_triton
-def test_kernel_empty_and_batched_input(kernel):
-    q, s = quantize_weight(torch.randn(40, 32, device=DEVICE))
-    dtype = torch.float32
-    assert kernel.fp8_linear(torch.randn(0, 32, device=DEVICE, dtype=dtype), q, s).shape == (0, 40)
-    x = torch.randn(2, 3, 32, device=DEVICE, dtype=dtype)
-    y = kernel.fp8_linear(x, q, s)
-    torch.testing.assert_close(y, F.linear(x, dequantize_weight(q, s, dtype)), rtol=1e-5, atol=1e-5)
-
-
-# -- the kernel on a GPU --------------------------------------------------------------------------
-
-cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-
-
-@cuda
-@needs_triton
-@pytest.mark.cuda
-@pytest.mark.parametrize("M", [1, 16, 37, 256, 1030])
-def test_kernel_matches_reference_cuda_bf16(kernel, M):
-    for N, K, bias in ((200, 300, True), (1024, 4096, False), (4096, 4096, True), (4096, 12288, False)):
-        check_kernel(kernel, M, N, K, torch.bfloat16, bias)
-
-
-@cuda
-@needs_triton
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("M", [1, 37, 1030])
-def test_kernel_matches_reference_cuda_other_dtypes(kernel, dtype, M):
-    for N, K, bias in ((200, 300, True), (1024, 4096, False)):
-        check_kernel(kernel, M, N, K, dtype, bias)
-
-
-@cuda
-@needs_triton
-@pytest.mark.cuda
-def test_fp8_linear_module_on_cuda_uses_kernel_and_graphs(kernel, monkeypatch):
-    torch.manual_seed(0)
-    layer = Fp8Linear.from_linear(nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16))
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    calls = []
-    monkeypatch.setattr(kernel, "fp8_linear", lambda *a, _f=kernel.fp8_linear: calls.append(1) or _f(*a))
-    y = layer(x)
-    assert calls, "Fp8Linear did not use the Triton kernel on CUDA"
-    ref = layer.forward_reference(x)
-    torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
-    # large M falls back to dequantize + cuBLAS: exactly the reference
-    big = torch.randn(layer.kernel_max_m + 1, 4096, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(layer(big), layer.forward_reference(big))
-    # capture in a CUDA graph (after warm-up) and replay on new input
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = layer(static_x)
-    static_x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(static_y, layer(static_x), rtol=0, atol=0)

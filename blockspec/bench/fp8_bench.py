@@ -27,7 +27,7 @@ from triton.runtime.errors import OutOfResources
 
 from blockspec.bench.bench import copy_bandwidth
 from blockspec.bench.timing import time_us
-from blockspec.layers.kernels.fp8_linear import Fp8Config, choose_config, dequantize_fp8, fp8_linear, num_sms
+from blockspec.layers.kernels.skinny_linear import SkinnyConfig, choose_config, dequantize_fp8, num_sms, skinny_linear
 from blockspec.layers.quantization import KERNEL_MAX_M, quantize_weight
 
 LAYERS = 5
@@ -57,11 +57,11 @@ SHAPES = {**LAYOUTS["fused"], **LAYOUTS["split"]}
 FLUSH_BYTES = 256 * 2**20
 
 
-def describe(c: Fp8Config) -> str:
+def describe(c: SkinnyConfig) -> str:
     return f"{c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
 
 
-def sweep_configs(M: int, N: int, K: int) -> list[Fp8Config]:
+def sweep_configs(M: int, N: int, K: int) -> list[SkinnyConfig]:
     base = choose_config(M, N, K, num_sms(torch.device("cuda")))
     out = []
     if M <= 64:
@@ -72,7 +72,7 @@ def sweep_configs(M: int, N: int, K: int) -> list[Fp8Config]:
         k_steps = math.ceil(K / bk)
         if k_steps % split or k_steps // split < 2:
             continue
-        out.append(Fp8Config(base.block_m, bn, bk, split, warps, stages))
+        out.append(SkinnyConfig(base.block_m, bn, bk, split, warps, stages))
     if M > 64:
         out += [dataclasses.replace(c, block_m=64) for c in out if c.block_m == 128]
     return out
@@ -114,13 +114,13 @@ def main() -> None:
             act = 2 * M * (K + N)
             cfg = choose_config(M, N, K, sms)
             y_bf16 = F.linear(x, w)
-            y_fp8 = fp8_linear(x, q, scale, None, cfg)
+            y_fp8 = skinny_linear(x, q, scale, None, cfg)
             y_ref = F.linear(x, dequantize_fp8(q, scale, torch.bfloat16))
             denom = y_ref.float().abs().max().item()
             err = (y_fp8.float() - y_ref.float()).abs().max().item() / denom
             qerr = (y_fp8.float() - y_bf16.float()).abs().max().item() / y_bf16.float().abs().max().item()
             t_bf16 = time_us([lambda w=w_, x=x: F.linear(x, w) for w_ in ws], calls, args.reps)
-            t_fp8 = time_us([lambda p=p, x=x, c=cfg: fp8_linear(x, *p, None, c) for p in qs], calls, args.reps)
+            t_fp8 = time_us([lambda p=p, x=x, c=cfg: skinny_linear(x, *p, None, c) for p in qs], calls, args.reps)
             t_deq = time_us(
                 [lambda p=p, x=x: F.linear(x, dequantize_fp8(p[0], p[1], torch.bfloat16)) for p in qs],
                 calls,
@@ -140,9 +140,9 @@ def main() -> None:
                 results = []
                 for c in sweep_configs(M, N, K):
                     try:
-                        fp8_linear(x, q, scale, None, c)
+                        skinny_linear(x, q, scale, None, c)
                         results.append(
-                            (time_us([lambda p=p, c=c, x=x: fp8_linear(x, *p, None, c) for p in qs], calls, 3), c)
+                            (time_us([lambda p=p, c=c, x=x: skinny_linear(x, *p, None, c) for p in qs], calls, 3), c)
                         )
                     except (OutOfResources, RuntimeError) as e:  # too much shared memory, ...
                         print(f"    {describe(c)}: {type(e).__name__}")

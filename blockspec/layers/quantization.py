@@ -4,7 +4,7 @@
 q = round_e4m3(w / s) with s = rowmax(|w|) / 448 (448 = largest E4M3 value, so every row uses the
 full range and the row maximum is exact), and forward computes x @ (q * s[:, None]).T + bias:
 - CUDA (sm_89+, triton importable, M <= `kernel_max_m`): the Triton kernel
-  `blockspec.layers.kernels.fp8_linear`, which streams the FP8 bytes and dequantizes in registers;
+  `blockspec.layers.kernels.skinny_linear`, which streams the FP8 bytes and dequantizes in registers;
 - otherwise, the reference path (the CPU path and the oracle): dequantize to x.dtype (computed in
   float32, rounded once) and F.linear. On CUDA that is dequantize + cuBLAS, the better choice for
   large M (prefill), where the GEMM is compute-bound.
@@ -20,13 +20,14 @@ environment sets BLOCKSPEC_FP8=0. BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but u
 """
 
 import fnmatch
-import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from blockspec.layers.linear import skinny_kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -68,7 +69,7 @@ def dequantize_weight(
 ) -> torch.Tensor:
     """q * scale[:, None], computed in float32 and rounded once to `dtype` (on CUDA by a one-pass
     Triton kernel with the same result, bit for bit)."""
-    kernels = _kernels() if q.is_cuda and use_kernel else None
+    kernels = skinny_kernels() if q.is_cuda and use_kernel else None
     if kernels is not None and q.is_contiguous():
         return kernels.dequantize_fp8(q, scale, dtype)
     if dtype == torch.float32:
@@ -79,22 +80,12 @@ def dequantize_weight(
     return out
 
 
-@functools.cache
-def _kernels():
-    """The Triton module `blockspec.layers.kernels.fp8_linear`, or None without triton."""
-    try:
-        from blockspec.layers.kernels import fp8_linear
-    except ImportError:  # no triton (CPU installs, CI)
-        return None
-    return fp8_linear
-
-
 def fp8_supported(device: torch.device | str) -> bool:
     """CUDA with native FP8 conversion (sm_89+: Ada, Hopper, Blackwell) and triton importable."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9) and _kernels() is not None
+    return torch.cuda.get_device_capability(device) >= (8, 9) and skinny_kernels() is not None
 
 
 def resolve_fp8(setting: bool | str | None, device: torch.device | str) -> bool:
@@ -191,9 +182,9 @@ class Fp8Linear(nn.Module):
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and x.numel() <= self.kernel_max_m * self.in_features
         ):
-            kernels = _kernels()
+            kernels = skinny_kernels()
             if kernels is not None:
-                return kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+                return kernels.skinny_linear(x, self.weight, self.weight_scale, self.bias)
         return self.forward_reference(x)
 
     def _apply(self, fn, recurse=True):

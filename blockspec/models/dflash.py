@@ -9,10 +9,10 @@ projections are stacked into one weight and computed with one GEMM (`fused_kv`).
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.attention import AttentionMetadata, write_kv
+from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, norm_rope
 from blockspec.models.llama import DecoderLayer, KVCache, decoder_stack, layer_spec
@@ -46,7 +46,7 @@ class DFlashDrafter(nn.Module):
         ids = dflash_value(config, "target_layer_ids")
         self.target_layer_ids = tuple(ids if ids is not None else default_target_layer_ids(num_target_layers, n))
         h = self.spec.hidden_size
-        self.fc = nn.Linear(len(self.target_layer_ids) * target_hidden_size, h, bias=False)
+        self.fc = Linear(len(self.target_layer_ids) * target_hidden_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, self.spec.eps)
         self.norm = RMSNorm(h, self.spec.eps)
         self.rotary = RotaryEmbedding(config, self.spec.head_dim)
@@ -73,7 +73,7 @@ class DFlashDrafter(nn.Module):
         s = self.spec
         c = self.hidden_norm(self.fc(features))
         fp8 = self.fused_kv_fp8
-        kv = fp8(c) if fp8 is not None else F.linear(c, self.fused_kv_weight, self.fused_kv_bias)
+        kv = fp8(c) if fp8 is not None else linear(c, self.fused_kv_weight, self.fused_kv_bias)
         kv = kv.view(*c.shape[:-1], len(self.layers), 2, s.num_kv_heads, s.head_dim).movedim(-4, 0)
         k = kv[..., 0, :, :]
         weight = self.k_norm_weight.view(len(self.layers), *[1] * (k.dim() - 2), s.head_dim)

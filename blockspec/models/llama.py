@@ -10,6 +10,7 @@ from torch import nn
 
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.attention import AttentionMetadata
+from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, norm_rope
 
@@ -60,8 +61,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         self.layer_type = layer_type
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)  # q|k|v: one GEMM
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
+        self.qkv_proj = Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)  # q|k|v: one GEMM
+        self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
         self.eps = s.eps
         self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None  # Qwen3 only
         self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
@@ -81,8 +82,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, s: LayerSpec) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)  # gate|up: one GEMM
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.gate_up_proj = Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)  # gate|up: one GEMM
+        self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -149,7 +150,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.spec = layer_spec(config)
         self.model = Backbone(config, self.spec)
-        self.lm_head = nn.Linear(self.spec.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(self.spec.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, self.spec.head_dim)

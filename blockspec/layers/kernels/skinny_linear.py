@@ -1,19 +1,22 @@
-"""Weight-only FP8 linear in Triton: y = x @ (w * scale[:, None]).T + bias, the CUDA implementation
-of `blockspec.layers.quantization.Fp8Linear` (same contract as its reference path).
+"""Skinny linear in Triton: y = x @ (w * scale[:, None]).T + bias for the few rows of a decode,
+verify or propose step. It serves two callers with one contract:
+- `blockspec.layers.linear.linear`: bf16/fp16 weights, no scale, up to `LINEAR_MAX_M` rows, where
+  it reads the weight faster than cuBLAS (H200, Qwen3-8B shapes: 3.87 against 4.16 ms of GEMMs a
+  decode step at M = 1, 4.01 against 4.18 at M = 16; `python -m blockspec.bench.fp8_bench`);
+- `blockspec.layers.quantization.Fp8Linear`: float8_e4m3fn weights with one float32 scale per
+  output row (E4M3 values are exact in bf16/fp16; the scale commutes with the K reduction, so it is
+  applied once to the fp32 accumulator in the epilogue, with the bias and the cast).
+x and y stay in the activation dtype (bf16/fp16, or fp32 with exact fp32 products); accumulation is
+fp32. At small M the GEMM is bound by reading the weight, so both kernels only stream it.
 
-w is float8_e4m3fn [N, K] with one float32 scale per output row; x and y stay in the activation
-dtype (bf16/fp16, or fp32 with exact fp32 products). The GEMMs we run are skinny (M = rows of a
-decode/verify/propose step, 1..1024) and, at small M, bound by reading the weight: the kernel
-streams the FP8 bytes (half of bf16's), converts each tile to x's dtype in registers (E4M3 values
-are exact in bf16/fp16) and accumulates in fp32. Because the scale is per output row it commutes
-with the K reduction, so it is applied once to the fp32 accumulator in the epilogue, together with
-the bias and the cast: the inner loop is load, convert, dot.
+M = 1, `_gemv_kernel`: a program owns BLOCK_N rows of w and walks K, multiply-adding on the CUDA
+cores into an fp32 [BLOCK_N, BLOCK_K] tile summed once at the end (no MMA: with one row it would
+waste 15/16 of its lanes and add a layout shuffle per tile).
 
-"Swap AB": a program computes the transposed tile acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T, so
-the weight rows fill the MMA's large M side (64/128, the wgmma granule on Hopper; the converted
-weight can be its register operand) and the few activation rows the narrow side (>= 16 for
-tl.dot). At M = 1 the x tile is the same row repeated (rows are clamped, not masked), read from
-L1/L2, and wasted MMA lanes cost nothing in a bandwidth-bound loop.
+M > 1, `_skinny_kernel`, "swap AB": a program computes the transposed tile acc[BLOCK_N, BLOCK_M] =
+w_tile @ x_tile.T, so the weight rows fill the MMA's large M side (64, the wgmma granule on Hopper;
+the converted weight can be its register operand) and the few activation rows the narrow side
+(>= 16 for tl.dot; rows past M are clamped, not masked, and the store is masked).
 
 Split-K: when the (M, N) tiles are too few to keep every SM streaming (N = 1024..4096 at small M),
 the K range is cut into SPLIT_K chunks handled by separate programs, each writing an fp32 partial
@@ -22,10 +25,10 @@ atomics) and applies scale, bias and cast. Launch shapes depend only on (M, N, K
 synchronisation, and the workspace comes from the caching allocator, so calls can be captured in
 CUDA graphs (warm up first: the first call compiles).
 
-`dequantize_fp8` is the large-M path's first half (then cuBLAS): one pass, float32 product rounded
-once, equal bit for bit to the torch reference. Kernels here call no @triton.jit helpers (tl.zeros
-and the like) and loop a constexpr number of times, so that tests can run them in Triton's CPU
-interpreter even when triton was imported before TRITON_INTERPRET was set.
+`dequantize_fp8` is FP8's large-M path's first half (then cuBLAS): one pass, float32 product
+rounded once, equal bit for bit to the torch reference. Kernels here call no @triton.jit helpers
+(tl.zeros and the like) and loop a constexpr number of times, so that tests can run them in
+Triton's CPU interpreter even when triton was imported before TRITON_INTERPRET was set.
 """
 
 import dataclasses
@@ -36,11 +39,12 @@ import triton
 import triton.language as tl
 
 REDUCE_BLOCK = 1024
+LINEAR_MAX_M = 16  # rows up to which unscaled (bf16/fp16) weights beat cuBLAS here (measured at 1 and 16)
 DEQUANT_BLOCK = 4096
 
 
 @triton.jit
-def _fp8_linear_kernel(
+def _skinny_kernel(
     x_ptr,
     w_ptr,
     scale_ptr,
@@ -57,6 +61,7 @@ def _fp8_linear_kernel(
     stride_ym,
     stride_yn,
     K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -93,8 +98,8 @@ def _fp8_linear_kernel(
         offs_k += BLOCK_K
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     if SPLIT_K == 1:
-        scale = tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc = acc * scale[:, None]
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += bias.to(tl.float32)[:, None]
@@ -107,6 +112,48 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    K_ITERS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_n = (offs_n % N).to(tl.int64)  # clamped: loads stay in bounds, the store is masked
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    for _ in range(K_ITERS):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptr + offs_k * stride_xk)
+        else:
+            w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
+            x = tl.load(x_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K * stride_wk
+        offs_k += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        y = y * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
 def _splitk_reduce_kernel(
     ws_ptr,
     scale_ptr,
@@ -116,6 +163,7 @@ def _splitk_reduce_kernel(
     N,
     stride_ym,
     stride_yn,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -127,7 +175,8 @@ def _splitk_reduce_kernel(
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
     n = offs % N
     m = offs // N
-    acc = acc * tl.load(scale_ptr + n, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -155,13 +204,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Config:
-    block_m: int
+class SkinnyConfig:
+    block_m: int  # 1: the GEMV kernel (M = 1, no split)
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
@@ -179,13 +228,18 @@ def _num_sms_cuda(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_config(M: int, N: int, K: int, sms: int) -> Fp8Config:
+def choose_config(M: int, N: int, K: int, sms: int) -> SkinnyConfig:
     """Tile sizes by M, then split-K until there are about two programs per SM, while the splits
     divide the K steps evenly (>= 2 steps each) and the fp32 workspace traffic (8 * split * M * N
-    bytes) stays within a quarter of the weight's (N * K). The tiles are first guesses for Hopper,
-    not yet measured: `python -m blockspec.bench.fp8_bench --sweep` times alternatives on the GPU."""
+    bytes) stays within a quarter of the weight's (N * K). The M = 1 and M <= 16 tiles are the
+    H200's best (or within 3% of it) over the Qwen3-8B target and drafter shapes, for bf16 and FP8
+    weights; larger M are first guesses. `python -m blockspec.bench.fp8_bench --sweep` times
+    alternatives."""
+    if M == 1:
+        wide = N >= 16384  # LM heads, gate|up: longer rows per program, fewer programs
+        return SkinnyConfig(1, 32 if wide else 16, min(256 if wide else 512, _pow2_at_least(K)), 1, 8, 3)
     if M <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 256, 4, 4
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
     elif M <= 32:
         bm, bn, bk, warps, stages = 32, 64, 256, 4, 4
     elif M <= 64:
@@ -207,22 +261,25 @@ def choose_config(M: int, N: int, K: int, sms: int) -> Fp8Config:
         and 32 * (2 * split) * M <= K
     ):
         split *= 2
-    return Fp8Config(bm, bn, bk, split, warps, stages)
+    return SkinnyConfig(bm, bn, bk, split, warps, stages)
 
 
-def fp8_linear(
+def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-    config: Fp8Config | None = None,
+    config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32), weight [N, K] float8_e4m3fn, scale [N] float32, bias [N] or
-    None -> [..., N] in x's dtype."""
+    """x [..., K] (bf16/fp16/fp32), weight [N, K] float8_e4m3fn with scale [N] float32 (or in x's
+    dtype with scale None), bias [N] or None -> [..., N] in x's dtype."""
     K = x.shape[-1]
     N = weight.shape[0]
     assert weight.shape[1] == K, f"x has {K} features, weight is {tuple(weight.shape)}"
-    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    if scale is None:
+        assert weight.dtype == x.dtype, f"an unscaled weight must be in x's dtype {x.dtype}, got {weight.dtype}"
+    else:
+        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     out_shape = (*x.shape[:-1], N)
     x2 = x.reshape(-1, K)
@@ -231,13 +288,38 @@ def fp8_linear(
     if M == 0:
         return y.view(out_shape)
     cfg = config or choose_config(M, N, K, num_sms(x.device))
+    has_bias, has_scale = bias is not None, scale is not None
+    scale = scale if has_scale else weight  # valid pointers, never read
+    b = bias if has_bias else scale
+    if cfg.block_m == 1:
+        assert M == 1, f"the GEMV config serves one row, got {M}"
+        k_iters = triton.cdiv(K, cfg.block_k)
+        _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+            x2,
+            weight,
+            scale,
+            b,
+            y,
+            N,
+            K,
+            x2.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            k_iters,
+            HAS_SCALE=has_scale,
+            HAS_BIAS=has_bias,
+            EVEN_K=K == k_iters * cfg.block_k,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return y.view(out_shape)
     k_iters = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k)
     even_k = K == cfg.split_k * k_iters * cfg.block_k
     ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if cfg.split_k > 1 else y
-    has_bias = bias is not None
-    b = bias if has_bias else scale  # a valid pointer, never read
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
-    _fp8_linear_kernel[grid](
+    _skinny_kernel[grid](
         x2,
         weight,
         scale,
@@ -254,6 +336,7 @@ def fp8_linear(
         y.stride(0),
         y.stride(1),
         k_iters,
+        HAS_SCALE=has_scale,
         HAS_BIAS=has_bias,
         SPLIT_K=cfg.split_k,
         EVEN_K=even_k,
@@ -274,6 +357,7 @@ def fp8_linear(
             N,
             y.stride(0),
             y.stride(1),
+            HAS_SCALE=has_scale,
             HAS_BIAS=has_bias,
             SPLIT_K=cfg.split_k,
             BLOCK=REDUCE_BLOCK,

@@ -1,0 +1,211 @@
+"""The Triton skinny linear (`blockspec.layers.kernels.skinny_linear`) against F.linear: with FP8
+weights and per-row scales (Fp8Linear's CUDA path) and with unscaled bf16/fp16/fp32 weights (the
+`linear` op's CUDA path), on the GEMV (M = 1) and the swap-AB (M > 1, split-K) kernels.
+
+With a GPU the kernels run for real (bf16/fp16/fp32, drafter and target shapes, CUDA-graph
+capture). Without one they run in Triton's interpreter (fp16/fp32, small odd shapes; the
+interpreter's tl.dot mishandles bf16, which it stores as uint16), which must be switched on before
+triton is first imported: so on CPU this file runs again in a subprocess with TRITON_INTERPRET=1
+(test_kernels_in_interpreter), as test_kernels_attention.py does. Skipped without triton."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("triton")
+
+from blockspec.layers import linear as linear_module
+from blockspec.layers.kernels import skinny_linear as kernel
+from blockspec.layers.quantization import Fp8Linear, dequantize_weight, quantize_weight
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
+runs_kernel = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="CPU: run by test_kernels_in_interpreter")
+cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
+def test_kernels_in_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    run = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 0.1
+    b = (torch.randn(N, generator=gen) * 0.1).to(DEVICE, dtype) if bias else None
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    if fp8:
+        q, scale = quantize_weight(w.to(DEVICE))
+        y = kernel.skinny_linear(x, q, scale, b, config)
+        w_ref = dequantize_weight(q, scale, torch.float32)
+    else:
+        w_ref = w.to(DEVICE, dtype)
+        y = kernel.skinny_linear(x, w_ref, None, b, config)
+    assert y.shape == (M, N) and y.dtype == dtype
+    ref = F.linear(x.float(), w_ref.float(), None if b is None else b.float())
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype] * ref.abs().max().item()
+    err = (y.float() - ref).abs().max().item()
+    assert err <= tol, (M, N, K, dtype, config, fp8, err, tol)
+
+
+INTERPRETED_CASES = [  # M, N, K, dtype, bias, config (None: choose_config)
+    (1, 200, 300, torch.float16, True, None),  # GEMV, K not a multiple of its block
+    (1, 40, 1024, torch.float32, False, None),  # GEMV, even K
+    (16, 96, 512, torch.float32, False, None),
+    (37, 130, 100, torch.float16, True, None),
+    (1, 64, 256, torch.float16, False, "split"),
+    (16, 72, 96, torch.float32, True, "split"),
+    (37, 40, 70, torch.float32, False, "odd-split"),
+    (300, 48, 40, torch.float16, True, None),
+]
+
+
+def resolve_config(spec):
+    if spec == "split":
+        return kernel.SkinnyConfig(16, 32, 32, split_k=2)
+    if spec == "odd-split":
+        return kernel.SkinnyConfig(32, 16, 16, split_k=3)
+    return None
+
+
+@runs_kernel
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "unscaled"])
+@pytest.mark.parametrize("M,N,K,dtype,bias,config", INTERPRETED_CASES)
+def test_kernel_matches_reference_small(M, N, K, dtype, bias, config, fp8):
+    check_kernel(M, N, K, dtype, bias, resolve_config(config), fp8)
+
+
+@runs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequant_kernel_is_the_reference_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(37, 300, generator=gen) * torch.logspace(-4, 2, 37)[:, None]
+    q, s = quantize_weight(w.to(DEVICE))
+    expected = dequantize_weight(q, s, dtype, use_kernel=False)
+    got = kernel.dequantize_fp8(q, s, dtype)
+    if CUDA or dtype != torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:  # the interpreter casts float32 -> bf16 by truncation, the GPU rounds to nearest even
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=0)
+
+
+def test_choose_config_for_model_shapes():
+    shapes = [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (4096, 12288)]
+    shapes += [(10240, 4096), (4096, 20480), (151936, 4096)]  # fused K/V, fc, LM head
+    for M in (1, 16, 37, 256, 1024):
+        for N, K in shapes:
+            c = kernel.choose_config(M, N, K, 132)
+            if M == 1:  # the GEMV kernel: no split, no MMA tile
+                assert c.block_m == 1 and c.split_k == 1 and c.block_k <= K, (N, K, c)
+                continue
+            k_steps = -(-K // c.block_k)
+            assert k_steps % c.split_k == 0 and k_steps // c.split_k >= 2, (M, N, K, c)
+            assert c.block_m >= 16 and c.block_n >= 16 and c.block_k >= 16
+            tiles = -(-M // c.block_m) * -(-N // c.block_n)
+            assert c.split_k == 1 or tiles * c.split_k // 2 < 2 * 132, (M, N, K, c)
+    assert kernel.choose_config(16, 1024, 4096, 132).split_k > 1  # k/v projection: too few tiles alone
+    assert kernel.choose_config(16, 151936, 4096, 132).split_k == 1  # LM head: plenty
+
+
+@runs_kernel
+def test_kernel_empty_and_batched_input():
+    q, s = quantize_weight(torch.randn(40, 32, device=DEVICE))
+    dtype = torch.float32
+    assert kernel.skinny_linear(torch.randn(0, 32, device=DEVICE, dtype=dtype), q, s).shape == (0, 40)
+    x = torch.randn(2, 3, 32, device=DEVICE, dtype=dtype)
+    y = kernel.skinny_linear(x, q, s)
+    torch.testing.assert_close(y, F.linear(x, dequantize_weight(q, s, dtype)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError, match="x's dtype"):
+        kernel.skinny_linear(x, q.to(torch.float16))
+
+
+# -- the kernels on a GPU -------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "unscaled"])
+@pytest.mark.parametrize("M", [1, 16, 37, 256, 1030])
+def test_kernel_matches_reference_cuda_bf16(M, fp8):
+    for N, K, bias in ((200, 300, True), (1024, 4096, False), (4096, 4096, True), (4096, 12288, False)):
+        check_kernel(M, N, K, torch.bfloat16, bias, fp8=fp8)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("M", [1, 37, 1030])
+def test_kernel_matches_reference_cuda_other_dtypes(dtype, M):
+    for N, K, bias in ((200, 300, True), (1024, 4096, False)):
+        check_kernel(M, N, K, dtype, bias)
+        check_kernel(M, N, K, dtype, bias, fp8=False)
+
+
+def check_in_cuda_graph(layer: nn.Module, x: torch.Tensor) -> None:
+    """Capture `layer` in a CUDA graph (after warm-up) and replay it on new input."""
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(static_y, layer(static_x), rtol=0, atol=0)
+
+
+def count_kernel_calls(monkeypatch) -> list:
+    calls = []
+    monkeypatch.setattr(kernel, "skinny_linear", lambda *a, _f=kernel.skinny_linear: calls.append(1) or _f(*a))
+    return calls
+
+
+@cuda
+@pytest.mark.cuda
+def test_fp8_linear_module_on_cuda_uses_kernel_and_graphs(monkeypatch):
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = count_kernel_calls(monkeypatch)
+    y = layer(x)
+    assert calls, "Fp8Linear did not use the Triton kernel on CUDA"
+    ref = layer.forward_reference(x)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
+    # large M falls back to dequantize + cuBLAS: exactly the reference
+    big = torch.randn(layer.kernel_max_m + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(layer(big), layer.forward_reference(big))
+    check_in_cuda_graph(layer, x)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 16])
+def test_linear_uses_kernel_for_few_rows_on_cuda(monkeypatch, rows):
+    torch.manual_seed(0)
+    layer = linear_module.Linear(4096, 6144, bias=True, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    calls = count_kernel_calls(monkeypatch)
+    with torch.inference_mode():
+        y = layer(x)
+        assert calls, "Linear did not use the Triton kernel"
+        ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        torch.testing.assert_close(y.float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
+        n = len(calls)
+        big = torch.randn(kernel.LINEAR_MAX_M + 1, 4096, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(layer(big), F.linear(big, layer.weight, layer.bias)) and len(calls) == n  # cuBLAS
+        check_in_cuda_graph(layer, x)
+    with torch.enable_grad():  # training keeps F.linear
+        layer(x)
+    assert len(calls) == n + 3  # the graph test's warm-up, capture and check, not the grad-mode call
