@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from blockspec.layers.attention import paged_attention, paged_attention_ref
+from blockspec.layers.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from blockspec.layers.kernels.kv_write import write_kv_triton
 from blockspec.layers.kernels.paged_attention import choose_splits, paged_attention_triton
 
 CUDA = torch.cuda.is_available()
@@ -193,3 +194,42 @@ def test_cuda_graph_replay_with_new_ranges(splits: int | None) -> None:
     case["k_end"].copy_(torch.tensor([[216], [33]], device=DEVICE).expand(2, 16))
     graph.replay()
     check(out, case)
+
+
+@runs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kv_write_matches_index_copy(dtype: torch.dtype) -> None:
+    """The cache write kernel against `write_kv_ref`, bit for bit: k/v as the model passes them
+    (views into a fused q|k|v row, leading batch dims), padding rows to the trash slot 0, a cast
+    from the activation dtype to the cache's."""
+    gen = torch.Generator().manual_seed(0)
+    hkv, d, slots = 3, 32, 40
+    qkv = torch.randn(2, 5, 4 + 2 * hkv, d, generator=gen).to(DEVICE)
+    k, v = qkv[:, :, 4 : 4 + hkv], qkv[:, :, 4 + hkv :]
+    slot_mapping = torch.tensor([[7, 8, 9, 0, 0], [33, 1, 2, 3, 39]], device=DEVICE)
+    caches = [torch.randn(slots, hkv, d, generator=gen).to(DEVICE, dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    write_kv_ref(*expected, k[:, :4], v[:, :4], slot_mapping[:, :4])  # no trash-slot rows: one writer per slot
+    write_kv_triton(*caches, k[:, :4], v[:, :4], slot_mapping[:, :4])
+    assert all(map(torch.equal, caches, expected))
+    write_kv_triton(*caches, k, v, slot_mapping)  # with padding rows: all but the trash slot as the reference
+    write_kv_ref(*expected, k, v, slot_mapping)
+    assert all(torch.equal(c[1:], e[1:]) for c, e in zip(caches, expected))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_write_kv_dispatches_to_kernel_on_cuda(monkeypatch) -> None:
+    from blockspec.layers.kernels import kv_write
+
+    calls = []
+    monkeypatch.setattr(kv_write, "write_kv_triton", lambda *a: calls.append(1))
+    cache = torch.zeros(4, 1, 8, device=DEVICE)
+    with torch.no_grad():
+        write_kv(
+            cache,
+            cache.clone(),
+            torch.ones(1, 1, 8, device=DEVICE),
+            torch.ones(1, 1, 8, device=DEVICE),
+            torch.ones(1, dtype=torch.long, device=DEVICE),
+        )
+    assert calls

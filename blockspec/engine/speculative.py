@@ -53,6 +53,7 @@ class SimulatedAcceptance:
             return 0 if self.p <= 0.0 else num_drafts
         return min(num_drafts, int(math.log(1.0 - self.u) / math.log(self.p)))
 
+
 def dflash_draft(
     runner: ModelRunner, seqs: list[Sequence], widths: list[int], anchors: torch.Tensor, inputs: tuple
 ) -> tuple[torch.Tensor, list, list]:

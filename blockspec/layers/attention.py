@@ -105,6 +105,20 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
+    """k, v [..., Hkv, D] into the caches [slots, Hkv, D] at slot_mapping [...]."""
+    if k.is_cuda and _fast_kernels and not torch.is_grad_enabled():
+        try:  # imported here: CPU-only installs need not have triton
+            from blockspec.layers.kernels.kv_write import write_kv_triton
+        except ImportError:
+            pass
+        else:
+            return write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+    write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+
+
+def write_kv_ref(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     slots = slot_mapping.reshape(-1)
     k_cache.index_copy_(0, slots, k.reshape(-1, *k.shape[-2:]).to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.reshape(-1, *v.shape[-2:]).to(v_cache.dtype))

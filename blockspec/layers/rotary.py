@@ -56,9 +56,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-@cuda_compiled
-def norm_rope(
+def norm_rope_ref(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """Per-head RMSNorm (when weight is given: Qwen3's q/k norm), then rotary embedding."""
     return apply_rotary(rms_norm_ref(x, weight, eps) if weight is not None else x, cos, sin)
+
+
+def qk_norm_rope_ref(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """qkv [..., Hq + 2*Hkv, D] -> the same layout with the q and the k heads through
+    `norm_rope_ref` and the v heads as they are: one kernel on the GPU for all three."""
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=-2)
+    return torch.cat([norm_rope_ref(q, q_weight, eps, cos, sin), norm_rope_ref(k, k_weight, eps, cos, sin), v], -2)
+
+
+norm_rope = cuda_compiled(norm_rope_ref)
+qk_norm_rope = cuda_compiled(qk_norm_rope_ref)

@@ -12,7 +12,7 @@ from blockspec.layers.activation import silu_mul
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.rotary import RotaryEmbedding, norm_rope
+from blockspec.layers.rotary import RotaryEmbedding, qk_norm_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -70,11 +70,10 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, attn: AttentionMetadata
     ) -> torch.Tensor:
-        shape = x.shape[:-1]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = norm_rope(q.view(*shape, self.num_heads, self.head_dim), weight(self.q_norm), self.eps, *rope)
-        k = norm_rope(k.view(*shape, self.num_kv_heads, self.head_dim), weight(self.k_norm), self.eps, *rope)
-        v = v.view(*shape, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim)
+        heads = (self.num_heads, self.num_kv_heads)
+        qkv = qk_norm_rope(qkv, weight(self.q_norm), weight(self.k_norm), self.eps, *rope, *heads)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=-2)
         out = attn.attend(q, k, v, cache, self.layer_type, self.head_dim**-0.5)
         return self.o_proj(out.flatten(-2))
 
