@@ -12,7 +12,7 @@ from blockspec.engine.engine import LLMEngine
 from blockspec.layers import attention
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.norm import add_rms_norm, rms_norm
-from blockspec.layers.rotary import norm_rope, qk_norm_rope
+from blockspec.layers.rotary import norm_rope
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 9, 2, 11], list(range(20, 57)), [7] * 3, [(i * 37) % 120 for i in range(70)]]
@@ -77,20 +77,6 @@ def test_fused_elementwise_ops_match_their_eager_reference():
         (add_rms_norm, (x, delta, weight, 1e-6)),
         (silu_mul, (torch.cat([x, delta], dim=-1),)),
         (norm_rope, (heads, weight[:128], 1e-6, cos, sin)),
-        (
-            qk_norm_rope,
-            (
-                torch.randn(3, 16, 48, 128, device="cuda").bfloat16(),
-                weight[:128],
-                weight[128:256],
-                1e-6,
-                cos,
-                sin,
-                32,
-                8,
-            ),
-        ),
-        (qk_norm_rope, (torch.randn(3, 16, 48, 128, device="cuda").bfloat16(), None, None, 1e-6, cos, sin, 32, 8)),
     ]
     for op, args in cases:
         fused, eager = op.compiled(*args), op.eager(*args)
@@ -107,8 +93,9 @@ def test_bf16_real_geometry_agreement():
     top-2 logit margin ~0.08 at logit std ~0.6 over 151936 tokens), so bf16 rounding alone
     flips many argmaxes: the check is that the fast path (Triton attention, fused compiled
     ops) deviates from the reference path (gather + SDPA, eager ops), both bf16, by no more
-    than bf16 itself deviates from fp32; and the greedy tokens of the CUDA-graph engine are
-    reported against the reference's teacher-forced choices."""
+    than bf16 itself deviates from fp32; and where fp32's top-2 margin is clear of the bf16 noise
+    (4x the row's logit RMS deviation), the fast path's argmax and the CUDA-graph engine's greedy
+    tokens (Triton skinny GEMMs) are fp32's for >= 99% of the rows."""
     dev = torch.device("cuda")
     target32 = random_target("random:Qwen3-8B", torch.float32, dev)
     target = random_target("random:Qwen3-8B", torch.bfloat16, dev)
@@ -122,7 +109,7 @@ def test_bf16_real_geometry_agreement():
     seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts]
     while eng.has_unfinished():
         eng.step()
-    fast_dev = noise = agree = total = same_argmax = rows = 0.0
+    fast_dev = noise = agree = total = same_argmax = rows = clear = clear_agree = clear_out = clear_out_agree = 0.0
     plain16, plain32 = engine(target, None, graphs=False), engine(target32, None, graphs=False)
     for s in seqs:
         fast = teacher_forced_logits(plain16, s.token_ids)
@@ -133,13 +120,25 @@ def test_bf16_real_geometry_agreement():
         noise += (ref - ref32).pow(2).sum().item()
         same_argmax += (fast.argmax(-1) == ref.argmax(-1)).sum().item()
         rows += fast.shape[0]
-        chosen = ref[s.num_prompt_tokens - 1 : -1].argmax(-1)
-        agree += (chosen == torch.tensor(s.output_token_ids, device=dev)).sum().item()
+        # rows whose fp32 top-2 margin is over 4x that row's bf16 logit noise: no near-tie there
+        top2 = ref32.topk(2, dim=-1).values
+        is_clear = top2[:, 0] - top2[:, 1] > 4 * (ref - ref32).pow(2).mean(-1).sqrt()
+        clear += is_clear.sum().item()
+        clear_agree += (is_clear & (fast.argmax(-1) == ref32.argmax(-1))).sum().item()
+        out_rows = slice(s.num_prompt_tokens - 1, -1)  # the rows that chose the engine's outputs
+        tokens = torch.tensor(s.output_token_ids, device=dev)
+        agree += (ref[out_rows].argmax(-1) == tokens).sum().item()
+        clear_out += is_clear[out_rows].sum().item()
+        clear_out_agree += (is_clear[out_rows] & (ref32[out_rows].argmax(-1) == tokens)).sum().item()
         total += len(s.output_token_ids)
     print(
         f"bf16 Qwen3-8B geometry: fast-vs-reference logit RMS {fast_dev**0.5:.3g}, bf16-vs-fp32 {noise**0.5:.3g}; "
         f"greedy tokens equal to the reference's teacher-forced argmax: {agree:.0f}/{total:.0f}; "
-        f"teacher-forced argmax of fast equal to reference, every position: {same_argmax:.0f}/{rows:.0f}"
+        f"teacher-forced argmax of fast equal to reference, every position: {same_argmax:.0f}/{rows:.0f}; "
+        f"where the fp32 margin is clear of bf16 noise, fp32's argmax equals the fast teacher-forced one "
+        f"{clear_agree:.0f}/{clear:.0f} and the engine's greedy token {clear_out_agree:.0f}/{clear_out:.0f}"
     )
     assert 0 < fast_dev**0.5 <= 2 * noise**0.5  # > 0: the fast path really ran
+    assert clear >= rows / 2 and clear_agree >= 0.99 * clear  # the 99% of the issue, away from near-ties
+    assert clear_out >= total / 2 and clear_out_agree >= 0.99 * clear_out
     assert agree >= 0.85 * total  # 243/256 measured at session 1's engine; near-ties flip the rest

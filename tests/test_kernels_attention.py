@@ -19,6 +19,8 @@ pytest.importorskip("triton")
 from blockspec.layers.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 from blockspec.layers.kernels.kv_write import write_kv_triton
 from blockspec.layers.kernels.paged_attention import choose_splits, paged_attention_triton
+from blockspec.layers.kernels.qk_norm_rope import qk_norm_rope_triton
+from blockspec.layers.rotary import qk_norm_rope_ref
 
 CUDA = torch.cuda.is_available()
 INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
@@ -233,3 +235,22 @@ def test_write_kv_dispatches_to_kernel_on_cuda(monkeypatch) -> None:
             torch.ones(1, dtype=torch.long, device=DEVICE),
         )
     assert calls
+
+
+@runs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
+def test_qk_norm_rope_kernel_matches_reference(dtype: torch.dtype, weights: bool) -> None:
+    """In place on a q|k|v row (Hq=4, Hkv=2, D=64, leading dims [2, 3]) against qk_norm_rope_ref:
+    q and k heads normed (Qwen3) and rotated, v heads untouched."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 3, 8, 64, generator=gen).to(DEVICE, dtype)
+    angles = torch.rand(2, 3, 32, generator=gen) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    w = [(torch.rand(64, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if weights else [None, None]
+    expected = qk_norm_rope_ref(qkv, *w, 1e-6, cos, sin, 4, 2)
+    v = qkv[:, :, 6:].clone()
+    out = qk_norm_rope_triton(qkv, *w, 1e-6, cos, sin, 4, 2)
+    assert out is qkv and torch.equal(qkv[:, :, 6:], v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)

@@ -74,10 +74,22 @@ def qk_norm_rope_ref(
     num_kv_heads: int,
 ) -> torch.Tensor:
     """qkv [..., Hq + 2*Hkv, D] -> the same layout with the q and the k heads through
-    `norm_rope_ref` and the v heads as they are: one kernel on the GPU for all three."""
+    `norm_rope_ref` and the v heads as they are."""
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=-2)
     return torch.cat([norm_rope_ref(q, q_weight, eps, cos, sin), norm_rope_ref(k, k_weight, eps, cos, sin), v], -2)
 
 
 norm_rope = cuda_compiled(norm_rope_ref)
-qk_norm_rope = cuda_compiled(qk_norm_rope_ref)
+
+
+def qk_norm_rope(qkv: torch.Tensor, *args) -> torch.Tensor:
+    """`qk_norm_rope_ref`; on CUDA without grad one Triton launch that rewrites qkv in place
+    (torch.compile makes three kernels of the reference: one per part of its cat)."""
+    if qkv.is_cuda and not torch.is_grad_enabled():
+        try:  # imported here: CPU-only installs need not have triton
+            from blockspec.layers.kernels.qk_norm_rope import qk_norm_rope_triton
+        except ImportError:
+            pass
+        else:
+            return qk_norm_rope_triton(qkv, *args)
+    return qk_norm_rope_ref(qkv, *args)
