@@ -102,18 +102,21 @@ def test_dequant_kernel_is_the_reference_bit_for_bit(dtype):
 def test_choose_config_for_model_shapes():
     shapes = [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (4096, 12288)]
     shapes += [(10240, 4096), (4096, 20480), (151936, 4096)]  # fused K/V, fc, LM head
-    for M, (N, K), scaled in itertools.product((1, 16, 37, 256, 1024), shapes, (True, False)):
-        c = kernel.choose_config(M, N, K, 132, scaled)
+    for M, (N, K), (weight_bytes, x_bytes) in itertools.product(
+        (1, 16, 37, 256, 1024), shapes, ((1, 2), (1, 4), (2, 2), (4, 4))
+    ):
+        c = kernel.choose_config(M, N, K, 132, weight_bytes, x_bytes)
         if M == 1:  # the GEMV kernel: no split, no MMA tile
             assert c.block_m == 1 and c.split_k == 1 and c.block_k <= K, (N, K, c)
             continue
         k_steps = -(-K // c.block_k)
         assert k_steps % c.split_k == 0 and k_steps // c.split_k >= 2, (M, N, K, c)
         assert c.block_m >= 16 and c.block_n >= 16 and c.block_k >= 16
+        assert (c.block_n * weight_bytes + c.block_m * x_bytes) * c.block_k * c.num_stages <= 192 * 1024
         tiles = -(-M // c.block_m) * -(-N // c.block_n)
         assert c.split_k == 1 or tiles * c.split_k // 2 < 2 * 132, (M, N, K, c)
     assert kernel.choose_config(16, 1024, 4096, 132).split_k > 1  # FP8 k/v projection: too few tiles alone
-    assert kernel.choose_config(16, 1024, 4096, 132, scaled=False).split_k == 1  # bf16: streams best unsplit
+    assert kernel.choose_config(16, 1024, 4096, 132, weight_bytes=2).split_k == 1  # bf16: streams best unsplit
     assert kernel.choose_config(16, 151936, 4096, 132).split_k == 1  # LM head: plenty
 
 

@@ -228,20 +228,29 @@ def _num_sms_cuda(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_config(M: int, N: int, K: int, sms: int, scaled: bool = True) -> SkinnyConfig:
+def _fit_shared_memory(bm: int, bn: int, bk: int, weight_bytes: int, x_bytes: int, stages: int) -> int:
+    """bk, halved until the weight and x tiles in flight fit in 192 KB of shared memory."""
+    while (bn * weight_bytes + bm * x_bytes) * bk * stages > 192 * 1024 and bk > 16:
+        bk //= 2
+    return bk
+
+
+def choose_config(M: int, N: int, K: int, sms: int, weight_bytes: int = 1, x_bytes: int = 2) -> SkinnyConfig:
     """Tile sizes by M, then split-K until there are about two programs per SM, while the splits
     divide the K steps evenly (>= 2 steps each) and the fp32 workspace traffic (8 * split * M * N
     bytes) stays within a quarter of the weight's (N * K). The M = 1 and M <= 16 tiles are the
     H200's best (or within 3% of it) over the Qwen3-8B target and drafter shapes, for FP8
-    (`scaled`) and bf16 weights; bf16 weights at M <= 16 stream best without split-K, in longer K
-    steps. Larger M are first guesses. `python -m blockspec.bench.fp8_bench --sweep` times
+    (`weight_bytes` 1) and bf16 (2) weights; wider weights at M <= 16 stream best without split-K,
+    in longer K steps. Larger M are first guesses. K steps are shortened where the tiles in flight
+    would not fit in shared memory (fp32 `x_bytes` or weights). `python -m blockspec.bench.fp8_bench --sweep` times
     alternatives."""
     if M == 1:
         wide = N >= 16384  # LM heads, gate|up: longer rows per program, fewer programs
         return SkinnyConfig(1, 32 if wide else 16, min(256 if wide else 512, _pow2_at_least(K)), 1, 8, 3)
-    if M <= 16 and not scaled:
+    if M <= 16 and weight_bytes > 1:
         bk, stages = (128, 3) if N >= 16384 else (256, 4)
-        return SkinnyConfig(16, min(64, _pow2_at_least(N)), min(bk, _pow2_at_least(K)), 1, 4, stages)
+        bn, bk = min(64, _pow2_at_least(N)), min(bk, _pow2_at_least(K))
+        return SkinnyConfig(16, bn, _fit_shared_memory(16, bn, bk, weight_bytes, x_bytes, stages), 1, 4, stages)
     if M <= 16:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
     elif M <= 32:
@@ -254,7 +263,7 @@ def choose_config(M: int, N: int, K: int, sms: int, scaled: bool = True) -> Skin
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
     bm = min(bm, _pow2_at_least(M))
     bn = min(bn, _pow2_at_least(N))
-    bk = min(bk, _pow2_at_least(K))
+    bk = _fit_shared_memory(bm, bn, min(bk, _pow2_at_least(K)), weight_bytes, x_bytes, stages)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     k_iters = triton.cdiv(K, bk)
     split = 1
@@ -291,7 +300,7 @@ def skinny_linear(
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(out_shape)
-    cfg = config or choose_config(M, N, K, num_sms(x.device), scale is not None)
+    cfg = config or choose_config(M, N, K, num_sms(x.device), weight.element_size(), x.element_size())
     has_bias, has_scale = bias is not None, scale is not None
     scale = scale if has_scale else weight  # valid pointers, never read
     b = bias if has_bias else scale
