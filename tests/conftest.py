@@ -1,5 +1,8 @@
 """Tiny random checkpoints, saved by transformers (targets) and by our own saver (drafters)."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +154,23 @@ def count_launches_ahead(llm) -> list[bool]:
 
     llm.engine.launch_ahead = counted
     return record
+
+
+# -- Triton kernels: on a GPU for real, on the CPU in Triton's interpreter, in a subprocess --------
+# (TRITON_INTERPRET must be set before triton is first imported, and this file's imports import it)
+CUDA = torch.cuda.is_available()
+INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
+runs_kernel = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="CPU: run by interpreter_test")
+
+
+def interpreter_test(test_file: str):
+    """A test that, on the CPU, runs every test of `test_file` again under TRITON_INTERPRET=1."""
+
+    @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
+    def test_kernels_in_interpreter() -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file]
+        run = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+    return test_kernels_in_interpreter

@@ -7,14 +7,12 @@ again in a subprocess with TRITON_INTERPRET=1 (test_kernels_in_interpreter; by h
 `TRITON_INTERPRET=1 python -m pytest tests/test_kernels_attention.py`). Skipped where triton
 is not installed."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from conftest import CUDA, INTERPRETED, interpreter_test, runs_kernel
 
 from blockspec.layers.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 from blockspec.layers.kernels.kv_write import write_kv_triton
@@ -22,17 +20,7 @@ from blockspec.layers.kernels.paged_attention import choose_splits, paged_attent
 from blockspec.layers.kernels.qk_norm_rope import qk_norm_rope_triton
 from blockspec.layers.rotary import qk_norm_rope_ref
 
-CUDA = torch.cuda.is_available()
-INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
-runs_kernel = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="CPU: run by test_kernels_in_interpreter")
-
-
-@pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
-def test_kernels_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    run = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+test_kernels_in_interpreter = interpreter_test(__file__)
 
 
 def _fix_interpreter_index() -> None:

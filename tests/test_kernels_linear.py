@@ -9,9 +9,6 @@ triton is first imported: so on CPU this file runs again in a subprocess with TR
 (test_kernels_in_interpreter), as test_kernels_attention.py does. Skipped without triton."""
 
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,23 +17,15 @@ from torch import nn
 
 pytest.importorskip("triton")
 
+from conftest import CUDA, interpreter_test, runs_kernel
+
 from blockspec.layers import linear as linear_module
 from blockspec.layers.kernels import skinny_linear as kernel
 from blockspec.layers.quantization import Fp8Linear, dequantize_weight, quantize_weight
 
-CUDA = torch.cuda.is_available()
-INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
-runs_kernel = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="CPU: run by test_kernels_in_interpreter")
+test_kernels_in_interpreter = interpreter_test(__file__)
 cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-
-
-@pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
-def test_kernels_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    run = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
 
 def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0):

@@ -15,7 +15,8 @@ import torch
 
 from blockspec.bench.timing import time_us
 from blockspec.layers.attention import paged_attention_ref
-from blockspec.layers.kernels.paged_attention import default_splits, num_sms, paged_attention_triton
+from blockspec.layers.kernels import num_sms
+from blockspec.layers.kernels.paged_attention import default_splits, paged_attention_triton
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--no-ref", action="store_true", help="skip the reference (slow and memory-hungry)")
     args = ap.parse_args()
 
-    sms = num_sms(torch.device("cuda"))
+    sms = num_sms(torch.device("cuda"), 0)
     print(f"{torch.cuda.get_device_name()}  {sms} SMs  torch {torch.__version__}  kind={args.kind}")
     head = f"{'B':>3} {'S':>3} {'ctx':>5} {'split':>5} {'triton µs':>10} {'GB/s':>6}"
     head += f" {'ref µs':>9} {'speedup':>7} {'max err':>8}"

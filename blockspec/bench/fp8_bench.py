@@ -27,7 +27,8 @@ from triton.runtime.errors import OutOfResources
 
 from blockspec.bench.bench import copy_bandwidth
 from blockspec.bench.timing import time_us
-from blockspec.layers.kernels.skinny_linear import SkinnyConfig, choose_config, dequantize_fp8, num_sms, skinny_linear
+from blockspec.layers.kernels import num_sms
+from blockspec.layers.kernels.skinny_linear import SkinnyConfig, choose_config, dequantize_fp8, skinny_linear
 from blockspec.layers.quantization import KERNEL_MAX_M, quantize_weight
 
 LAYERS = 5
@@ -62,7 +63,7 @@ def describe(c: SkinnyConfig) -> str:
 
 
 def sweep_configs(M: int, N: int, K: int) -> list[SkinnyConfig]:
-    base = choose_config(M, N, K, num_sms(torch.device("cuda")))
+    base = choose_config(M, N, K, num_sms(torch.device("cuda"), 0))
     out = []
     if M <= 64:
         grid = itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16), (4,), (3, 4, 5))
@@ -91,7 +92,7 @@ def main() -> None:
     shapes = args.shapes or list(LAYOUTS[args.layout])
 
     dev = torch.device("cuda")
-    sms = num_sms(dev)
+    sms = num_sms(dev, 0)
     bw = copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"{torch.cuda.get_device_name()}  {sms} SMs  torch {torch.__version__}  copy {bw:.0f} GB/s (r+w)")
     print(f"Fp8Linear: Triton kernel for M <= {KERNEL_MAX_M}, dequantize + cuBLAS above\n")

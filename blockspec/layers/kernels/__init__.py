@@ -1,2 +1,19 @@
-"""Triton kernels for the CUDA path. Importing this package needs nothing; its modules need
+"""Triton kernels for the CUDA path. Importing this package needs only torch; its modules need
 triton, so callers import them lazily (see `blockspec.layers.attention.paged_attention`)."""
+
+import functools
+
+import torch
+
+
+def num_sms(device: torch.device, interpreted: int) -> int:
+    """The SM count of a CUDA device; on the CPU (Triton's interpreter) `interpreted`, which each
+    kernel's tests choose to exercise its launch heuristics."""
+    if device.type != "cuda":
+        return interpreted
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

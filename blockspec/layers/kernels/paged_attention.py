@@ -23,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.layers.kernels import num_sms
+
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows per program
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 32
-
-_num_sms: dict[int, int] = {}
 
 
 @triton.jit
@@ -158,15 +158,6 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: pretend to be the H200
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms:
-        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms[index]
-
-
 def choose_splits(programs: int, max_keys: int, sms: int) -> int:
     """Split the keys when the unsplit grid leaves SMs idle: aim for about two programs per SM,
     each split holding at least MIN_KEYS_PER_SPLIT of the longest possible range (M * page_size;
@@ -186,7 +177,8 @@ def default_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.T
     B, S, Hq, _ = q.shape
     Hkv = k_cache.shape[1]
     _, tiles = query_tiles(S * (Hq // Hkv))
-    return choose_splits(B * Hkv * tiles, block_tables.shape[1] * page_size, num_sms(q.device))
+    sms = num_sms(q.device, interpreted=132)  # interpreter: as the H200
+    return choose_splits(B * Hkv * tiles, block_tables.shape[1] * page_size, sms)
 
 
 def paged_attention_triton(

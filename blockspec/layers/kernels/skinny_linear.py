@@ -32,11 +32,12 @@ Triton's CPU interpreter even when triton was imported before TRITON_INTERPRET w
 """
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from blockspec.layers.kernels import num_sms
 
 REDUCE_BLOCK = 1024
 LINEAR_MAX_M = 16  # rows up to which unscaled (bf16/fp16) weights beat cuBLAS here (measured at 1 and 16)
@@ -217,17 +218,6 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # interpreter runs: small, so that split-K is exercised
-    return _num_sms_cuda(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _num_sms_cuda(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _fit_shared_memory(bm: int, bn: int, bk: int, weight_bytes: int, x_bytes: int, stages: int) -> int:
     """bk, halved until the weight and x tiles in flight fit in 192 KB of shared memory."""
     while (bn * weight_bytes + bm * x_bytes) * bk * stages > 192 * 1024 and bk > 16:
@@ -300,7 +290,8 @@ def skinny_linear(
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(out_shape)
-    cfg = config or choose_config(M, N, K, num_sms(x.device), weight.element_size(), x.element_size())
+    sms = num_sms(x.device, interpreted=8)  # interpreter: few SMs, so that split-K is exercised
+    cfg = config or choose_config(M, N, K, sms, weight.element_size(), x.element_size())
     has_bias, has_scale = bias is not None, scale is not None
     scale = scale if has_scale else weight  # valid pointers, never read
     b = bias if has_bias else scale
