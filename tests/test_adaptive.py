@@ -97,16 +97,20 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
 def test_simulated_acceptance_has_its_mean_at_the_full_block() -> None:
     """The bench's simulated drafter: mean tau at the full block, geometric runs (so a narrower
     block commits fewer tokens, as with a real drafter), every length possible; low-discrepancy
-    draws, so a 20-step bench at batch 1 already sees about tau."""
+    draws per request, so that a 20-step bench sees about tau for every request and every step
+    (21 requests: a shared stream dealt round-robin gave one request six 1s, then 16s)."""
     simulated = SimulatedAcceptance(6.5, max_drafts=15)
-    short = [simulated(15) + 1 for _ in range(20)]
-    assert abs(sum(short) / 20 - 6.5) < 0.4 and len(set(short)) > 5
-    full = [simulated(15) + 1 for _ in range(20000)]
-    narrow = [simulated(7) + 1 for _ in range(20000)]
+    full = [simulated(15, "a") + 1 for _ in range(20000)]
+    narrow = [simulated(7, "b") + 1 for _ in range(20000)]
     assert abs(sum(full) / len(full) - 6.5) < 0.1
     assert sum(narrow) / len(narrow) < 5.5  # about 5.0: the runs past 8 are cut
     assert min(full) == 1 and max(full) == 16
-    assert SimulatedAcceptance(16, max_drafts=15)(15) == 15 and SimulatedAcceptance(1, max_drafts=15)(15) == 0
+    batch = SimulatedAcceptance(6.5, max_drafts=15)
+    steps = [[batch(15, f"r{b}") + 1 for b in range(21)] for _ in range(20)]
+    per_request = [sum(step[b] for step in steps) / 20 for b in range(21)]
+    assert all(abs(m - 6.5) < 0.9 for m in per_request), per_request  # random draws: 5.1 to 9.5
+    assert all(abs(sum(step) / 21 - 6.5) < 1.2 for step in steps)
+    assert SimulatedAcceptance(16, max_drafts=15)(15, "a") == 15 and SimulatedAcceptance(1, max_drafts=15)(15, "a") == 0
     with pytest.raises(ValueError, match="simulated tau"):
         SimulatedAcceptance(17, max_drafts=15)
 

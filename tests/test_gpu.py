@@ -9,8 +9,8 @@ from blockspec import LLM, SamplingParams
 from blockspec.bench.presets import random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import LLMEngine
-from blockspec.layers import attention
 from blockspec.layers.activation import silu_mul
+from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.norm import add_rms_norm, rms_norm
 from blockspec.layers.rotary import norm_rope
 
@@ -37,7 +37,7 @@ def test_fast_attention_matches_reference_in_the_model(tmp_path):
     d = make_drafter(tmp_path / "d", t, block_size=8)
     llm = LLM(str(t), {"model": str(d)}, device="cuda", dtype="float32")
     fast = outputs(llm)
-    with attention.reference_ops():
+    with reference_ops():
         ref = outputs(LLM(str(t), {"model": str(d)}, device="cuda", dtype="float32", cuda_graphs=False))
     assert fast == ref
 
@@ -91,8 +91,8 @@ def test_fused_elementwise_ops_match_their_eager_reference():
 def test_bf16_real_geometry_agreement():
     """Qwen3-8B geometry, random weights. Random weights give near-ties everywhere (median
     top-2 logit margin ~0.08 at logit std ~0.6 over 151936 tokens), so bf16 rounding alone
-    flips many argmaxes: the check is that the fast path (Triton attention, fused compiled
-    ops) deviates from the reference path (gather + SDPA, eager ops), both bf16, by no more
+    flips many argmaxes: the check is that the fast path (Triton kernels, fused compiled ops)
+    deviates from the reference path (`reference_ops`: gather + SDPA, eager ops), both bf16, by no more
     than bf16 itself deviates from fp32; and where fp32's top-2 margin is clear of the bf16 noise
     (4x the row's logit RMS deviation), the fast path's argmax and the CUDA-graph engine's greedy
     tokens (Triton skinny GEMMs) are fp32's for >= 99% of the rows."""
@@ -113,7 +113,7 @@ def test_bf16_real_geometry_agreement():
     plain16, plain32 = engine(target, None, graphs=False), engine(target32, None, graphs=False)
     for s in seqs:
         fast = teacher_forced_logits(plain16, s.token_ids)
-        with attention.reference_ops():
+        with reference_ops():
             ref = teacher_forced_logits(plain16, s.token_ids)
             ref32 = teacher_forced_logits(plain32, s.token_ids)
         fast_dev += (fast - ref).pow(2).sum().item()

@@ -187,17 +187,18 @@ def test_cuda_graph_replay_with_new_ranges(splits: int | None) -> None:
 
 
 @runs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kv_write_matches_index_copy(dtype: torch.dtype) -> None:
+def test_kv_write_matches_index_copy(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     """The cache write kernel against `write_kv_ref`, bit for bit: k/v as the model passes them
     (views into a fused q|k|v row, leading batch dims), padding rows to the trash slot 0, a cast
     from the activation dtype to the cache's."""
     gen = torch.Generator().manual_seed(0)
     hkv, d, slots = 3, 32, 40
-    qkv = torch.randn(2, 5, 4 + 2 * hkv, d, generator=gen).to(DEVICE)
+    qkv = torch.randn(2, 5, 4 + 2 * hkv, d, generator=gen).to(DEVICE, dtype)
     k, v = qkv[:, :, 4 : 4 + hkv], qkv[:, :, 4 + hkv :]
     slot_mapping = torch.tensor([[7, 8, 9, 0, 0], [33, 1, 2, 3, 39]], device=DEVICE)
-    caches = [torch.randn(slots, hkv, d, generator=gen).to(DEVICE, dtype) for _ in range(2)]
+    caches = [torch.randn(slots, hkv, d, generator=gen).to(DEVICE, cache_dtype) for _ in range(2)]
     expected = [c.clone() for c in caches]
     write_kv_ref(*expected, k[:, :4], v[:, :4], slot_mapping[:, :4])  # no trash-slot rows: one writer per slot
     write_kv_triton(*caches, k[:, :4], v[:, :4], slot_mapping[:, :4])
@@ -205,6 +206,8 @@ def test_kv_write_matches_index_copy(dtype: torch.dtype) -> None:
     write_kv_triton(*caches, k, v, slot_mapping)  # with padding rows: all but the trash slot as the reference
     write_kv_ref(*expected, k, v, slot_mapping)
     assert all(torch.equal(c[1:], e[1:]) for c, e in zip(caches, expected))
+    with pytest.raises(AssertionError, match="rows for"):  # index_copy_ raises here too
+        write_kv_triton(*caches, k[:, :3], v[:, :3], slot_mapping[:, :4])
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -228,17 +231,20 @@ def test_write_kv_dispatches_to_kernel_on_cuda(monkeypatch) -> None:
 @runs_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
-def test_qk_norm_rope_kernel_matches_reference(dtype: torch.dtype, weights: bool) -> None:
-    """In place on a q|k|v row (Hq=4, Hkv=2, D=64, leading dims [2, 3]) against qk_norm_rope_ref:
+@pytest.mark.parametrize("d", [64, 96])  # 96: half a head is not a power of two (masked lanes)
+def test_qk_norm_rope_kernel_matches_reference(dtype: torch.dtype, weights: bool, d: int) -> None:
+    """In place on a q|k|v row (Hq=4, Hkv=2, leading dims [2, 3]) against qk_norm_rope_ref:
     q and k heads normed (Qwen3) and rotated, v heads untouched."""
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(2, 3, 8, 64, generator=gen).to(DEVICE, dtype)
-    angles = torch.rand(2, 3, 32, generator=gen) * 6
+    qkv = torch.randn(2, 3, 8, d, generator=gen).to(DEVICE, dtype)
+    angles = torch.rand(2, 3, d // 2, generator=gen) * 6
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
-    w = [(torch.rand(64, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if weights else [None, None]
+    w = [(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if weights else [None, None]
     expected = qk_norm_rope_ref(qkv, *w, 1e-6, cos, sin, 4, 2)
     v = qkv[:, :, 6:].clone()
     out = qk_norm_rope_triton(qkv, *w, 1e-6, cos, sin, 4, 2)
     assert out is qkv and torch.equal(qkv[:, :, 6:], v)
+    with pytest.raises(AssertionError, match="heads"):  # the reference's split raises here too
+        qk_norm_rope_triton(qkv, *w, 1e-6, cos, sin, 4, 3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)

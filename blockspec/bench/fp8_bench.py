@@ -1,6 +1,6 @@
-"""Micro-benchmark of weight-only FP8 linears on CUDA: bf16 F.linear (cuBLAS) against Fp8Linear's
-Triton kernel and its large-M path (one-pass dequantize to bf16 + cuBLAS), at the shapes of the
-Qwen3-8B DFlash drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5
+"""Micro-benchmark of the linears on CUDA: bf16 F.linear (cuBLAS), bf16 `linear` (the models' path:
+the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's Triton kernel and its
+large-M path (one-pass dequantize to bf16 + cuBLAS), at the shapes of the Qwen3-8B DFlash drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5
 target layers) and of the LM head (151936 x 4096).
 
 Each figure is device time per call from a CUDA graph of back-to-back calls (no launch overhead,
@@ -29,6 +29,7 @@ from blockspec.bench.bench import copy_bandwidth
 from blockspec.bench.timing import time_us
 from blockspec.layers.kernels import num_sms
 from blockspec.layers.kernels.skinny_linear import SkinnyConfig, choose_config, dequantize_fp8, skinny_linear
+from blockspec.layers.linear import linear
 from blockspec.layers.quantization import KERNEL_MAX_M, quantize_weight
 
 LAYERS = 5
@@ -79,6 +80,7 @@ def sweep_configs(M: int, N: int, K: int) -> list[SkinnyConfig]:
     return out
 
 
+@torch.inference_mode()  # the models' fast paths run without grad
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 256], help="rows (batch x block rows)")
@@ -96,7 +98,8 @@ def main() -> None:
     bw = copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"{torch.cuda.get_device_name()}  {sms} SMs  torch {torch.__version__}  copy {bw:.0f} GB/s (r+w)")
     print(f"Fp8Linear: Triton kernel for M <= {KERNEL_MAX_M}, dequantize + cuBLAS above\n")
-    head = f"{'shape':<13} {'M':>5} {'N':>6} {'K':>6} | {'bf16 µs':>8} {'GB/s':>5} | {'fp8 µs':>8} {'GB/s':>5}"
+    head = f"{'shape':<13} {'M':>5} {'N':>6} {'K':>6} | {'bf16 µs':>8} {'GB/s':>5} {'linear µs':>9}"
+    head += f" | {'fp8 µs':>8} {'GB/s':>5}"
     head += f" {'vs bf16':>7} {'config':<22} | {'deq+mm µs':>9} | {'err':>7} {'q-err':>6}"
     print(head)
     totals: dict[int, list[float]] = {}
@@ -121,6 +124,7 @@ def main() -> None:
             err = (y_fp8.float() - y_ref.float()).abs().max().item() / denom
             qerr = (y_fp8.float() - y_bf16.float()).abs().max().item() / y_bf16.float().abs().max().item()
             t_bf16 = time_us([lambda w=w_, x=x: F.linear(x, w) for w_ in ws], calls, args.reps)
+            t_linear = time_us([lambda w=w_, x=x: linear(x, w) for w_ in ws], calls, args.reps)
             t_fp8 = time_us([lambda p=p, x=x, c=cfg: skinny_linear(x, *p, None, c) for p in qs], calls, args.reps)
             t_deq = time_us(
                 [lambda p=p, x=x: F.linear(x, dequantize_fp8(p[0], p[1], torch.bfloat16)) for p in qs],
@@ -129,14 +133,16 @@ def main() -> None:
             )
             gb_bf16 = (w.nbytes + act) / t_bf16 / 1e3
             gb_fp8 = (q.nbytes + scale.nbytes + act) / t_fp8 / 1e3
-            line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} | {t_fp8:>8.1f} {gb_fp8:>5.0f}"
+            line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} {t_linear:>9.1f}"
+            line += f" | {t_fp8:>8.1f} {gb_fp8:>5.0f}"
             line += f" {t_bf16 / t_fp8:>6.2f}x {describe(cfg):<22} | {t_deq:>9.1f} | {err:>7.1e} {qerr:>6.3f}"
             print(line, flush=True)
             fp8_best = t_fp8 if M <= KERNEL_MAX_M else t_deq
-            row = totals.setdefault(M, [0.0, 0.0, 0.0])
+            row = totals.setdefault(M, [0.0, 0.0, 0.0, 0.0])
             row[0] += per_step * t_bf16
-            row[1] += per_step * fp8_best
-            row[2] += per_step * min(t_fp8, t_deq)
+            row[1] += per_step * t_linear
+            row[2] += per_step * fp8_best
+            row[3] += per_step * min(t_fp8, t_deq)
             if args.sweep:
                 results = []
                 for c in sweep_configs(M, N, K):
@@ -155,9 +161,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     if set(shapes) == set(LAYOUTS[args.layout]):
         print(f"\ndrafter linears per step ({args.layout}: 5 layers + fc + fused K/V + LM head, every GEMM at M):")
-        for M, (b, f, best) in totals.items():
+        for M, (b, lin, f, best) in totals.items():
             print(
-                f"  M={M:>5}: bf16 {b:>8.1f} µs   fp8 {f:>8.1f} µs ({b / f:.2f}x)   best of fp8 paths {best:>8.1f} µs"
+                f"  M={M:>5}: bf16 cuBLAS {b:>8.1f} µs   bf16 linear {lin:>8.1f} µs   fp8 {f:>8.1f} µs ({b / f:.2f}x)"
+                f"   best of fp8 paths {best:>8.1f} µs"
             )
 
 

@@ -31,27 +31,31 @@ class SimulatedAcceptance:
     1 + p + ... + p^max_drafts = tau): as with real drafters, long runs are rarer than short ones
     and narrower blocks commit fewer tokens. Output tokens are then not the target's.
 
-    The draws invert that distribution at the golden-ratio sequence of uniforms (a low-discrepancy
-    sequence) rather than at random ones, so that a short bench (20 steps at batch 1) commits tau
-    tokens a step on average, not tau give or take a standard error of about 1."""
+    The draws invert that distribution at a golden-ratio sequence of uniforms (low-discrepancy)
+    rather than at random ones, one sequence per request, each started at its own offset, so that a
+    short bench (20 steps at batch 1) commits tau tokens a step on average for every request, not
+    tau give or take a standard error of about 1."""
 
     GOLDEN = 0.6180339887498949
+    SQRT2 = 1.4142135623730951  # spreads the streams' offsets (a Weyl sequence over requests)
 
-    def __init__(self, tau: float, max_drafts: int, start: float = 0.5) -> None:
+    def __init__(self, tau: float, max_drafts: int) -> None:
         if not 1 <= tau <= max_drafts + 1:
             raise ValueError(f"a simulated tau must lie in [1, {max_drafts + 1}] (the block width), got {tau}")
         low, high = 0.0, 1.0
         for _ in range(60):  # bisection: the mean grows with p
             p = (low + high) / 2
             low, high = (p, high) if sum(p**k for k in range(max_drafts + 1)) < tau else (low, p)
-        self.p, self.u = low, start
+        self.p = low
+        self.u: dict[str, float] = {}  # request id -> its stream's last uniform
 
-    def __call__(self, num_drafts: int) -> int:
+    def __call__(self, num_drafts: int, request_id: str) -> int:
         """P(accepted >= j) = p^j for j <= num_drafts: accepted = floor(log u / log p), capped."""
-        self.u = (self.u + self.GOLDEN) % 1.0
+        start = (0.5 + len(self.u) * self.SQRT2) % 1.0
+        u = self.u[request_id] = (self.u.get(request_id, start) + self.GOLDEN) % 1.0
         if self.p <= 0.0 or self.p >= 1.0:
             return 0 if self.p <= 0.0 else num_drafts
-        return min(num_drafts, int(math.log(1.0 - self.u) / math.log(self.p)))
+        return min(num_drafts, int(math.log(1.0 - u) / math.log(self.p)))
 
 
 def dflash_draft(
@@ -121,7 +125,7 @@ def launch_step(
     if simulated is None:
         accepted = greedy_accept(drafts, target_argmax, lengths - 1)
     else:
-        accepted = runner.tensor([simulated(w - 1) for w in widths])
+        accepted = runner.tensor([simulated(w - 1, s.request_id) for s, w in zip(seqs, widths, strict=True)])
     bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:  # each with its own generator, still without waiting for the device

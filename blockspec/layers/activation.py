@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from blockspec.layers.compile import cuda_compiled
+from blockspec.layers.fast_path import cuda_compiled
 
 
 @cuda_compiled

@@ -13,11 +13,12 @@ keys of its sequence at positions k_start <= k < k_end:
 kernel that serves CUDA behind `paged_attention`).
 """
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from blockspec.layers.fast_path import fast_path
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
 
@@ -44,20 +45,6 @@ class AttentionMetadata:
         return paged_attention(q, *cache, self.block_tables, k_start, k_end, self.page_size, scale)
 
 
-_fast_kernels = True
-
-
-@contextlib.contextmanager
-def reference_ops():
-    """Run the reference attention even on CUDA (the oracle of the fast-path tests)."""
-    global _fast_kernels
-    _fast_kernels, previous = False, _fast_kernels
-    try:
-        yield
-    finally:
-        _fast_kernels = previous
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -68,7 +55,7 @@ def paged_attention(
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
-    if q.is_cuda and _fast_kernels:
+    if fast_path(q):
         try:  # imported here: CPU-only installs need not have triton
             from blockspec.layers.kernels.paged_attention import paged_attention_triton
         except ImportError:
@@ -106,7 +93,7 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """k, v [..., Hkv, D] into the caches [slots, Hkv, D] at slot_mapping [...]."""
-    if k.is_cuda and _fast_kernels and not torch.is_grad_enabled():
+    if fast_path(k):
         try:  # imported here: CPU-only installs need not have triton
             from blockspec.layers.kernels.kv_write import write_kv_triton
         except ImportError:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers.fast_path import fast_path
+
 
 @functools.cache
 def skinny_kernels():
@@ -32,10 +34,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias); on CUDA, without grad, for bf16/fp16 and at most LINEAR_MAX_M
     rows, computed by the skinny kernel."""
     if (
-        x.is_cuda
+        fast_path(x)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and not torch.is_grad_enabled()
         and x.numel() <= _kernel_rows() * x.shape[-1]
     ):
         return skinny_kernels().skinny_linear(x, weight, None, bias)

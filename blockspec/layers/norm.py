@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from blockspec.layers.compile import cuda_compiled
+from blockspec.layers.fast_path import cuda_compiled
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

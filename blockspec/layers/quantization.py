@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers.fast_path import fast_path
 from blockspec.layers.linear import skinny_kernels
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -178,7 +179,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             self.use_kernel
-            and x.is_cuda
+            and fast_path(x)
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and x.numel() <= self.kernel_max_m * self.in_features
         ):

@@ -20,7 +20,7 @@ def _kv_write_kernel(
     ROW: tl.constexpr,  # kv_heads * head_dim
     BLOCK: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)  # i * stride passes 2**31 in long drafter context writes
     slot = tl.load(slot_ptr + i).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW
@@ -40,6 +40,8 @@ def write_kv_triton(
     row = k_cache.shape[1] * k_cache.shape[2]
     k2, v2 = k.reshape(-1, row), v.reshape(-1, row)  # views for the layouts we write (head rows contiguous)
     slots = slot_mapping.reshape(-1)
+    assert k.shape[-2:] == v.shape[-2:] == k_cache.shape[1:] == v_cache.shape[1:], (k.shape, k_cache.shape)
+    assert k2.shape[0] == v2.shape[0] == slots.numel(), f"{k2.shape[0]} rows for {slots.numel()} slots"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k2.stride(1) == 1 and v2.stride(1) == 1
     if slots.numel():
         _kv_write_kernel[(slots.numel(), 2)](

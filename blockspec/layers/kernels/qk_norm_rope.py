@@ -25,7 +25,7 @@ def _qk_norm_rope_kernel(
     HALF: tl.constexpr,  # head_dim // 2
     BLOCK: tl.constexpr,  # HALF padded to a power of two
 ):
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)  # t * stride_t may pass 2**31 in long prefills
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
@@ -67,6 +67,8 @@ def qk_norm_rope_triton(
     d = qkv.shape[-1]
     rows = qkv.reshape(-1, qkv.shape[-2], d)  # a view: the model's qkv is contiguous
     cos2, sin2 = cos.reshape(-1, d), sin.reshape(-1, d)
+    assert qkv.shape[-2] == num_heads + 2 * num_kv_heads, f"{qkv.shape[-2]} heads, not {num_heads} + 2 * {num_kv_heads}"
+    assert (q_weight is None) == (k_weight is None), "q and k norm weights come together"
     assert rows.data_ptr() == qkv.data_ptr() and rows.stride(2) == 1 and d % 2 == 0
     assert cos2.shape[0] == rows.shape[0] and cos2.stride() == sin2.stride() and cos2.stride(1) == 1
     has_weight = q_weight is not None

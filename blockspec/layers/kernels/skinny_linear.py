@@ -2,7 +2,8 @@
 verify or propose step. It serves two callers with one contract:
 - `blockspec.layers.linear.linear`: bf16/fp16 weights, no scale, up to `LINEAR_MAX_M` rows, where
   it reads the weight faster than cuBLAS (H200, Qwen3-8B shapes: 3.87 against 4.16 ms of GEMMs a
-  decode step at M = 1, 4.01 against 4.18 at M = 16; `python -m blockspec.bench.fp8_bench`);
+  decode step at M = 1, 4.01 against 4.18 at M = 16; `python -m blockspec.bench.fp8_bench`, column
+  "bf16 Triton");
 - `blockspec.layers.quantization.Fp8Linear`: float8_e4m3fn weights with one float32 scale per
   output row (E4M3 values are exact in bf16/fp16; the scale commutes with the K reduction, so it is
   applied once to the fp32 accumulator in the epilogue, with the bias and the cast).
@@ -26,9 +27,7 @@ synchronisation, and the workspace comes from the caching allocator, so calls ca
 CUDA graphs (warm up first: the first call compiles).
 
 `dequantize_fp8` is FP8's large-M path's first half (then cuBLAS): one pass, float32 product
-rounded once, equal bit for bit to the torch reference. Kernels here call no @triton.jit helpers
-(tl.zeros and the like) and loop a constexpr number of times, so that tests can run them in
-Triton's CPU interpreter even when triton was imported before TRITON_INTERPRET was set.
+rounded once, equal bit for bit to the torch reference.
 """
 
 import dataclasses
@@ -233,7 +232,7 @@ def choose_config(M: int, N: int, K: int, sms: int, weight_bytes: int = 1, x_byt
     (`weight_bytes` 1) and bf16 (2) weights; wider weights at M <= 16 stream best without split-K,
     in longer K steps. Larger M are first guesses. K steps are shortened where the tiles in flight
     would not fit in shared memory (fp32 `x_bytes` or weights). `python -m blockspec.bench.fp8_bench --sweep` times
-    alternatives."""
+    alternatives for FP8 weights."""
     if M == 1:
         wide = N >= 16384  # LM heads, gate|up: longer rows per program, fewer programs
         return SkinnyConfig(1, 32 if wide else 16, min(256 if wide else 512, _pow2_at_least(K)), 1, 8, 3)
