@@ -64,8 +64,10 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of probs [R, V]."""
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    """One token per row of probs [R, V], drawn as torch.multinomial(probs, 1) draws it, by the
+    exponential race argmax(p / E) with E ~ Exp(1) (the same tokens and generator state, bit for
+    bit), but without multinomial's check of probs, whose .item() waits for the device."""
+    return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax(-1)
 
 
 def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,8 @@ def rejection_sample(
     accepted = (u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum()
     # A zero row after q makes "all accepted" the same rule: max(p[R] - 0, 0) = p[R].
     q = torch.cat([q, q.new_zeros(1, q.shape[-1])])
-    residual = (p[accepted] - q[accepted]).clamp_min(0)
+    row = accepted.view(1)  # a 1-d index: p[0-d tensor] would read it on the host first
+    residual = (p[row] - q[row]).clamp_min(0)
     # max(p - q, 0) is all zero only when p == q, where rejection has probability 0.
-    residual = torch.where(residual.sum() > 0, residual, p[accepted])
-    return accepted, sample((residual / residual.sum())[None], generator)[0]
+    residual = torch.where(residual.sum() > 0, residual, p[row])
+    return accepted, sample(residual / residual.sum(), generator)[0]

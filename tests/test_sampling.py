@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
 from blockspec.engine import speculative
-from blockspec.sampling import sample, token_probs
+from blockspec.sampling import rejection_sample, sample, token_probs
 
 VOCAB, PROMPT, N = 6, [1, 4, 3], 3000
 CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)]
@@ -129,3 +129,32 @@ def test_seeded_sampling_is_reproducible(pair):
     b = llm.generate([PROMPT, [2, 2], [3]], params)[0].outputs[0].token_ids
     other = llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=12, seed=8, ignore_eos=True))[0]
     assert a == b and other.outputs[0].token_ids != a  # the seed, not greedy decoding, fixed it
+
+
+def test_sample_draws_what_multinomial_draws() -> None:
+    """`sample` is torch.multinomial(probs, 1) without its device-waiting check: the same tokens
+    and the same generator state after, for every seed; zero-probability tokens are never drawn."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(4, 1000) * 3, -1)
+    probs[:, :500] = 0  # a top-k/top-p cut
+    probs = probs / probs.sum(-1, keepdim=True)
+    for seed in range(100):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        tokens = sample(probs, ours)
+        assert torch.equal(tokens, torch.multinomial(probs, 1, generator=theirs)[:, 0])
+        assert torch.equal(ours.get_state(), theirs.get_state()) and bool((tokens >= 500).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_never_waits_for_the_device() -> None:
+    """A step may read the device once; sampling and rejection sampling queue work only."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.softmax(torch.randn(5, 1000, device="cuda"), -1)
+    q = torch.softmax(torch.randn(4, 1000, device="cuda"), -1)
+    drafts = torch.randint(0, 1000, (4,), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sample(p, gen)
+        rejection_sample(drafts, p, q, gen)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
