@@ -196,7 +196,7 @@ def test_linear_uses_kernel_for_few_rows_on_cuda(monkeypatch, rows):
         ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
         torch.testing.assert_close(y.float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
         n = len(calls)
-        big = torch.randn(kernel.LINEAR_MAX_M + 1, 4096, device="cuda", dtype=torch.bfloat16)
+        big = torch.randn(linear_module.LINEAR_MAX_M + 1, 4096, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(layer(big), F.linear(big, layer.weight, layer.bias)) and len(calls) == n  # cuBLAS
         check_in_cuda_graph(layer, x)
     with torch.enable_grad():  # training keeps F.linear

@@ -1,7 +1,8 @@
-"""Micro-benchmark of the linears on CUDA: bf16 F.linear (cuBLAS), bf16 `linear` (the models' path:
-the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's Triton kernel and its
-large-M path (one-pass dequantize to bf16 + cuBLAS), at the shapes of the Qwen3-8B DFlash drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5
-target layers) and of the LM head (151936 x 4096).
+"""Micro-benchmark of the linears on CUDA: bf16 F.linear (cuBLAS), bf16 `linear` (the models'
+path: the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's Triton kernel and
+its large-M path (one-pass dequantize to bf16 + cuBLAS), at the shapes of the Qwen3-8B DFlash
+drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5 target layers)
+and of the LM head (151936 x 4096).
 
 Each figure is device time per call from a CUDA graph of back-to-back calls (no launch overhead,
 as under the engine's graphs); the calls cycle through enough copies of the weight (>= 256 MB) that

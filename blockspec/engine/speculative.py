@@ -50,11 +50,13 @@ class SimulatedAcceptance:
         self.u: dict[str, float] = {}  # request id -> its stream's last uniform
 
     def __call__(self, num_drafts: int, request_id: str) -> int:
-        """P(accepted >= j) = p^j for j <= num_drafts: accepted = floor(log u / log p), capped."""
-        start = (0.5 + len(self.u) * self.SQRT2) % 1.0
-        u = self.u[request_id] = (self.u.get(request_id, start) + self.GOLDEN) % 1.0
-        if self.p <= 0.0 or self.p >= 1.0:
-            return 0 if self.p <= 0.0 else num_drafts
+        """P(accepted >= j) = p^j for j <= num_drafts: accepted = floor(log u / log p), capped
+        (p < 1 always; p = 0 at tau 1)."""
+        if request_id not in self.u:
+            self.u[request_id] = (0.5 + len(self.u) * self.SQRT2) % 1.0
+        u = self.u[request_id] = (self.u[request_id] + self.GOLDEN) % 1.0
+        if self.p == 0.0:
+            return 0
         return min(num_drafts, int(math.log(1.0 - u) / math.log(self.p)))
 
 

@@ -174,8 +174,9 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
-        hidden, captured = decoder_stack(self.model.layers, x, rope, kv_caches, attn, self.model.norm, capture)
-        if len(self.model.layers) - 1 in captured:  # HF's hidden_states[L] (what drafters train on) is normed
-            captured[len(self.model.layers) - 1] = hidden
+        last = len(self.model.layers) - 1  # HF's hidden_states[L] (what drafters train on) is normed
+        inner = tuple(i for i in capture if i != last)
+        hidden, captured = decoder_stack(self.model.layers, x, rope, kv_caches, attn, self.model.norm, inner)
+        captured[last] = hidden
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return hidden, features

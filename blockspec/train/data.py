@@ -82,7 +82,10 @@ def merge_parts(path: Path, parts: list[Path]) -> None:
     seen = {e.index for e in read_examples(path)} if path.is_file() else set()
     new = {e.index: e for p in parts for e in read_examples(p) if e.index not in seen}
     tmp = path.with_name(path.name + ".tmp")
-    shutil.copyfile(path, tmp) if path.is_file() else tmp.write_text("")
+    if path.is_file():
+        shutil.copyfile(path, tmp)
+    else:
+        tmp.write_text("")
     append_examples(tmp, sorted(new.values(), key=lambda e: e.index))
     os.replace(tmp, path)
     for p in parts:
@@ -93,12 +96,12 @@ def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device, world: 
     """Generate (or finish generating) responses to cfg.num_prompts prompts into `path`. Under
     several ranks each answers the prompts i with i % size == rank into its own part file, and
     rank 0 appends the parts to `path` in prompt order once all are done."""
-    own_size = [part_path(path, World(r, world.size)) for r in range(world.size)] if world.size > 1 else []
+    parts = [part_path(path, World(r, world.size)) for r in range(world.size)] if world.size > 1 else []
     if world.main:
         # Parts that an interrupted run with another number of ranks left: merged first (its ranks
         # may have stopped at different prompts; those between are skipped, not redone).
         leftovers = sorted(path.parent.glob(f"{path.stem}.rank*-of-*{path.suffix}"))
-        merge_parts(path, [p for p in leftovers if p not in own_size])
+        merge_parts(path, [p for p in leftovers if p not in parts])
     world.barrier()
     done = read_examples(path) if path.is_file() else []
     part = part_path(path, world)
@@ -112,7 +115,7 @@ def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device, world: 
     if world.size > 1:
         world.barrier()
         if world.main:
-            merge_parts(path, own_size)
+            merge_parts(path, parts)
         world.barrier()
     return read_examples(path) if todo or world.size > 1 else done
 

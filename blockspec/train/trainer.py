@@ -73,10 +73,10 @@ class Trainer:
     ) -> None:
         self.cfg, self.target, self.drafter, self.examples, self.device = cfg, target, drafter, examples, device
         self.world = world
-        self.params = params = [p for p in drafter.parameters() if p.requires_grad]
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
         cuda = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=cuda or None
+            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=cuda or None
         )
         self.order = BatchOrder([e.length for e in examples], cfg.batch_size, cfg.seed)
         if self.order.batch_size < world.size:
@@ -117,7 +117,7 @@ class Trainer:
         loss.backward()
         world.sum_gradients(self.params)
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self.optimizer.step()
         self.step += 1
         return loss, result, int(batch.lengths.sum())

@@ -1,9 +1,9 @@
 """Skinny linear in Triton: y = x @ (w * scale[:, None]).T + bias for the few rows of a decode,
 verify or propose step. It serves two callers with one contract:
 - `blockspec.layers.linear.linear`: bf16/fp16 weights, no scale, up to `LINEAR_MAX_M` rows, where
-  it reads the weight faster than cuBLAS (H200, Qwen3-8B shapes: 3.87 against 4.16 ms of GEMMs a
-  decode step at M = 1, 4.01 against 4.18 at M = 16; `python -m blockspec.bench.fp8_bench`, column
-  "bf16 Triton");
+  it reads the weight faster than cuBLAS (H200, a one-off sweep over the Qwen3-8B target's shapes:
+  3.87 against 4.16 ms of GEMMs a decode step at M = 1, 4.01 against 4.18 at M = 16;
+  `python -m blockspec.bench.fp8_bench` times the drafter's shapes, column "linear µs");
 - `blockspec.layers.quantization.Fp8Linear`: float8_e4m3fn weights with one float32 scale per
   output row (E4M3 values are exact in bf16/fp16; the scale commutes with the K reduction, so it is
   applied once to the fp32 accumulator in the epilogue, with the bias and the cast).
@@ -39,7 +39,6 @@ import triton.language as tl
 from blockspec.layers.kernels import num_sms
 
 REDUCE_BLOCK = 1024
-LINEAR_MAX_M = 16  # rows up to which unscaled (bf16/fp16) weights beat cuBLAS here (measured at 1 and 16)
 DEQUANT_BLOCK = 4096
 
 
