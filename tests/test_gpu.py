@@ -11,7 +11,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import LLMEngine
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
-from blockspec.layers.norm import add_rms_norm, rms_norm
+from blockspec.layers.norm import rms_norm
 from blockspec.layers.rotary import norm_rope
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -63,9 +63,8 @@ def teacher_forced_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def test_fused_elementwise_ops_match_their_eager_reference():
-    """Each torch.compile'd op against its eager definition, bf16 at Qwen3-8B widths: the
-    residual sum exactly; normed outputs within bf16 rounding (the fused kernel may skip a
-    rounding of an intermediate)."""
+    """Each torch.compile'd op against its eager definition, bf16 at Qwen3-8B widths, within bf16
+    rounding (the fused kernel may skip a rounding of an intermediate)."""
     torch.manual_seed(0)
     x, delta = (torch.randn(3, 16, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
@@ -74,17 +73,13 @@ def test_fused_elementwise_ops_match_their_eager_reference():
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     cases = [
         (rms_norm, (x, weight, 1e-6)),
-        (add_rms_norm, (x, delta, weight, 1e-6)),
         (silu_mul, (torch.cat([x, delta], dim=-1),)),
         (norm_rope, (heads, weight[:128], 1e-6, cos, sin)),
     ]
     for op, args in cases:
         fused, eager = op.compiled(*args), op.eager(*args)
         dispatched = op(*args)  # on CUDA without grad, the op is the compiled kernel
-        assert all(map(torch.equal, *(t if isinstance(t, tuple) else (t,) for t in (dispatched, fused))))
-        if op is add_rms_norm:
-            assert torch.equal(fused[0], eager[0])
-            fused, eager = fused[1], eager[1]
+        assert torch.equal(dispatched, fused)
         torch.testing.assert_close(fused, eager, rtol=2e-2, atol=2e-2, msg=op.__name__)
 
 

@@ -20,7 +20,10 @@ pytest.importorskip("triton")
 from conftest import CUDA, interpreter_test, runs_kernel
 
 from blockspec.layers import linear as linear_module
+from blockspec.layers.activation import silu_mul
+from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.kernels import skinny_linear as kernel
+from blockspec.layers.norm import RMSNorm, rms_norm_ref
 from blockspec.layers.quantization import Fp8Linear, dequantize_weight, quantize_weight
 
 test_kernels_in_interpreter = interpreter_test(__file__)
@@ -28,23 +31,39 @@ cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
-def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0):
+def reference_input(x: torch.Tensor, norm, gated: bool) -> torch.Tensor:
+    """The prologue in float32: RMSNorm with `norm` = (weight, eps), or SiLU(gate) * up."""
+    if norm is not None:
+        return rms_norm_ref(x, norm[0].float(), norm[1])
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0, prologue=None, residual=False):
+    """The kernel against F.linear in float32; `prologue` "norm" or "gated", and a residual add."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 0.1
     b = (torch.randn(N, generator=gen) * 0.1).to(DEVICE, dtype) if bias else None
-    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    x = torch.randn(M, 2 * K if prologue == "gated" else K, generator=gen).to(DEVICE, dtype)
+    norm = ((torch.rand(K, generator=gen) + 0.5).to(DEVICE, dtype), 1e-5) if prologue == "norm" else None
+    res = torch.randn(M, N, generator=gen).to(DEVICE, dtype) if residual else None
     if fp8:
         q, scale = quantize_weight(w.to(DEVICE))
-        y = kernel.skinny_linear(x, q, scale, b, config)
+        y = kernel.skinny_linear(x, q, scale, b, config, norm, prologue == "gated", res)
         w_ref = dequantize_weight(q, scale, torch.float32)
     else:
         w_ref = w.to(DEVICE, dtype)
-        y = kernel.skinny_linear(x, w_ref, None, b, config)
+        y = kernel.skinny_linear(x, w_ref, None, b, config, norm, prologue == "gated", res)
     assert y.shape == (M, N) and y.dtype == dtype
-    ref = F.linear(x.float(), w_ref.float(), None if b is None else b.float())
+    ref = F.linear(
+        reference_input(x.float(), norm, prologue == "gated"), w_ref.float(), None if b is None else b.float()
+    )
+    ref = ref if res is None else ref + res.float()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype] * ref.abs().max().item()
     err = (y.float() - ref).abs().max().item()
-    assert err <= tol, (M, N, K, dtype, config, fp8, err, tol)
+    assert err <= tol, (M, N, K, dtype, config, fp8, prologue, residual, err, tol)
 
 
 INTERPRETED_CASES = [  # M, N, K, dtype, bias, config (None: choose_config)
@@ -72,6 +91,24 @@ def resolve_config(spec):
 @pytest.mark.parametrize("M,N,K,dtype,bias,config", INTERPRETED_CASES)
 def test_kernel_matches_reference_small(M, N, K, dtype, bias, config, fp8):
     check_kernel(M, N, K, dtype, bias, resolve_config(config), fp8)
+
+
+FUSED_CASES = [  # M, N, K, dtype, config, prologue, residual
+    (1, 200, 300, torch.float16, None, "norm", False),  # GEMV, K not a multiple of its block
+    (1, 40, 1024, torch.float32, None, "gated", True),
+    (16, 96, 512, torch.float32, None, "norm", True),
+    (37, 130, 100, torch.float16, None, "gated", False),
+    (16, 72, 96, torch.float32, "split", "norm", True),  # sums of squares across splits
+    (37, 40, 70, torch.float32, "odd-split", "gated", True),
+    (37, 40, 70, torch.float16, "odd-split", "norm", False),
+]
+
+
+@runs_kernel
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "unscaled"])
+@pytest.mark.parametrize("M,N,K,dtype,config,prologue,residual", FUSED_CASES)
+def test_fused_prologue_and_residual_small(M, N, K, dtype, config, prologue, residual, fp8):
+    check_kernel(M, N, K, dtype, True, resolve_config(config), fp8, prologue=prologue, residual=residual)
 
 
 @runs_kernel
@@ -135,6 +172,21 @@ def test_kernel_matches_reference_cuda_bf16(M, fp8):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "unscaled"])
+@pytest.mark.parametrize("M", [1, 16, 37])
+def test_fused_prologue_and_residual_cuda_bf16(M, fp8):
+    for N, K, prologue, residual in (
+        (6144, 4096, "norm", False),  # q|k|v
+        (24576, 4096, "norm", False),  # gate|up
+        (4096, 12288, "gated", True),  # down
+        (4096, 4096, None, True),  # o
+        (1024, 4096, "norm", True),  # split-K for FP8
+    ):
+        check_kernel(M, N, K, torch.bfloat16, False, fp8=fp8, prologue=prologue, residual=residual)
+
+
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("M", [1, 37, 1030])
 def test_kernel_matches_reference_cuda_other_dtypes(dtype, M):
@@ -167,6 +219,7 @@ def count_kernel_calls(monkeypatch) -> list:
 
 @cuda
 @pytest.mark.cuda
+@torch.no_grad()  # grad mode takes the reference path
 def test_fp8_linear_module_on_cuda_uses_kernel_and_graphs(monkeypatch):
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16))
@@ -202,3 +255,28 @@ def test_linear_uses_kernel_for_few_rows_on_cuda(monkeypatch, rows):
     with torch.enable_grad():  # training keeps F.linear
         layer(x)
     assert len(calls) == n + 3  # the graph test's warm-up, capture and check, not the grad-mode call
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 16, 17])
+def test_linear_fusions_match_the_unfused_ops_on_cuda(monkeypatch, rows):
+    """`Linear` with an RMSNorm prologue, and with SwiGLU and a residual add: the fused kernel
+    (<= LINEAR_MAX_M rows) or the unfused path (cuBLAS addmm), against the ops one by one in
+    `reference_ops` (bf16 rounding apart)."""
+    torch.manual_seed(0)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    qkv = linear_module.Linear(4096, 6144, bias=False, device=dev, dtype=dtype).requires_grad_(False)
+    down = linear_module.Linear(12288, 4096, bias=False, device=dev, dtype=dtype).requires_grad_(False)
+    norm = RMSNorm(4096, 1e-6).to(dev, dtype).requires_grad_(False)
+    norm.weight.uniform_(0.5, 1.5)
+    x, res = torch.randn(rows, 4096, device=dev, dtype=dtype), torch.randn(rows, 4096, device=dev, dtype=dtype)
+    gate_up = torch.randn(rows, 2 * 12288, device=dev, dtype=dtype)
+    calls = count_kernel_calls(monkeypatch)
+    with torch.inference_mode():
+        got = qkv(x, norm=norm), down(gate_up, gated=True, residual=res)
+        assert len(calls) == (2 if rows <= linear_module.LINEAR_MAX_M else 0)
+        with reference_ops():
+            want = F.linear(norm(x), qkv.weight), res + F.linear(silu_mul(gate_up), down.weight)
+    for y, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=1e-2 * ref.abs().max().item())

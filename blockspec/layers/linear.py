@@ -1,7 +1,9 @@
 """Linear layers whose few-row CUDA inference (decode, verify and propose steps) runs the Triton
 skinny GEMM (`blockspec.layers.kernels.skinny_linear`), which reads the weight faster than cuBLAS
-at those shapes; everything else (CPU, training, prefill) runs `F.linear`, the reference that the
-kernel is tested against. BLOCKSPEC_TRITON_LINEAR=0 keeps cuBLAS everywhere (for A/B runs)."""
+at those shapes and fuses the decoder layer's small ops into it: the RMSNorm or SwiGLU before the
+GEMM and the residual add after it. Everything else (CPU, training, prefill) runs the ops one by
+one (the residual add inside cuBLAS's GEMM), the reference that the kernel is tested against.
+BLOCKSPEC_TRITON_LINEAR=0 keeps the unfused ops and cuBLAS everywhere (for A/B runs)."""
 
 import functools
 import os
@@ -10,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import fast_path
+from blockspec.layers.norm import RMSNorm
 
 # Rows up to which the kernel reads bf16/fp16 weights faster than cuBLAS (H200, measured at 1 and 16).
 LINEAR_MAX_M = 16
@@ -31,9 +35,46 @@ def _kernel_on() -> bool:
     return os.environ.get("BLOCKSPEC_TRITON_LINEAR", "1") != "0" and skinny_kernels() is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); on CUDA, without grad, for bf16/fp16 and at most LINEAR_MAX_M
-    rows, computed by the skinny kernel."""
+def prologue(x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
+    """The GEMM's input: norm(x), or SiLU(gate) * up of x = gate|up with `gated`, or x."""
+    if norm is not None:
+        x = norm(x)
+    return silu_mul(x) if gated else x
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None):
+    """residual + F.linear(x, weight, bias); without a bias the add is cuBLAS's epilogue (addmm)."""
+    if residual is None or bias is not None:
+        y = F.linear(x, weight, bias)
+        return y if residual is None else residual + y
+    flat = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
+    return flat.view(residual.shape)
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    norm: RMSNorm | None,
+    gated: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """The skinny kernel (triton needed) with the prologue and residual add fused in."""
+    norm_args = None if norm is None else (norm.weight, norm.eps)
+    return skinny_kernels().skinny_linear(x, weight, scale, bias, None, norm_args, gated, residual)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm: RMSNorm | None = None,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual + F.linear(prologue(x, norm, gated), weight, bias) (residual None: no add); on CUDA,
+    without grad, for bf16/fp16 and at most LINEAR_MAX_M rows, one skinny kernel computes it all."""
     if (
         fast_path(x)
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -41,12 +82,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.numel() <= LINEAR_MAX_M * x.shape[-1]
         and _kernel_on()
     ):
-        return skinny_kernels().skinny_linear(x, weight, None, bias)
-    return F.linear(x, weight, bias)
+        return fused_linear(x, weight, None, bias, norm, gated, residual)
+    return dense(prologue(x, norm, gated), weight, bias, residual)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) computed by `linear`."""
+    """nn.Linear (same parameters and state dict) computed by `linear`, with its optional
+    prologue (`norm`, `gated`) and residual add."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        gated: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, norm, gated, residual)

@@ -13,18 +13,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * x.to(dtype)
 
 
-def add_rms_norm_ref(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, its RMSNorm): the residual add and the norm that follows it, one kernel on the
-    GPU. Compiled, the norm may read the sum before its rounding to x's dtype (bf16: within an ulp
-    of the eager result)."""
-    x = x + delta
-    return x, rms_norm_ref(x, weight, eps)
-
-
 rms_norm = cuda_compiled(rms_norm_ref)
-add_rms_norm = cuda_compiled(add_rms_norm_ref)
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +24,3 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm), fused; delta None: (x, its norm)."""
-        return (x, self(x)) if delta is None else add_rms_norm(x, delta, self.weight, self.eps)

@@ -24,11 +24,11 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.fast_path import fast_path
-from blockspec.layers.linear import skinny_kernels
+from blockspec.layers.linear import dense, fused_linear, prologue, skinny_kernels
+from blockspec.layers.norm import RMSNorm
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -172,21 +172,26 @@ class Fp8Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_weight(self.weight, self.weight_scale, dtype, self.use_kernel)
 
-    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_reference(
+        self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = prologue(x, norm, gated)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        return dense(x, self.dequantize(x.dtype), bias, residual)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As `Linear.forward`: residual + prologue(x) @ W.T + bias, fused on the kernel path."""
         if (
             self.use_kernel
             and fast_path(x)
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.numel() <= self.kernel_max_m * self.in_features
+            and x.numel() <= self.kernel_max_m * x.shape[-1]
+            and skinny_kernels() is not None
         ):
-            kernels = skinny_kernels()
-            if kernels is not None:
-                return kernels.skinny_linear(x, self.weight, self.weight_scale, self.bias)
-        return self.forward_reference(x)
+            return fused_linear(x, self.weight, self.weight_scale, self.bias, norm, gated, residual)
+        return self.forward_reference(x, norm, gated, residual)
 
     def _apply(self, fn, recurse=True):
         keep = {name: self._buffers[name] for name in ("weight", "weight_scale")}

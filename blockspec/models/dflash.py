@@ -71,9 +71,12 @@ class DFlashDrafter(nn.Module):
         """Every layer's context K and V, each [L, *positions.shape, Hkv, D], from features
         [*positions.shape, n*H_t] in one GEMM. Differentiable when `fuse_kv` ran under autograd."""
         s = self.spec
-        c = self.hidden_norm(self.fc(features))
+        c = self.fc(features)  # hidden_norm(c) is the fused K/V GEMM's prologue
         fp8 = self.fused_kv_fp8
-        kv = fp8(c) if fp8 is not None else linear(c, self.fused_kv_weight, self.fused_kv_bias)
+        if fp8 is not None:
+            kv = fp8(c, norm=self.hidden_norm)
+        else:
+            kv = linear(c, self.fused_kv_weight, self.fused_kv_bias, norm=self.hidden_norm)
         kv = kv.view(*c.shape[:-1], len(self.layers), 2, s.num_kv_heads, s.head_dim).movedim(-4, 0)
         k = kv[..., 0, :, :]
         weight = self.k_norm_weight.view(len(self.layers), *[1] * (k.dim() - 2), s.head_dim)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockspec.layers.activation import silu_mul
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
@@ -68,14 +67,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, attn: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        attn: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim)
+        """x + attention(norm(x)): the norm runs in the qkv GEMM, the add in the o GEMM."""
+        qkv = self.qkv_proj(x, norm=norm).view(*x.shape[:-1], -1, self.head_dim)
         heads = (self.num_heads, self.num_kv_heads)
         qkv = qk_norm_rope(qkv, weight(self.q_norm), weight(self.k_norm), self.eps, *rope, *heads)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=-2)
         out = attn.attend(q, k, v, cache, self.layer_type, self.head_dim**-0.5)
-        return self.o_proj(out.flatten(-2))
+        return self.o_proj(out.flatten(-2), residual=x)
 
 
 class MLP(nn.Module):
@@ -84,8 +89,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)  # gate|up: one GEMM
         self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x + mlp(norm(x)): the norm runs in the gate|up GEMM, SwiGLU and the add in the down GEMM."""
+        return self.down_proj(self.gate_up_proj(x, norm=norm), gated=True, residual=x)
 
 
 class DecoderLayer(nn.Module):
@@ -97,18 +103,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(s)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        delta: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        attn: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream comes in and goes out as x + delta, so that each residual add is
-        fused into the norm after it (delta None: the stream is x)."""
-        x, h = self.input_layernorm.add(x, delta)
-        x, h = self.post_attention_layernorm.add(x, self.self_attn(h, rope, cache, attn))
-        return x, self.mlp(h)
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """The residual stream in and out; each norm is fused into the GEMM after it and each
+        residual add into the GEMM before it (`blockspec.layers.linear`)."""
+        x = self.self_attn(x, self.input_layernorm, rope, cache, attn)
+        return self.mlp(x, self.post_attention_layernorm)
 
 
 def decoder_stack(
@@ -122,12 +122,12 @@ def decoder_stack(
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """`layers` then the final `norm`: the normed output, and the residual stream after each
     layer in `capture`."""
-    delta, captured = None, {}
+    captured = {}
     for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
-        x, delta = layer(x, delta, rope, cache, attn)
+        x = layer(x, rope, cache, attn)
         if i in capture:
-            captured[i] = x + delta
-    return norm.add(x, delta)[1], captured
+            captured[i] = x
+    return norm(x), captured
 
 
 class Backbone(nn.Module):

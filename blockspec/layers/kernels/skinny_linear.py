@@ -1,5 +1,5 @@
-"""Skinny linear in Triton: y = x @ (w * scale[:, None]).T + bias for the few rows of a decode,
-verify or propose step. It serves two callers with one contract:
+"""Skinny linear in Triton: y = residual + prologue(x) @ (w * scale[:, None]).T + bias for the few
+rows of a decode, verify or propose step. It serves two callers with one contract:
 - `blockspec.layers.linear.linear`: bf16/fp16 weights, no scale, up to `LINEAR_MAX_M` rows, where
   it reads the weight faster than cuBLAS (H200, a one-off sweep over the Qwen3-8B target's shapes:
   3.87 against 4.16 ms of GEMMs a decode step at M = 1, 4.01 against 4.18 at M = 16;
@@ -8,7 +8,14 @@ verify or propose step. It serves two callers with one contract:
   output row (E4M3 values are exact in bf16/fp16; the scale commutes with the K reduction, so it is
   applied once to the fp32 accumulator in the epilogue, with the bias and the cast).
 x and y stay in the activation dtype (bf16/fp16, or fp32 with exact fp32 products); accumulation is
-fp32. At small M the GEMM is bound by reading the weight, so both kernels only stream it.
+fp32. At small M the GEMM is bound by reading the weight, so both kernels only stream it, and the
+small elementwise ops around a decoder layer's GEMMs ride along instead of costing a launch and a
+round trip each:
+- prologue RMSNorm (qkv and gate|up): each x tile is multiplied by the norm weight as it is read
+  and its squares summed; the row's 1 / rms is a per-row factor, applied to the accumulator at the
+  end (the norm itself is never stored);
+- prologue SwiGLU (down): x is gate|up, and the input tile is SiLU(gate) * up;
+- epilogue residual add (o and down): the output is the residual stream itself.
 
 M = 1, `_gemv_kernel`: a program owns BLOCK_N rows of w and walks K, multiply-adding on the CUDA
 cores into an fp32 [BLOCK_N, BLOCK_K] tile summed once at the end (no MMA: with one row it would
@@ -22,7 +29,8 @@ the converted weight can be its register operand) and the few activation rows th
 Split-K: when the (M, N) tiles are too few to keep every SM streaming (N = 1024..4096 at small M),
 the K range is cut into SPLIT_K chunks handled by separate programs, each writing an fp32 partial
 tile to a workspace; a second kernel sums the partials in a fixed order (deterministic, no
-atomics) and applies scale, bias and cast. Launch shapes depend only on (M, N, K), there is no host
+atomics) and applies the 1 / rms factor (summing the splits' sums of
+squares), scale, bias, residual and cast. Launch shapes depend only on (M, N, K), there is no host
 synchronisation, and the workspace comes from the caching allocator, so calls can be captured in
 CUDA graphs (warm up first: the first call compiles).
 
@@ -43,25 +51,68 @@ DEQUANT_BLOCK = 4096
 
 
 @triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    if EVEN:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _input(x_ptrs, up_offset, norm_ptrs, mask, GATED: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr):
+    """The GEMM's input tile in float32, after the prologue, and the tile as read (whose squares
+    the RMSNorm prologue sums): SiLU(gate) * up, rounded to x's dtype as the unfused op stores it,
+    or x times the norm weight (the 1 / rms factor scales the accumulator once a row is summed)."""
+    x = _load(x_ptrs, mask, EVEN).to(tl.float32)
+    raw = x
+    if GATED:
+        up = _load(x_ptrs + up_offset, mask, EVEN).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(x_ptrs.dtype.element_ty).to(tl.float32)
+    if NORM:
+        x = x * _load(norm_ptrs, mask, EVEN).to(tl.float32)
+    return x, raw
+
+
+@triton.jit
+def _epilogue(acc, sq, offs, n, mask, K, eps, scale_ptr, bias_ptr, res_ptr, HAS_SCALE, HAS_BIAS, NORM, RESIDUAL):
+    """acc / rms (from the row's sum of squares `sq`) * scale[n] + bias[n] + residual[offs]."""
+    if NORM:
+        acc = acc * tl.rsqrt(sq / K + eps)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,
     w_ptr,
     scale_ptr,
     bias_ptr,
+    norm_ptr,
+    res_ptr,
     y_ptr,
     ws_ptr,
+    sq_ptr,
     M,
     N,
     K,
+    eps,
     stride_xm,
     stride_xk,
     stride_wn,
     stride_wk,
-    stride_ym,
-    stride_yn,
     K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
@@ -81,13 +132,13 @@ def _skinny_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [BLOCK_K, BLOCK_M]
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    sq = tl.full((BLOCK_M,), 0.0, tl.float32)
     for _ in range(K_ITERS):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-            x = tl.load(x_ptrs, mask=offs_k[:, None] < K, other=0.0)
+        w = _load(w_ptrs, offs_k[None, :] < K, EVEN_K)
+        x, raw = _input(x_ptrs, K * stride_xk, norm_ptr + offs_k[:, None], offs_k[:, None] < K, GATED, NORM, EVEN_K)
+        if NORM:
+            sq += tl.sum(raw * raw, axis=0)
+        x = x.to(x_ptr.dtype.element_ty)
         if IEEE:
             acc = tl.dot(w.to(x.dtype), x, acc, input_precision="ieee")
         else:
@@ -96,18 +147,17 @@ def _skinny_kernel(
         x_ptrs += BLOCK_K * stride_xk
         offs_k += BLOCK_K
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    offs = offs_m[None, :] * N + offs_n[:, None]  # y, the residual and each workspace slice: [M, N]
     if SPLIT_K == 1:
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            acc += bias.to(tl.float32)[:, None]
-        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None] * stride_yn
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        # workspace [SPLIT_K, M, N], contiguous
-        ws_ptrs = ws_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(ws_ptrs, acc, mask=mask)
+        n = offs_n[:, None]
+        acc = _epilogue(
+            acc, sq[None, :], offs, n, mask, K, eps, scale_ptr, bias_ptr, res_ptr, HAS_SCALE, HAS_BIAS, NORM, RESIDUAL
+        )
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:  # partial sums to the workspace [SPLIT_K, M, N]; sums of squares [SPLIT_K, M], once per row
+        tl.store(ws_ptr + pid_k * M * N + offs, acc, mask=mask)
+        if NORM:
+            tl.store(sq_ptr + pid_k * M + offs_m, sq, mask=(offs_m < M) & (pid_n == 0))
 
 
 @triton.jit
@@ -116,15 +166,21 @@ def _gemv_kernel(
     w_ptr,
     scale_ptr,
     bias_ptr,
+    norm_ptr,
+    res_ptr,
     y_ptr,
     N,
     K,
+    eps,
     stride_xk,
     stride_wn,
     stride_wk,
     K_ITERS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -134,51 +190,67 @@ def _gemv_kernel(
     rows_n = (offs_n % N).to(tl.int64)  # clamped: loads stay in bounds, the store is masked
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    sq = tl.full((BLOCK_K,), 0.0, tl.float32)
     for _ in range(K_ITERS):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptr + offs_k * stride_xk)
-        else:
-            w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-            x = tl.load(x_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _load(w_ptrs, offs_k[None, :] < K, EVEN_K)
+        x, raw = _input(x_ptr + offs_k * stride_xk, K * stride_xk, norm_ptr + offs_k, offs_k < K, GATED, NORM, EVEN_K)
+        if NORM:
+            sq += raw * raw
+        acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K * stride_wk
         offs_k += BLOCK_K
-    y = tl.sum(acc, axis=1)
-    if HAS_SCALE:
-        y = y * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    mask = offs_n < N
+    y = _epilogue(
+        tl.sum(acc, axis=1),
+        tl.sum(sq),
+        offs_n,
+        offs_n,
+        mask,
+        K,
+        eps,
+        scale_ptr,
+        bias_ptr,
+        res_ptr,
+        HAS_SCALE,
+        HAS_BIAS,
+        NORM,
+        RESIDUAL,
+    )
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _splitk_reduce_kernel(
     ws_ptr,
+    sq_ptr,
     scale_ptr,
     bias_ptr,
+    res_ptr,
     y_ptr,
     M,
     N,
-    stride_ym,
-    stride_yn,
+    K,
+    eps,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
-    acc = tl.full((BLOCK,), 0.0, tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-    n = offs % N
     m = offs // N
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + n, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    sq = tl.full((BLOCK,), 0.0, tl.float32)
+    for s in tl.static_range(SPLIT_K):  # a fixed order: deterministic
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+        if NORM:
+            sq += tl.load(sq_ptr + s * M + m, mask=mask, other=0.0)
+    acc = _epilogue(
+        acc, sq, offs, offs % N, mask, K, eps, scale_ptr, bias_ptr, res_ptr, HAS_SCALE, HAS_BIAS, NORM, RESIDUAL
+    )
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -271,28 +343,51 @@ def skinny_linear(
     scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32), weight [N, K] float8_e4m3fn with scale [N] float32 (or in x's
-    dtype with scale None), bias [N] or None -> [..., N] in x's dtype."""
-    K = x.shape[-1]
+    """residual + prologue(x) @ (weight * scale[:, None]).T + bias. x [..., K] (bf16/fp16/fp32),
+    or [..., 2K] gate|up with `gated` (prologue: SiLU(gate) * up); `norm` (weight [K], eps): the
+    prologue is that RMSNorm. weight [N, K] float8_e4m3fn with scale [N] float32, or in x's dtype
+    with scale None; bias [N] or None; residual [..., N] like the output, or None. -> [..., N] in
+    x's dtype."""
+    K = x.shape[-1] // 2 if gated else x.shape[-1]
     N = weight.shape[0]
-    assert weight.shape[1] == K, f"x has {K} features, weight is {tuple(weight.shape)}"
+    assert weight.shape[1] == K, (
+        f"x has {x.shape[-1]} features{' (gate|up)' if gated else ''}, weight is {tuple(weight.shape)}"
+    )
+    assert not (gated and norm is not None), "one prologue: norm or gated"
     if scale is None:
         assert weight.dtype == x.dtype, f"an unscaled weight must be in x's dtype {x.dtype}, got {weight.dtype}"
     else:
         assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     out_shape = (*x.shape[:-1], N)
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(out_shape)
+    if residual is not None:
+        assert residual.shape == out_shape, f"residual {tuple(residual.shape)} for an output {out_shape}"
+        residual = residual.contiguous()
+    if norm is not None:
+        assert norm[0].shape == (K,), f"norm weight {tuple(norm[0].shape)} for {K} features"
     sms = num_sms(x.device, interpreted=8)  # interpreter: few SMs, so that split-K is exercised
     cfg = config or choose_config(M, N, K, sms, weight.element_size(), x.element_size())
-    has_bias, has_scale = bias is not None, scale is not None
-    scale = scale if has_scale else weight  # valid pointers, never read
-    b = bias if has_bias else scale
+    # Pointers that a flag leaves unread are given some valid tensor.
+    flags = {
+        "HAS_SCALE": scale is not None,
+        "HAS_BIAS": bias is not None,
+        "NORM": norm is not None,
+        "GATED": gated,
+        "RESIDUAL": residual is not None,
+    }
+    scale = weight if scale is None else scale
+    bias = weight if bias is None else bias
+    norm_weight, eps = norm if norm is not None else (weight, 0.0)
+    residual = weight if residual is None else residual
     if cfg.block_m == 1:
         assert M == 1, f"the GEMV config serves one row, got {M}"
         k_iters = triton.cdiv(K, cfg.block_k)
@@ -300,16 +395,18 @@ def skinny_linear(
             x2,
             weight,
             scale,
-            b,
+            bias,
+            norm_weight,
+            residual,
             y,
             N,
             K,
+            eps,
             x2.stride(1),
             weight.stride(0),
             weight.stride(1),
             k_iters,
-            HAS_SCALE=has_scale,
-            HAS_BIAS=has_bias,
+            **flags,
             EVEN_K=K == k_iters * cfg.block_k,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -318,30 +415,32 @@ def skinny_linear(
         )
         return y.view(out_shape)
     k_iters = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k)
-    even_k = K == cfg.split_k * k_iters * cfg.block_k
-    ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if cfg.split_k > 1 else y
+    split = cfg.split_k > 1
+    ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if split else y
+    sq = torch.empty((cfg.split_k, M), dtype=torch.float32, device=x.device) if split and flags["NORM"] else y
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
     _skinny_kernel[grid](
         x2,
         weight,
         scale,
-        b,
+        bias,
+        norm_weight,
+        residual,
         y,
         ws,
+        sq,
         M,
         N,
         K,
+        eps,
         x2.stride(0),
         x2.stride(1),
         weight.stride(0),
         weight.stride(1),
-        y.stride(0),
-        y.stride(1),
         k_iters,
-        HAS_SCALE=has_scale,
-        HAS_BIAS=has_bias,
+        **flags,
         SPLIT_K=cfg.split_k,
-        EVEN_K=even_k,
+        EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -349,18 +448,20 @@ def skinny_linear(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:
+    if split:
+        flags.pop("GATED")  # the reduce has no prologue
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
             ws,
+            sq,
             scale,
-            b,
+            bias,
+            residual,
             y,
             M,
             N,
-            y.stride(0),
-            y.stride(1),
-            HAS_SCALE=has_scale,
-            HAS_BIAS=has_bias,
+            K,
+            eps,
+            **flags,
             SPLIT_K=cfg.split_k,
             BLOCK=REDUCE_BLOCK,
             num_warps=4,
