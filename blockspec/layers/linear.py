@@ -60,7 +60,12 @@ def fused_linear(
     gated: bool,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The skinny kernel (triton needed) with the prologue and residual add fused in."""
+    """The skinny kernel (triton needed) with the prologue and residual add fused in, except
+    SwiGLU past one row: the MMA kernel would compute its operand in registers and store it back
+    to shared memory, which stalls the weight stream (H200, down_proj at 4 and 16 rows: 58 µs
+    fused against 30 apart)."""
+    if gated and x.numel() > x.shape[-1]:
+        x, gated = silu_mul(x), False
     norm_args = None if norm is None else (norm.weight, norm.eps)
     return skinny_kernels().skinny_linear(x, weight, scale, bias, None, norm_args, gated, residual)
 
