@@ -17,9 +17,3 @@ def num_sms(device: torch.device, interpreted: int) -> int:
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.cache
-def pdl_supported(index: int) -> bool:
-    """Programmatic dependent launch (griddepcontrol): Hopper (sm_90) and later."""
-    return torch.cuda.get_device_capability(index) >= (9, 0)

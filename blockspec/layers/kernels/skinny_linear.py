@@ -21,11 +21,9 @@ round trip each:
 M = 1, `_gemv_kernel`: a program owns BLOCK_N rows of w and walks K, multiply-adding on the CUDA
 cores into an fp32 [BLOCK_N, BLOCK_K] tile summed once at the end (no MMA: with one row it would
 waste 15/16 of its lanes and add a layout shuffle per tile). It is launched with programmatic
-dependent launch on Hopper+ (it lets the next kernel launch at once and waits for the previous
-kernel's outputs before its first read), which hides part of each kernel boundary: H200, 36 layers
-of the four fused GEMMs at M = 1, 3,868 -> 3,770 µs. Not the MMA kernel: at 16 rows the same chain
-went 3,957 -> 4,809 µs. Prefetching the first weight tiles to L2 before the wait made M = 1 worse
-(3,838 µs with 2 tiles, 4,086 with 4).
+dependent launch (`blockspec.layers.kernels.pdl`: measured there). Prefetching the first weight
+tiles to L2 before its wait for the previous kernel made it slower (36 layers at M = 1: 3,770 µs
+without, 3,838 with 2 tiles, 4,086 with 4).
 
 M > 1, `_skinny_kernel`, "swap AB": a program computes the transposed tile acc[BLOCK_N, BLOCK_M] =
 w_tile @ x_tile.T, so the weight rows fill the MMA's large M side (64, the wgmma granule on Hopper;
@@ -49,9 +47,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from blockspec.layers.kernels import num_sms, pdl_supported
+from blockspec.layers.kernels import num_sms
+from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
 
 REDUCE_BLOCK = 1024
 DEQUANT_BLOCK = 4096
@@ -197,9 +195,7 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
     sq = tl.full((BLOCK_K,), 0.0, tl.float32)
-    if PDL:  # the next kernel may launch now; x and the residual are read once the previous one is done
-        gdc_launch_dependents()
-        gdc_wait()
+    await_previous_kernel(PDL)
     for _ in range(K_ITERS):
         w = _load(w_ptrs, offs_k[None, :] < K, EVEN_K)
         x = _input(x_ptr + offs_k * stride_xk, K * stride_xk, offs_k < K, GATED, EVEN_K).to(tl.float32)
@@ -400,7 +396,6 @@ def skinny_linear(
     residual = weight if residual is None else residual
     if cfg.block_m == 1:
         assert M == 1, f"the GEMV config serves one row, got {M}"
-        pdl = x.is_cuda and pdl_supported(x.device.index)  # Hopper+; the interpreter has no GDC
         k_iters = triton.cdiv(K, cfg.block_k)
         _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
             x2,
@@ -419,12 +414,11 @@ def skinny_linear(
             k_iters,
             **flags,
             EVEN_K=K == k_iters * cfg.block_k,
-            PDL=pdl,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            launch_pdl=pdl,
+            **pdl_launch(x.device),
         )
         return y.view(out_shape)
     k_iters = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k)
