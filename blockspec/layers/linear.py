@@ -2,7 +2,8 @@
 skinny GEMM (`blockspec.layers.kernels.skinny_linear`), which reads the weight faster than cuBLAS
 at those shapes and fuses the decoder layer's small ops into it: the RMSNorm or SwiGLU before the
 GEMM and the residual add after it. Everything else (CPU, training, prefill) runs the ops one by
-one (the residual add inside cuBLAS's GEMM), the reference that the kernel is tested against.
+one, the reference that the kernel is tested against (without a bias, the residual add is the
+GEMM's own: addmm).
 BLOCKSPEC_TRITON_LINEAR=0 keeps the unfused ops and cuBLAS everywhere (for A/B runs)."""
 
 import functools
@@ -37,6 +38,8 @@ def _kernel_on() -> bool:
 
 def prologue(x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
     """The GEMM's input: norm(x), or SiLU(gate) * up of x = gate|up with `gated`, or x."""
+    if norm is not None and gated:
+        raise ValueError("a linear has one prologue: norm or gated, not both")
     if norm is not None:
         x = norm(x)
     return silu_mul(x) if gated else x
@@ -60,12 +63,16 @@ def fused_linear(
     gated: bool,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The skinny kernel (triton needed) with the prologue and residual add fused in, except
-    SwiGLU past one row: the MMA kernel would compute its operand in registers and store it back
-    to shared memory, which stalls the weight stream (H200, down_proj at 4 and 16 rows: 58-59 µs
-    fused against 31-32 apart)."""
-    if gated and x.numel() > x.shape[-1]:
-        x, gated = silu_mul(x), False
+    """The skinny kernel (triton needed) with the residual add fused in, and the prologue where it
+    was measured to pay (H200): always at one row (the GEMV); past one row, the MMA kernel takes
+    the RMSNorm on its weight tile (its register operand; q|k|v at 16 rows 17.0 µs against 17.9
+    apart), up to LINEAR_MAX_M rows and not in fp16 (an FP8 weight times a large norm weight
+    could overflow it), while SwiGLU runs apart: computed in registers, it would be stored back
+    to shared memory as the MMA's operand, which stalls the weight stream (down_proj at 4 and 16
+    rows: 58-59 µs fused against 31-32 apart)."""
+    rows = x.numel() // x.shape[-1]
+    if rows > 1 and (gated or rows > LINEAR_MAX_M or x.dtype == torch.float16):
+        x, norm, gated = prologue(x, norm, gated), None, False
     norm_args = None if norm is None else (norm.weight, norm.eps)
     return skinny_kernels().skinny_linear(x, weight, scale, bias, None, norm_args, gated, residual)
 
@@ -79,7 +86,7 @@ def linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """residual + F.linear(prologue(x, norm, gated), weight, bias) (residual None: no add); on CUDA,
-    without grad, for bf16/fp16 and at most LINEAR_MAX_M rows, one skinny kernel computes it all."""
+    without grad, for bf16/fp16 and at most LINEAR_MAX_M rows, the skinny kernel (`fused_linear`)."""
     if (
         fast_path(x)
         and x.dtype in (torch.bfloat16, torch.float16)

@@ -2,12 +2,14 @@
 
 `Fp8Linear` replaces an `nn.Linear` at load time (inference only). Its weight is
 q = round_e4m3(w / s) with s = rowmax(|w|) / 448 (448 = largest E4M3 value, so every row uses the
-full range and the row maximum is exact), and forward computes x @ (q * s[:, None]).T + bias:
+full range and the row maximum is exact), and forward computes, as `Linear` does,
+residual + prologue(x) @ (q * s[:, None]).T + bias (prologue: an RMSNorm or SwiGLU, or none):
 - CUDA (sm_89+, triton importable, M <= `kernel_max_m`): the Triton kernel
-  `blockspec.layers.kernels.skinny_linear`, which streams the FP8 bytes and dequantizes in registers;
-- otherwise, the reference path (the CPU path and the oracle): dequantize to x.dtype (computed in
-  float32, rounded once) and F.linear. On CUDA that is dequantize + cuBLAS, the better choice for
-  large M (prefill), where the GEMM is compute-bound.
+  `blockspec.layers.kernels.skinny_linear` (through `layers.linear.fused_linear`), which streams the
+  FP8 bytes and dequantizes in registers;
+- otherwise, the reference path (the CPU path and the oracle): the prologue, then dequantize to
+  x.dtype (computed in float32, rounded once) and `layers.linear.dense`. On CUDA that is
+  dequantize + cuBLAS, the better choice for large M (prefill), where the GEMM is compute-bound.
 
 Per-row scales make quantization commute with stacking rows, so the drafter's fused K/V weight
 (every layer's k_proj and v_proj stacked) quantized as a whole is bit-identical to the stacked
@@ -16,7 +18,7 @@ quantized projections (`Fp8Linear.concat`).
 Switch: `resolve_fp8(setting, device)` maps an engine setting (True / False / "auto" / None) to a
 bool; "auto" is on for CUDA devices with native FP8 conversion (Ada/Hopper, sm_89+) unless the
 environment sets BLOCKSPEC_FP8=0. BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but uses the reference
-(dequantize + F.linear) path everywhere.
+(dequantize + dense) path everywhere.
 """
 
 import fnmatch

@@ -14,7 +14,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older triton: no grid dependency control, kernels launch plainly
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
@@ -25,12 +29,17 @@ def await_previous_kernel(PDL: tl.constexpr):
 
 
 def pdl_launch(device: torch.device) -> dict:
-    """A PDL kernel's launch arguments on `device`: its PDL flag and the launch option, both on
-    for CUDA sm_90+ (the interpreter has no grid dependency control)."""
-    pdl = device.type == "cuda" and _supported(device.index)
-    return {"PDL": pdl, "launch_pdl": pdl}
+    """A PDL kernel's launch arguments on `device`: its PDL flag, and the launch option where it
+    is on (CUDA sm_90+, a triton that has it, not the interpreter)."""
+    on = device.type == "cuda" and _supported(device.index)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @functools.cache
 def _supported(index: int) -> bool:
-    return os.environ.get("BLOCKSPEC_PDL", "1") != "0" and torch.cuda.get_device_capability(index) >= (9, 0)
+    return (
+        gdc_wait is not None
+        and os.environ.get("BLOCKSPEC_PDL", "1") != "0"
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and torch.cuda.get_device_capability(index) >= (9, 0)
+    )

@@ -65,15 +65,12 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _input(x_ptrs, up_offset, mask, GATED: tl.constexpr, EVEN: tl.constexpr):
-    """The GEMM's input tile in x's dtype: x, or SiLU(gate) * up computed in float32 and rounded
-    to x's dtype (as the unfused op stores it)."""
-    x = _load(x_ptrs, mask, EVEN)
-    if GATED:
-        gate = x.to(tl.float32)
-        up = _load(x_ptrs + up_offset, mask, EVEN).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(x_ptrs.dtype.element_ty)
-    return x
+def _swiglu(x_ptrs, up_offset, mask, EVEN: tl.constexpr):
+    """SiLU(gate) * up of a gate|up tile, computed in float32 and rounded to x's dtype (as the
+    unfused op stores it)."""
+    gate = _load(x_ptrs, mask, EVEN).to(tl.float32)
+    up = _load(x_ptrs + up_offset, mask, EVEN).to(tl.float32)
+    return (gate * tl.sigmoid(gate) * up).to(x_ptrs.dtype.element_ty)
 
 
 @triton.jit
@@ -113,7 +110,6 @@ def _skinny_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
-    GATED: tl.constexpr,
     RESIDUAL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -137,7 +133,7 @@ def _skinny_kernel(
     sq = tl.full((BLOCK_M,), 0.0, tl.float32)
     for _ in range(K_ITERS):
         w = _load(w_ptrs, offs_k[None, :] < K, EVEN_K)
-        x = _input(x_ptrs, K * stride_xk, offs_k[:, None] < K, GATED, EVEN_K)
+        x = _load(x_ptrs, offs_k[:, None] < K, EVEN_K)
         if NORM:  # the norm weight scales the weight tile, the register operand: x stays as loaded
             g = _load(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
             w = w.to(tl.float32) * g[None, :]
@@ -198,7 +194,10 @@ def _gemv_kernel(
     await_previous_kernel(PDL)
     for _ in range(K_ITERS):
         w = _load(w_ptrs, offs_k[None, :] < K, EVEN_K)
-        x = _input(x_ptr + offs_k * stride_xk, K * stride_xk, offs_k < K, GATED, EVEN_K).to(tl.float32)
+        if GATED:
+            x = _swiglu(x_ptr + offs_k * stride_xk, K * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
+        else:
+            x = _load(x_ptr + offs_k * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
         if NORM:
             sq += x * x
             x = x * _load(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
@@ -354,7 +353,7 @@ def skinny_linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """residual + prologue(x) @ (weight * scale[:, None]).T + bias. x [..., K] (bf16/fp16/fp32),
-    or [..., 2K] gate|up with `gated` (prologue: SiLU(gate) * up); `norm` (weight [K], eps): the
+    or [..., 2K] gate|up with `gated` (prologue: SiLU(gate) * up, one row only); `norm` (weight [K], eps): the
     prologue is that RMSNorm. weight [N, K] float8_e4m3fn with scale [N] float32, or in x's dtype
     with scale None; bias [N] or None; residual [..., N] like the output, or None. -> [..., N] in
     x's dtype."""
@@ -363,6 +362,7 @@ def skinny_linear(
     assert weight.shape[1] == K, (
         f"x has {x.shape[-1]} features{' (gate|up)' if gated else ''}, weight is {tuple(weight.shape)}"
     )
+    assert not gated or x.shape[-1] == 2 * K, f"gate|up of {x.shape[-1]} features: not two halves"
     assert not (gated and norm is not None), "one prologue: norm or gated"
     if scale is None:
         assert weight.dtype == x.dtype, f"an unscaled weight must be in x's dtype {x.dtype}, got {weight.dtype}"
@@ -377,17 +377,18 @@ def skinny_linear(
         return y.view(out_shape)
     if residual is not None:
         assert residual.shape == out_shape, f"residual {tuple(residual.shape)} for an output {out_shape}"
+        assert residual.dtype == x.dtype, f"a {residual.dtype} residual for {x.dtype} activations"
         residual = residual.contiguous()
     if norm is not None:
         assert norm[0].shape == (K,), f"norm weight {tuple(norm[0].shape)} for {K} features"
     sms = num_sms(x.device, interpreted=8)  # interpreter: few SMs, so that split-K is exercised
     cfg = config or choose_config(M, N, K, sms, weight.element_size(), x.element_size())
+    assert not gated or cfg.block_m == 1, "the SwiGLU prologue is the GEMV's only (see layers.linear.fused_linear)"
     # Pointers that a flag leaves unread are given some valid tensor.
     flags = {
         "HAS_SCALE": scale is not None,
         "HAS_BIAS": bias is not None,
         "NORM": norm is not None,
-        "GATED": gated,
         "RESIDUAL": residual is not None,
     }
     scale = weight if scale is None else scale
@@ -413,6 +414,7 @@ def skinny_linear(
             weight.stride(1),
             k_iters,
             **flags,
+            GATED=gated,
             EVEN_K=K == k_iters * cfg.block_k,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -456,7 +458,6 @@ def skinny_linear(
         num_stages=cfg.num_stages,
     )
     if split:
-        flags.pop("GATED")  # the reduce has no prologue
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
             ws,
             sq,
