@@ -85,13 +85,14 @@ def rejection_sample(
     first rejection draw from normalize(max(p - q, 0)); if all are accepted, the bonus is
     drawn from p's last row. drafts: [R]; p: [R+1, V]; q: [R, V]. Returns (accepted, token)
     as device scalars: nothing here waits for the device."""
-    rows = torch.arange(len(drafts), device=p.device)
-    u = torch.rand(len(drafts), generator=generator, device=p.device)
+    R = len(drafts)
+    rows = torch.arange(R, device=p.device)
+    u = torch.rand(R, generator=generator, device=p.device)
     accepted = (u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum()
-    # A zero row after q makes "all accepted" the same rule: max(p[R] - 0, 0) = p[R].
-    q = torch.cat([q, q.new_zeros(1, q.shape[-1])])
     row = accepted.view(1)  # a 1-d index: p[0-d tensor] would read it on the host first
-    residual = (p[row] - q[row]).clamp_min(0)
+    # Past the last draft q counts as zero, so "all accepted" is the same rule: max(p[R] - 0, 0).
+    q_row = torch.where(row < R, q[row.clamp(max=R - 1)], 0.0) if R else 0.0
+    residual = (p[row] - q_row).clamp_min(0)
     # max(p - q, 0) is all zero only when p == q, where rejection has probability 0.
     residual = torch.where(residual.sum() > 0, residual, p[row])
     return accepted, sample(residual / residual.sum(), generator)[0]
