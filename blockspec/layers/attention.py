@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from blockspec.layers.fast_path import fast_path
+from blockspec.layers.fast_path import fast_kernels
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
 
@@ -55,13 +55,9 @@ def paged_attention(
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
-    if fast_path(q):
-        try:  # imported here: CPU-only installs need not have triton
-            from blockspec.layers.kernels.paged_attention import paged_attention_triton
-        except ImportError:
-            pass
-        else:
-            return paged_attention_triton(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale)
+    kernels = fast_kernels(q, "paged_attention")
+    if kernels is not None:
+        return kernels.paged_attention_triton(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale)
 
 
@@ -93,13 +89,9 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """k, v [..., Hkv, D] into the caches [slots, Hkv, D] at slot_mapping [...]."""
-    if fast_path(k):
-        try:  # imported here: CPU-only installs need not have triton
-            from blockspec.layers.kernels.kv_write import write_kv_triton
-        except ImportError:
-            pass
-        else:
-            return write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+    kernels = fast_kernels(k, "kv_write")
+    if kernels is not None:
+        return kernels.write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
     write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
 
 

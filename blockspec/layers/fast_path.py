@@ -7,8 +7,11 @@ drafter) and `reference_ops()` run instead, so all paths share one definition.""
 
 import contextlib
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
+
+from blockspec.layers.kernels import kernel_module
 
 _fast_paths = True
 
@@ -16,6 +19,12 @@ _fast_paths = True
 def fast_path(x: torch.Tensor) -> bool:
     """Whether an op on x takes its CUDA fast path: on CUDA, without grad, outside reference_ops."""
     return x.is_cuda and _fast_paths and not torch.is_grad_enabled()
+
+
+def fast_kernels(x: torch.Tensor, name: str) -> ModuleType | None:
+    """The Triton module `blockspec.layers.kernels.<name>` for an op on x that takes its fast path
+    (and triton is installed), else None: the op then runs its reference."""
+    return kernel_module(name) if fast_path(x) else None
 
 
 @contextlib.contextmanager

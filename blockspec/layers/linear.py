@@ -15,6 +15,7 @@ from torch import nn
 
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import fast_path
+from blockspec.layers.kernels import kernel_module
 from blockspec.layers.norm import RMSNorm
 
 # Rows up to which the kernel reads bf16/fp16 weights faster than cuBLAS (H200, measured at 1 and 16).
@@ -22,18 +23,8 @@ LINEAR_MAX_M = 16
 
 
 @functools.cache
-def skinny_kernels():
-    """The Triton module `blockspec.layers.kernels.skinny_linear`, or None without triton."""
-    try:
-        from blockspec.layers.kernels import skinny_linear
-    except ImportError:  # no triton (CPU installs, CI)
-        return None
-    return skinny_linear
-
-
-@functools.cache
 def _kernel_on() -> bool:
-    return os.environ.get("BLOCKSPEC_TRITON_LINEAR", "1") != "0" and skinny_kernels() is not None
+    return os.environ.get("BLOCKSPEC_TRITON_LINEAR", "1") != "0" and kernel_module("skinny_linear") is not None
 
 
 def prologue(x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
@@ -74,7 +65,7 @@ def fused_linear(
     if rows > 1 and (gated or rows > LINEAR_MAX_M or x.dtype == torch.float16):
         x, norm, gated = prologue(x, norm, gated), None, False
     norm_args = None if norm is None else (norm.weight, norm.eps)
-    return skinny_kernels().skinny_linear(x, weight, scale, bias, None, norm_args, gated, residual)
+    return kernel_module("skinny_linear").skinny_linear(x, weight, scale, bias, None, norm_args, gated, residual)
 
 
 def linear(

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from blockspec.layers.fast_path import fast_path
-from blockspec.layers.linear import dense, fused_linear, prologue, skinny_kernels
+from blockspec.layers.kernels import kernel_module
+from blockspec.layers.linear import dense, fused_linear, prologue
 from blockspec.layers.norm import RMSNorm
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -72,7 +73,7 @@ def dequantize_weight(
 ) -> torch.Tensor:
     """q * scale[:, None], computed in float32 and rounded once to `dtype` (on CUDA by a one-pass
     Triton kernel with the same result, bit for bit)."""
-    kernels = skinny_kernels() if q.is_cuda and use_kernel else None
+    kernels = kernel_module("skinny_linear") if q.is_cuda and use_kernel else None
     if kernels is not None and q.is_contiguous():
         return kernels.dequantize_fp8(q, scale, dtype)
     if dtype == torch.float32:
@@ -88,7 +89,7 @@ def fp8_supported(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9) and skinny_kernels() is not None
+    return torch.cuda.get_device_capability(device) >= (8, 9) and kernel_module("skinny_linear") is not None
 
 
 def resolve_fp8(setting: bool | str | None, device: torch.device | str) -> bool:
@@ -190,7 +191,7 @@ class Fp8Linear(nn.Module):
             and fast_path(x)
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and x.numel() <= self.kernel_max_m * x.shape[-1]
-            and skinny_kernels() is not None
+            and kernel_module("skinny_linear") is not None
         ):
             return fused_linear(x, self.weight, self.weight_scale, self.bias, norm, gated, residual)
         return self.forward_reference(x, norm, gated, residual)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from blockspec.layers.fast_path import cuda_compiled, fast_path
+from blockspec.layers.fast_path import cuda_compiled, fast_kernels
 from blockspec.layers.norm import rms_norm_ref
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -85,11 +85,7 @@ norm_rope = cuda_compiled(norm_rope_ref)
 def qk_norm_rope(qkv: torch.Tensor, *args) -> torch.Tensor:
     """`qk_norm_rope_ref`; on CUDA without grad one Triton launch that rewrites qkv in place
     (torch.compile makes three kernels of the reference: one per part of its cat)."""
-    if fast_path(qkv):
-        try:  # imported here: CPU-only installs need not have triton
-            from blockspec.layers.kernels.qk_norm_rope import qk_norm_rope_triton
-        except ImportError:
-            pass
-        else:
-            return qk_norm_rope_triton(qkv, *args)
+    kernels = fast_kernels(qkv, "qk_norm_rope")
+    if kernels is not None:
+        return kernels.qk_norm_rope_triton(qkv, *args)
     return qk_norm_rope_ref(qkv, *args)

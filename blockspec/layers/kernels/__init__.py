@@ -1,7 +1,9 @@
 """Triton kernels for the CUDA path. Importing this package needs only torch; its modules need
-triton, so callers import them lazily (see `blockspec.layers.attention.paged_attention`)."""
+triton, so callers reach them through `kernel_module` (see `blockspec.layers.fast_path`)."""
 
 import functools
+import importlib
+from types import ModuleType
 
 import torch
 
@@ -17,3 +19,12 @@ def num_sms(device: torch.device, interpreted: int) -> int:
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def kernel_module(name: str) -> ModuleType | None:
+    """The module `blockspec.layers.kernels.<name>`, or None where triton is missing (CPU installs)."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError:
+        return None
