@@ -36,7 +36,9 @@ def prologue(x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor
     return silu_mul(x) if gated else x
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None):
+def dense(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
     """residual + F.linear(x, weight, bias); without a bias the add is cuBLAS's epilogue (addmm)."""
     if residual is None or bias is not None:
         y = F.linear(x, weight, bias)

@@ -174,9 +174,7 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
-        last = len(self.model.layers) - 1  # HF's hidden_states[L] (what drafters train on) is normed
-        inner = tuple(i for i in capture if i != last)
-        hidden, captured = decoder_stack(self.model.layers, x, rope, kv_caches, attn, self.model.norm, inner)
-        captured[last] = hidden
+        hidden, captured = decoder_stack(self.model.layers, x, rope, kv_caches, attn, self.model.norm, capture)
+        captured[len(self.model.layers) - 1] = hidden  # HF's hidden_states[L] (what drafters train on) is normed
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return hidden, features
