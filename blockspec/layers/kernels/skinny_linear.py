@@ -75,13 +75,14 @@ def _swiglu(x_ptrs, up_offset, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _epilogue(acc, sq, offs, n, mask, K, eps, scale_ptr, bias_ptr, res_ptr, HAS_SCALE, HAS_BIAS, NORM, RESIDUAL):
-    """acc / rms (from the row's sum of squares `sq`) * scale[n] + bias[n] + residual[offs]."""
+    """acc / rms (from the row's sum of squares `sq`) * scale[n] + bias[n] + residual[offs]. `n`:
+    the output columns clamped into range (read unmasked, once per column; past N never stored)."""
     if NORM:
         acc = acc * tl.rsqrt(sq / K + eps)
     if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + n, mask=mask, other=0.0)
+        acc = acc * tl.load(scale_ptr + n)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(bias_ptr + n).to(tl.float32)
     if RESIDUAL:
         acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return acc
@@ -148,9 +149,21 @@ def _skinny_kernel(
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     offs = offs_m[None, :] * N + offs_n[:, None]  # y, the residual and each workspace slice: [M, N]
     if SPLIT_K == 1:
-        n = offs_n[:, None]
         acc = _epilogue(
-            acc, sq[None, :], offs, n, mask, K, eps, scale_ptr, bias_ptr, res_ptr, HAS_SCALE, HAS_BIAS, NORM, RESIDUAL
+            acc,
+            sq[None, :],
+            offs,
+            rows_n[:, None],
+            mask,
+            K,
+            eps,
+            scale_ptr,
+            bias_ptr,
+            res_ptr,
+            HAS_SCALE,
+            HAS_BIAS,
+            NORM,
+            RESIDUAL,
         )
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:  # partial sums to the workspace [SPLIT_K, M, N]; sums of squares [SPLIT_K, M], once per row
@@ -209,7 +222,7 @@ def _gemv_kernel(
         tl.sum(acc, axis=1),
         tl.sum(sq),
         offs_n,
-        offs_n,
+        rows_n,
         mask,
         K,
         eps,
