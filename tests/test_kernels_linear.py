@@ -150,6 +150,38 @@ def test_choose_config_for_model_shapes():
 
 
 @runs_kernel
+@pytest.mark.parametrize(
+    "rows,dtype,prologue",
+    [
+        (1, torch.float32, "gated"),  # the GEMV's SwiGLU prologue
+        (5, torch.float32, "gated"),  # past one row SwiGLU runs apart (the MMA kernel has none)
+        (5, torch.float32, "norm"),  # the norm on the MMA kernel's weight tile
+        (5, torch.float16, "norm"),  # fp16 past one row: apart (norm weights ~200 x FP8 448 overflow fp16)
+        (17, torch.float32, "norm"),  # past LINEAR_MAX_M rows (Fp8Linear's range): apart
+    ],
+)
+def test_fused_linear_matches_the_unfused_ops(rows, dtype, prologue):
+    """`fused_linear` (the kernel with each prologue fused where it pays, apart where not), FP8 and
+    unscaled weights, with bias and residual, against the reference `dense(prologue(x))`."""
+    gen = torch.Generator().manual_seed(rows)
+    K, N = 96, 40
+    norm = RMSNorm(K, 1e-2).to(DEVICE, dtype) if prologue == "norm" else None
+    if norm is not None:
+        large = 200.0 if dtype == torch.float16 else 1.0
+        norm.weight.data = ((torch.rand(K, generator=gen) + 0.5) * large).to(DEVICE, dtype)
+    x = (torch.randn(rows, 2 * K if prologue == "gated" else K, generator=gen) * 0.1).to(DEVICE, dtype)
+    bias, res = (torch.randn(*shape, generator=gen).to(DEVICE, dtype) for shape in ((N,), (rows, N)))
+    q, scale = quantize_weight(torch.randn(N, K, generator=gen).to(DEVICE) * 0.1)
+    w = dequantize_weight(q, scale, dtype)
+    gated = prologue == "gated"
+    for weight, w_scale in ((q, scale), (w, None)):
+        y = linear_module.fused_linear(x, weight, w_scale, bias, norm, gated, res)
+        ref = linear_module.dense(linear_module.prologue(x.float(), norm, gated), w.float(), bias.float(), res.float())
+        tol = (1e-5 if dtype == torch.float32 else 2e-3) * ref.abs().max().item()
+        assert (y.float() - ref).abs().max().item() <= tol, (rows, dtype, prologue, w_scale is None)
+
+
+@runs_kernel
 def test_kernel_empty_and_batched_input():
     q, s = quantize_weight(torch.randn(40, 32, device=DEVICE))
     dtype = torch.float32
