@@ -11,10 +11,9 @@ class SpeculativeConfig:
     window: int | None = None  # drafter sees only the last `window` context positions
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
-    # Weight-only FP8 drafter projections ("auto": on where supported, i.e. Hopper). Off by default:
-    # on the H200 it is faster than bf16 up to 16 drafter rows (one sequence) and twice as slow at
-    # 256 (16 sequences); see README.
-    fp8: bool | str = False
+    # FP8 drafter projections (layers/quantization.py: weight-only up to 16 rows, W8A8 above);
+    # "auto": on for Hopper+ GPUs (BLOCKSPEC_FP8=0 turns it off), off elsewhere.
+    fp8: bool | str = "auto"
     fp8_lm_head: bool = True  # with fp8, the drafter reads an FP8 copy of the target's LM head
     # Each step picks the block width (1, 2, 4, ... up to the widest) that maximises committed
     # tokens per second, from running acceptance rates and measured step times (engine/adaptive.py).

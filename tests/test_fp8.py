@@ -13,7 +13,8 @@ from transformers import Qwen3Config
 
 from blockspec import LLM, SamplingParams
 from blockspec.layers import quantization
-from blockspec.layers.linear import Linear
+from blockspec.layers.linear import LINEAR_MAX_M, Linear
+from blockspec.layers.norm import RMSNorm
 from blockspec.layers.quantization import (
     DRAFTER_FP8_PATTERNS,
     FP8_DTYPE,
@@ -97,6 +98,30 @@ def test_reference_path_is_f_linear_with_the_dequantized_weight(dtype, bias):
     assert err < REL_STEP / 2, err
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_past_linear_max_m_rows_quantizes_the_activations_too(dtype):
+    """Above LINEAR_MAX_M rows (W8A8): each row of the prologue's output is rounded to E4M3 with
+    its own scale, as a weight row is, before the GEMM; at LINEAR_MAX_M rows it is not."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True).to(dtype)
+    layer = Fp8Linear.from_linear(linear)
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    norm.weight.data.uniform_(0.5, 2.0)
+    deq_w = layer.dequantize(dtype)
+    for rows in (LINEAR_MAX_M, LINEAR_MAX_M + 1, 40):
+        x = random_weight(rows, 96, seed=rows).to(dtype)  # rows of very different magnitudes, a zero row
+        residual = torch.randn(rows, 40, dtype=dtype)
+        h = norm(x)
+        if rows > LINEAR_MAX_M:
+            h = dequantize_weight(*quantize_weight(h), dtype)
+        expected = residual + F.linear(h, deq_w, linear.bias)
+        assert torch.equal(layer(x, norm=norm, residual=residual), expected)
+        # and close to the unquantized layer: weight and activation rounding add up
+        y = (residual + linear(norm(x))).float()
+        err = (layer(x, norm=norm, residual=residual).float() - y).norm() / y.norm()
+        assert err < (REL_STEP if rows > LINEAR_MAX_M else REL_STEP / 2), (rows, err)
+
+
 def test_dtype_casts_keep_fp8_storage():
     layer = Fp8Linear.from_linear(nn.Linear(32, 16))
     q, s = layer.weight.clone(), layer.weight_scale.clone()
@@ -127,7 +152,7 @@ def test_concat_equals_quantizing_the_stacked_weight():
 def test_resolve_fp8_switch(monkeypatch):
     monkeypatch.delenv("BLOCKSPEC_FP8", raising=False)
     assert resolve_fp8(True, "cpu") and not resolve_fp8(False, "cuda") and not resolve_fp8("off", "cuda")
-    assert resolve_fp8("auto", "cpu") is False  # auto: CUDA sm_89+ only
+    assert resolve_fp8("auto", "cpu") is False  # auto: CUDA sm_90+ only
     monkeypatch.setenv("BLOCKSPEC_FP8", "0")
     assert resolve_fp8(None, "cuda") is False
     monkeypatch.setenv("BLOCKSPEC_FP8", "1")

@@ -264,9 +264,9 @@ def test_fp8_linear_module_on_cuda_uses_kernel_and_graphs(monkeypatch):
     assert calls, "Fp8Linear did not use the Triton kernel on CUDA"
     ref = layer.forward_reference(x)
     torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
-    # large M falls back to dequantize + cuBLAS: exactly the reference
-    big = torch.randn(layer.kernel_max_m + 1, 4096, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(layer(big), layer.forward_reference(big))
+    n = len(calls)  # past LINEAR_MAX_M rows: W8A8 (test_kernels_quantize.py), not this kernel
+    layer(torch.randn(linear_module.LINEAR_MAX_M + 1, 4096, device="cuda", dtype=torch.bfloat16))
+    assert len(calls) == n
     check_in_cuda_graph(layer, x)
 
 

@@ -1,14 +1,15 @@
 """Micro-benchmark of the linears on CUDA: bf16 F.linear (cuBLAS), bf16 `linear` (the models'
-path: the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's Triton kernel and
-its large-M path (one-pass dequantize to bf16 + cuBLAS), at the shapes of the Qwen3-8B DFlash
+path: the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's two CUDA paths: the
+weight-only Triton kernel (its path up to 16 rows) and W8A8 (above: the activations quantized per
+row by `quantize_rows`, then `torch._scaled_mm` on FP8 tensor cores), at the shapes of the Qwen3-8B DFlash
 drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5 target layers)
 and of the LM head (151936 x 4096).
 
 Each figure is device time per call from a CUDA graph of back-to-back calls (no launch overhead,
 as under the engine's graphs); the calls cycle through enough copies of the weight (>= 256 MB) that
 it is read from HBM, not from the 60 MB L2. GB/s counts the bytes a call must move (weight +
-scales + x + y). `err` is max |fp8 kernel - fp8 reference| / max |reference| and `q-err` the same
-against bf16 (the quantization error). The last lines add up one drafter step's linears, every
+scales + x + y). `err` is max |fp8 kernel - fp8 reference| / max |reference|, and `q-err` and
+`w8a8-err` the same for the weight-only kernel and W8A8 against bf16 (the quantization error). The last lines add up one drafter step's linears, every
 GEMM at the same M.
 
     python -m blockspec.bench.fp8_bench                        # M in {1, 16, 256}
@@ -30,8 +31,8 @@ from blockspec.bench.bench import copy_bandwidth
 from blockspec.bench.timing import time_us
 from blockspec.layers.kernels import num_sms
 from blockspec.layers.kernels.skinny_linear import SkinnyConfig, choose_config, dequantize_fp8, skinny_linear
-from blockspec.layers.linear import linear
-from blockspec.layers.quantization import KERNEL_MAX_M, quantize_weight
+from blockspec.layers.linear import LINEAR_MAX_M, linear
+from blockspec.layers.quantization import Fp8Linear, quantize_weight
 
 LAYERS = 5
 # name: (N, K, calls per drafter step). The decoder layers either fuse q|k|v and gate|up into one
@@ -98,10 +99,10 @@ def main() -> None:
     sms = num_sms(dev, 0)
     bw = copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"{torch.cuda.get_device_name()}  {sms} SMs  torch {torch.__version__}  copy {bw:.0f} GB/s (r+w)")
-    print(f"Fp8Linear: Triton kernel for M <= {KERNEL_MAX_M}, dequantize + cuBLAS above\n")
+    print(f"Fp8Linear: weight-only Triton kernel for M <= {LINEAR_MAX_M}, W8A8 (_scaled_mm) above\n")
     head = f"{'shape':<13} {'M':>5} {'N':>6} {'K':>6} | {'bf16 µs':>8} {'GB/s':>5} {'linear µs':>9}"
     head += f" | {'fp8 µs':>8} {'GB/s':>5}"
-    head += f" {'vs bf16':>7} {'config':<22} | {'deq+mm µs':>9} | {'err':>7} {'q-err':>6}"
+    head += f" {'vs bf16':>7} {'config':<22} | {'w8a8 µs':>8} | {'err':>7} {'q-err':>6} {'w8a8-err':>8}"
     print(head)
     totals: dict[int, list[float]] = {}
     for name in shapes:
@@ -113,6 +114,7 @@ def main() -> None:
         n_fp8 = max(1, min(args.calls, math.ceil(FLUSH_BYTES / q.nbytes)))
         ws = [w] + [w.clone() for _ in range(n_bf16 - 1)]
         qs = [(q, scale)] + [(q.clone(), scale.clone()) for _ in range(n_fp8 - 1)]
+        layers = [Fp8Linear.from_quantized(*p) for p in qs]
         calls = max(args.calls, n_bf16, n_fp8)
         for M in args.m:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -123,27 +125,29 @@ def main() -> None:
             y_ref = F.linear(x, dequantize_fp8(q, scale, torch.bfloat16))
             denom = y_ref.float().abs().max().item()
             err = (y_fp8.float() - y_ref.float()).abs().max().item() / denom
-            qerr = (y_fp8.float() - y_bf16.float()).abs().max().item() / y_bf16.float().abs().max().item()
+            top = y_bf16.float().abs().max().item()
+            qerr = (y_fp8.float() - y_bf16.float()).abs().max().item() / top
+            y_w8a8 = layers[0].forward_scaled_mm(x, None, False, None)
+            w8a8_err = (y_w8a8.float() - y_bf16.float()).abs().max().item() / top
             t_bf16 = time_us([lambda w=w_, x=x: F.linear(x, w) for w_ in ws], calls, args.reps)
             t_linear = time_us([lambda w=w_, x=x: linear(x, w) for w_ in ws], calls, args.reps)
             t_fp8 = time_us([lambda p=p, x=x, c=cfg: skinny_linear(x, *p, None, c) for p in qs], calls, args.reps)
-            t_deq = time_us(
-                [lambda p=p, x=x: F.linear(x, dequantize_fp8(p[0], p[1], torch.bfloat16)) for p in qs],
-                calls,
-                args.reps,
+            t_w8a8 = time_us(
+                [lambda m=m, x=x: m.forward_scaled_mm(x, None, False, None) for m in layers], calls, args.reps
             )
             gb_bf16 = (w.nbytes + act) / t_bf16 / 1e3
             gb_fp8 = (q.nbytes + scale.nbytes + act) / t_fp8 / 1e3
             line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} {t_linear:>9.1f}"
             line += f" | {t_fp8:>8.1f} {gb_fp8:>5.0f}"
-            line += f" {t_bf16 / t_fp8:>6.2f}x {describe(cfg):<22} | {t_deq:>9.1f} | {err:>7.1e} {qerr:>6.3f}"
+            line += f" {t_bf16 / t_fp8:>6.2f}x {describe(cfg):<22} | {t_w8a8:>8.1f}"
+            line += f" | {err:>7.1e} {qerr:>6.3f} {w8a8_err:>8.3f}"
             print(line, flush=True)
-            fp8_best = t_fp8 if M <= KERNEL_MAX_M else t_deq
+            fp8_best = t_fp8 if M <= LINEAR_MAX_M else t_w8a8
             row = totals.setdefault(M, [0.0, 0.0, 0.0, 0.0])
             row[0] += per_step * t_bf16
             row[1] += per_step * t_linear
             row[2] += per_step * fp8_best
-            row[3] += per_step * min(t_fp8, t_deq)
+            row[3] += per_step * min(t_fp8, t_w8a8)
             if args.sweep:
                 results = []
                 for c in sweep_configs(M, N, K):
@@ -158,7 +162,7 @@ def main() -> None:
                 for us, c in results[: args.top]:
                     gb = (q.nbytes + scale.nbytes + act) / us / 1e3
                     print(f"    sweep {describe(c):<22} {us:>8.1f} µs {gb:>5.0f} GB/s")
-        del ws, qs, w, q, scale
+        del ws, qs, layers, w, q, scale
         torch.cuda.empty_cache()
     if set(shapes) == set(LAYOUTS[args.layout]):
         print(f"\ndrafter linears per step ({args.layout}: 5 layers + fc + fused K/V + LM head, every GEMM at M):")

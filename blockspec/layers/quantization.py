@@ -1,27 +1,36 @@
-"""Weight-only FP8: E4M3 weights with one float32 scale per output row; activations stay bf16.
+"""FP8 for the drafter: E4M3 weights with one float32 scale per output row.
 
 `Fp8Linear` replaces an `nn.Linear` at load time (inference only). Its weight is
 q = round_e4m3(w / s) with s = rowmax(|w|) / 448 (448 = largest E4M3 value, so every row uses the
 full range and the row maximum is exact), and forward computes, as `Linear` does,
 residual + prologue(x) @ (q * s[:, None]).T + bias (prologue: an RMSNorm or SwiGLU, or none):
-- CUDA (sm_89+, triton importable, M <= `kernel_max_m`): the Triton kernel
-  `blockspec.layers.kernels.skinny_linear` (through `layers.linear.fused_linear`), which streams the
-  FP8 bytes and dequantizes in registers;
-- otherwise, the reference path (the CPU path and the oracle): the prologue, then dequantize to
-  x.dtype (computed in float32, rounded once) and `layers.linear.dense`. On CUDA that is
-  dequantize + cuBLAS, the better choice for large M (prefill), where the GEMM is compute-bound.
+- up to `LINEAR_MAX_M` rows (decode, and a propose step at batch 1), weight-only: activations stay
+  bf16, and on CUDA (triton importable) the Triton skinny kernel
+  (`blockspec.layers.kernels.skinny_linear`, through `layers.linear.fused_linear`) streams the FP8
+  bytes and dequantizes in registers;
+- above that, the activations are quantized too, per row as the weight is (W8A8), and on CUDA
+  (Hopper+, bf16) the GEMM runs on FP8 tensor cores (`torch._scaled_mm` with row-wise scales),
+  fed by `blockspec.layers.kernels.quantize_rows`, which fuses the prologue. At those rows the
+  drafter's GEMMs are compute-bound or near it, where the weight-only kernel loses to bf16 cuBLAS
+  (H200, one drafter step's linears at 256 rows: bf16 1,365 µs, weight-only FP8 2,799,
+  `torch._scaled_mm` 881 plus the quantization; `python -m blockspec.bench.fp8_bench`).
+Elsewhere runs the reference (the CPU path and the oracle) with the same rounding: the prologue,
+above `LINEAR_MAX_M` rows the activations rounded to E4M3 and back, then the weight dequantized to
+x.dtype (in float32, rounded once) and `layers.linear.dense`.
+The drafter only proposes, so its precision moves the acceptance rate, never the output.
 
 Per-row scales make quantization commute with stacking rows, so the drafter's fused K/V weight
 (every layer's k_proj and v_proj stacked) quantized as a whole is bit-identical to the stacked
 quantized projections (`Fp8Linear.concat`).
 
 Switch: `resolve_fp8(setting, device)` maps an engine setting (True / False / "auto" / None) to a
-bool; "auto" is on for CUDA devices with native FP8 conversion (Ada/Hopper, sm_89+) unless the
-environment sets BLOCKSPEC_FP8=0. BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but uses the reference
-(dequantize + dense) path everywhere.
+bool; "auto" (the default) is on for CUDA devices of compute capability 9.0+ (Hopper) unless the
+environment sets BLOCKSPEC_FP8=0. BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference
+path everywhere.
 """
 
 import fnmatch
+import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 
@@ -30,12 +39,11 @@ from torch import nn
 
 from blockspec.layers.fast_path import fast_path
 from blockspec.layers.kernels import kernel_module
-from blockspec.layers.linear import dense, fused_linear, prologue
+from blockspec.layers.linear import LINEAR_MAX_M, dense, fused_linear, prologue
 from blockspec.layers.norm import RMSNorm
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
-KERNEL_MAX_M = 1024  # rows above which the CUDA path dequantizes and calls cuBLAS
 _CHUNK_ELEMENTS = 1 << 25  # elements per (de)quantization chunk: <= 128 MiB of float32 temporaries
 
 # The drafter's projections: fc (context features -> hidden) and every decoder layer's attention
@@ -84,12 +92,14 @@ def dequantize_weight(
     return out
 
 
+@functools.cache
 def fp8_supported(device: torch.device | str) -> bool:
-    """CUDA with native FP8 conversion (sm_89+: Ada, Hopper, Blackwell) and triton importable."""
+    """CUDA of compute capability 9.0+ (Hopper, Blackwell: FP8 tensor cores with row-wise scales in
+    `torch._scaled_mm`) and triton importable."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9) and kernel_module("skinny_linear") is not None
+    return torch.cuda.get_device_capability(device) >= (9, 0) and kernel_module("quantize_rows") is not None
 
 
 def resolve_fp8(setting: bool | str | None, device: torch.device | str) -> bool:
@@ -134,7 +144,6 @@ class Fp8Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.use_kernel = os.environ.get("BLOCKSPEC_FP8_KERNEL", "1") != "0"
-        self.kernel_max_m = KERNEL_MAX_M
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -179,22 +188,43 @@ class Fp8Linear(nn.Module):
         self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = prologue(x, norm, gated)
+        if x.numel() > LINEAR_MAX_M * x.shape[-1]:  # W8A8: x rounded to E4M3 per row, as the GEMM reads it
+            q, scale = quantize_weight(x.reshape(-1, x.shape[-1]))
+            x = dequantize_weight(q, scale, x.dtype, self.use_kernel).view(x.shape)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return dense(x, self.dequantize(x.dtype), bias, residual)
 
     def forward(
         self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """As `Linear.forward`: residual + prologue(x) @ W.T + bias, fused on the kernel path."""
-        if (
-            self.use_kernel
-            and fast_path(x)
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.numel() <= self.kernel_max_m * x.shape[-1]
-            and kernel_module("skinny_linear") is not None
+        """As `Linear.forward`: residual + prologue(x) @ W.T + bias, on CUDA by the skinny kernel
+        (weight-only, up to LINEAR_MAX_M rows) or FP8 tensor cores (W8A8, above)."""
+        if not (self.use_kernel and fast_path(x)):
+            return self.forward_reference(x, norm, gated, residual)
+        if x.numel() <= LINEAR_MAX_M * x.shape[-1]:
+            if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernel_module("skinny_linear") is not None:
+                return fused_linear(x, self.weight, self.weight_scale, self.bias, norm, gated, residual)
+        elif (
+            x.dtype == torch.bfloat16
+            and fp8_supported(x.device)
+            and self.in_features % 16 == self.out_features % 16 == 0
         ):
-            return fused_linear(x, self.weight, self.weight_scale, self.bias, norm, gated, residual)
+            return self.forward_scaled_mm(x, norm, gated, residual)
         return self.forward_reference(x, norm, gated, residual)
+
+    def forward_scaled_mm(
+        self, x: torch.Tensor, norm: RMSNorm | None, gated: bool, residual: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The W8A8 GEMM on FP8 tensor cores (bf16 x, Hopper+): x quantized per row with the
+        prologue fused, y = (qx @ qw.T) * sx * sw in float32, rounded to bf16."""
+        norm_args = None if norm is None else (norm.weight, norm.eps)
+        qx, sx = kernel_module("quantize_rows").quantize_rows(x.reshape(-1, x.shape[-1]), norm_args, gated)
+        sw = self.weight_scale.view(1, -1)
+        y = torch._scaled_mm(qx, self.weight.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+        y = y.view(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y += self.bias
+        return y if residual is None else residual + y
 
     def _apply(self, fn, recurse=True):
         keep = {name: self._buffers[name] for name in ("weight", "weight_scale")}

@@ -50,27 +50,10 @@ import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
 from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
+from blockspec.layers.kernels.tiles import load_tile, swiglu_tile
 
 REDUCE_BLOCK = 1024
 DEQUANT_BLOCK = 4096
-
-
-@triton.jit
-def _load(ptrs, mask, EVEN: tl.constexpr):
-    if EVEN:
-        v = tl.load(ptrs)
-    else:
-        v = tl.load(ptrs, mask=mask, other=0.0)
-    return v
-
-
-@triton.jit
-def _swiglu(x_ptrs, up_offset, mask, EVEN: tl.constexpr):
-    """SiLU(gate) * up of a gate|up tile, computed in float32 and rounded to x's dtype (as the
-    unfused op stores it)."""
-    gate = _load(x_ptrs, mask, EVEN).to(tl.float32)
-    up = _load(x_ptrs + up_offset, mask, EVEN).to(tl.float32)
-    return (gate * tl.sigmoid(gate) * up).to(x_ptrs.dtype.element_ty)
 
 
 @triton.jit
@@ -133,10 +116,10 @@ def _skinny_kernel(
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     sq = tl.full((BLOCK_M,), 0.0, tl.float32)
     for _ in range(K_ITERS):
-        w = _load(w_ptrs, offs_k[None, :] < K, EVEN_K)
-        x = _load(x_ptrs, offs_k[:, None] < K, EVEN_K)
+        w = load_tile(w_ptrs, offs_k[None, :] < K, EVEN_K)
+        x = load_tile(x_ptrs, offs_k[:, None] < K, EVEN_K)
         if NORM:  # the norm weight scales the weight tile, the register operand: x stays as loaded
-            g = _load(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
+            g = load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
             w = w.to(tl.float32) * g[None, :]
             sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0)
         if IEEE:
@@ -206,14 +189,14 @@ def _gemv_kernel(
     sq = tl.full((BLOCK_K,), 0.0, tl.float32)
     await_previous_kernel(PDL)
     for _ in range(K_ITERS):
-        w = _load(w_ptrs, offs_k[None, :] < K, EVEN_K)
+        w = load_tile(w_ptrs, offs_k[None, :] < K, EVEN_K)
         if GATED:
-            x = _swiglu(x_ptr + offs_k * stride_xk, K * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
+            x = swiglu_tile(x_ptr + offs_k * stride_xk, K * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
         else:
-            x = _load(x_ptr + offs_k * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
+            x = load_tile(x_ptr + offs_k * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
         if NORM:
             sq += x * x
-            x = x * _load(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
+            x = x * load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K * stride_wk
         offs_k += BLOCK_K

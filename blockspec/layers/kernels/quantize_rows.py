@@ -1,0 +1,85 @@
+"""Row-wise E4M3 quantization of activations, with the GEMM's prologue fused in: the input of
+FP8's tensor-core GEMM (`torch._scaled_mm` with one scale per row of x and per row of w, the path
+of `blockspec.layers.quantization.Fp8Linear` above `LINEAR_MAX_M` rows).
+
+One program per row, two passes over it: the first finds the row's largest magnitude (and, with
+an RMSNorm prologue, its sum of squares), the second writes h / scale rounded to E4M3, where h is
+the prologue's output, normed (x * w / rms) or SiLU(gate) * up or x itself, and scale =
+max |h| / 448. The second pass reads the row again from L2. The normed or activated row is never
+stored, so a decoder layer's norm or SwiGLU costs no launch and no round trip of its own."""
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.kernels.tiles import swiglu_tile
+
+FP8_MAX = 448.0  # largest E4M3 (fn) value
+MAX_BLOCK = 4096
+
+
+@triton.jit
+def _prologue_tile(x_row, norm_ptr, offs, mask, K, NORM: tl.constexpr, GATED: tl.constexpr):
+    """(h, x) in float32: the prologue's output before the 1 / rms factor, and the raw x tile."""
+    if GATED:
+        x = swiglu_tile(x_row + offs, K, mask, False).to(tl.float32)
+        h = x
+    else:
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        h = x
+        if NORM:
+            h = x * tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return h, x
+
+
+@triton.jit
+def _quantize_rows_kernel(  # K is a compile-time constant: a decoder has few widths
+    x_ptr, norm_ptr, q_ptr, scale_ptr, stride_x, eps,
+    K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros((BLOCK,), tl.float32)
+    sq = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        h, x = _prologue_tile(x_row, norm_ptr, offs, offs < K, K, NORM, GATED)
+        amax = tl.maximum(amax, tl.abs(h))
+        sq += x * x
+    factor = 1.0
+    if NORM:
+        factor = tl.rsqrt(tl.sum(sq) / K + eps)
+    top = tl.max(amax) * factor
+    scale = tl.where(top > 0, top / FP8_MAX, 1.0)
+    tl.store(scale_ptr + row, scale)
+    factor = factor / scale
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        h, x = _prologue_tile(x_row, norm_ptr, offs, offs < K, K, NORM, GATED)
+        q = tl.clamp(h * factor, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def quantize_rows(
+    x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (or [M, 2K] gate|up with `gated`; rows may be strided) -> (q [M, K]
+    float8_e4m3fn, scale [M, 1] float32) with q * scale ~= prologue(x): x, RMSNorm(x) with
+    `norm` = (weight [K], eps), or SiLU(gate) * up. All-zero rows get scale 1."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"rows of contiguous features expected, got {tuple(x.shape)}"
+    assert not (gated and norm is not None), "one prologue: norm or gated"
+    M, K = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+    assert not gated or x.shape[1] == 2 * K, f"gate|up of {x.shape[1]} features: not two halves"
+    if norm is not None:
+        assert norm[0].shape == (K,), f"norm weight {tuple(norm[0].shape)} for {K} features"
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        return q, scale.fill_(1.0)
+    norm_weight, eps = norm if norm is not None else (x, 0.0)  # an unread pointer gets some tensor
+    block = min(MAX_BLOCK, triton.next_power_of_2(K))
+    _quantize_rows_kernel[(M,)](
+        x, norm_weight, q, scale, x.stride(0), eps, K=K, NORM=norm is not None, GATED=gated, BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return q, scale

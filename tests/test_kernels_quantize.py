@@ -1,0 +1,92 @@
+"""FP8's large-M CUDA path (W8A8): `quantize_rows` (row-wise E4M3 activations, with the RMSNorm or
+SwiGLU prologue fused) against the torch reference, and `Fp8Linear` above LINEAR_MAX_M rows
+(quantize_rows + torch._scaled_mm) against its reference path, also inside a CUDA graph.
+
+CUDA only (Hopper+ for the GEMM): Triton's interpreter rounds float32 to E4M3 wrongly near binade
+edges (124.3 -> 64, 17 -> 18 in triton 3.6), so the CPU cannot stand in for it here; the CPU runs
+the reference W8A8 path in test_fp8.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("triton")
+
+from conftest import CUDA
+from test_kernels_linear import check_in_cuda_graph, reference_input
+
+from blockspec.layers.linear import LINEAR_MAX_M
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.quantization import Fp8Linear, fp8_supported, quantize_weight
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA (see the module docstring)")]
+REL_STEP = 2.0**-4  # E4M3 round to nearest: within 2^-4 of the value
+SUBNORMAL_HALF_STEP = 2.0**-10  # in units of the row scale
+
+
+def rows_of_every_kind(M: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gaussian rows of magnitudes 1e-3..1e2, one row with an outlier, one all-zero row, as a
+    strided view (the rows of a wider tensor)."""
+    x = torch.randn(M, K + 64, device="cuda") * torch.logspace(-3, 2, M, device="cuda")[:, None]
+    x[0, 5] = 1e3 * x[0].abs().max()
+    x[min(1, M - 1)] = 0.0
+    return x.to(dtype)[:, :K]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M,K", [(1, 96), (37, 4096), (300, 12288)])
+@pytest.mark.parametrize("prologue", [None, "norm", "gated"])
+def test_quantize_rows_matches_reference(dtype, M, K, prologue):
+    from blockspec.layers.kernels.quantize_rows import quantize_rows
+
+    torch.manual_seed(M)
+    x = rows_of_every_kind(M, 2 * K if prologue == "gated" else K, dtype)
+    norm = (torch.rand(K, device="cuda").add(0.5).to(dtype), 1e-2) if prologue == "norm" else None
+    q, scale = quantize_rows(x, norm, prologue == "gated")
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (M, K) and scale.shape == (M, 1)
+    h = reference_input(x.float(), None if norm is None else (norm[0].float(), norm[1]), prologue == "gated")
+    q_ref, scale_ref = quantize_weight(h)
+    if prologue is None:  # the same float32 math: the same bytes but for rare ties (x * (1/s) vs x / s)
+        assert torch.equal(scale[:, 0], scale_ref)
+        assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).sum() <= q.numel() * 1e-4
+    else:  # the kernel reads x in its dtype and rounds the prologue's output once, to E4M3
+        torch.testing.assert_close(scale[:, 0], scale_ref, rtol=2**-7, atol=0)
+    deq = q.float() * scale
+    bound = torch.maximum((REL_STEP + 2**-7) * h.abs(), SUBNORMAL_HALF_STEP * scale)
+    assert ((deq - h).abs() <= bound).all(), ((deq - h).abs() / bound).max()
+    assert scale[min(1, M - 1)] == 1.0 and q[min(1, M - 1)].float().eq(0).all()  # the zero row
+
+
+@pytest.mark.skipif(CUDA and not fp8_supported("cuda"), reason="W8A8 needs Hopper+")
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [LINEAR_MAX_M + 1, 64, 300])
+def test_fp8_linear_w8a8_matches_its_reference(monkeypatch, rows):
+    """Above LINEAR_MAX_M rows Fp8Linear runs quantize_rows + torch._scaled_mm, with the norm or
+    SwiGLU prologue, bias and residual; its reference rounds the same activations (the normed
+    ones after bf16 rounding, so a few land one E4M3 step apart) and multiplies in bf16."""
+    torch.manual_seed(rows)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    qkv = Fp8Linear.from_linear(nn.Linear(4096, 6144, bias=True, device=dev, dtype=dtype))
+    down = Fp8Linear.from_linear(nn.Linear(12288, 4096, bias=False, device=dev, dtype=dtype))
+    norm = RMSNorm(4096, 1e-6).to(dev, dtype)
+    norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(rows, 4096, device=dev, dtype=dtype)
+    gate_up = torch.randn(2, rows // 2, 2 * 12288, device=dev, dtype=dtype)  # 3-D, as the drafter's [B, T, ...]
+    # residuals small against the outputs, so that rounding their sums to bf16 stays below 1e-3
+    res, res3 = (0.1 * torch.randn(*shape, device=dev, dtype=dtype) for shape in ((rows, 6144), (2, rows // 2, 4096)))
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, _f=torch._scaled_mm, **k: calls.append(1) or _f(*a, **k))
+    ways = {  # y, its reference and the weight-only result, less the residual (errors of the GEMM)
+        "qkv": [f(x, norm=norm, residual=res) - res for f in (qkv, qkv.forward_reference)]
+        + [F.linear(norm(x), qkv.dequantize(dtype), qkv.bias)],
+        "down": [f(gate_up, gated=True, residual=res3) - res3 for f in (down, down.forward_reference)]
+        + [F.linear(F.silu(gate_up[..., :12288]) * gate_up[..., 12288:], down.dequantize(dtype))],
+    }
+    assert len(calls) == (2 if gate_up.shape[0] * gate_up.shape[1] > LINEAR_MAX_M else 1)  # 17: 2 x 8 rows
+    for y, ref, weight_only in ways.values():
+        assert y.shape == ref.shape and y.dtype == dtype
+        assert (y.float() - ref.float()).norm() / ref.float().norm() < 1e-2
+        # the activations' rounding: within an E4M3 step of the weight-only result
+        assert (y.float() - weight_only.float()).norm() / weight_only.float().norm() < REL_STEP
+    check_in_cuda_graph(qkv, x)
