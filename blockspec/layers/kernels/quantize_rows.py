@@ -14,7 +14,7 @@ import triton.language as tl
 
 from blockspec.layers.kernels.tiles import swiglu_tile
 
-FP8_MAX = 448.0  # largest E4M3 (fn) value
+FP8_MAX = tl.constexpr(448.0)  # largest E4M3 (fn) value
 MAX_BLOCK = 4096
 
 
