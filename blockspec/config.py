@@ -12,7 +12,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
     # FP8 drafter projections (layers/quantization.py: weight-only up to 16 rows, W8A8 above);
-    # "auto": on for Hopper+ GPUs (BLOCKSPEC_FP8=0 turns it off), off elsewhere.
+    # "auto": on for Hopper+ GPUs and drafters of hidden size >= 2048 (BLOCKSPEC_FP8=0/1 overrides).
     fp8: bool | str = "auto"
     fp8_lm_head: bool = True  # with fp8, the drafter reads an FP8 copy of the target's LM head
     # Each step picks the block width (1, 2, 4, ... up to the widest) that maximises committed

@@ -151,14 +151,20 @@ def test_concat_equals_quantizing_the_stacked_weight():
 
 def test_resolve_fp8_switch(monkeypatch):
     monkeypatch.delenv("BLOCKSPEC_FP8", raising=False)
-    assert resolve_fp8(True, "cpu") and not resolve_fp8(False, "cuda") and not resolve_fp8("off", "cuda")
-    assert resolve_fp8("auto", "cpu") is False  # auto: CUDA sm_90+ only
+    wide, narrow = quantization.AUTO_MIN_HIDDEN, quantization.AUTO_MIN_HIDDEN - 1
+    assert resolve_fp8(True, "cpu", narrow) and not resolve_fp8(False, "cuda", wide)
+    assert not resolve_fp8("off", "cuda", wide)
+    assert resolve_fp8("auto", "cpu", wide) is False  # auto: CUDA sm_90+ only
+    assert resolve_fp8("auto", "cuda", wide) is quantization.fp8_supported("cuda")
+    monkeypatch.setattr(quantization, "fp8_supported", lambda device: True)  # as on a Hopper
+    assert resolve_fp8(None, "cuda", wide) is True
+    assert resolve_fp8(None, "cuda", narrow) is False  # narrow drafters stay bf16
     monkeypatch.setenv("BLOCKSPEC_FP8", "0")
-    assert resolve_fp8(None, "cuda") is False
+    assert resolve_fp8(None, "cuda", wide) is False
     monkeypatch.setenv("BLOCKSPEC_FP8", "1")
-    assert resolve_fp8("auto", "cpu") is True
+    assert resolve_fp8("auto", "cpu", narrow) is True
     with pytest.raises(ValueError):
-        resolve_fp8("sometimes", "cpu")
+        resolve_fp8("sometimes", "cpu", wide)
 
 
 # -- swapping a drafter's linears -----------------------------------------------------------------

@@ -88,7 +88,7 @@ class LLMEngine:
         """The widest block a step verifies (anchor + drafts) and the proposer of the drafts."""
         drafter = self.drafter
         if drafter is not None:
-            if resolve_fp8(spec.fp8, self.device) and drafter.fused_kv_fp8 is None:
+            if resolve_fp8(spec.fp8, self.device, drafter.spec.hidden_size) and drafter.fused_kv_fp8 is None:
                 quantize_drafter(drafter, self.target.model.lm_head if spec.fp8_lm_head else None)
             n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else drafter.block_size - 1
             return min(n + 1, drafter.block_size), dflash_draft

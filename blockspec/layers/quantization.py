@@ -23,9 +23,9 @@ Per-row scales make quantization commute with stacking rows, so the drafter's fu
 (every layer's k_proj and v_proj stacked) quantized as a whole is bit-identical to the stacked
 quantized projections (`Fp8Linear.concat`).
 
-Switch: `resolve_fp8(setting, device)` maps an engine setting (True / False / "auto" / None) to a
-bool; "auto" (the default) is on for CUDA devices of compute capability 9.0+ (Hopper) unless the
-environment sets BLOCKSPEC_FP8=0. BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference
+Switch: `resolve_fp8(setting, device, hidden_size)` maps an engine setting (True / False / "auto" /
+None) to a bool; "auto" (the default) is on for CUDA devices of compute capability 9.0+ (Hopper)
+and drafters of hidden size >= AUTO_MIN_HIDDEN, unless the environment sets BLOCKSPEC_FP8. BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference
 path everywhere.
 """
 
@@ -45,6 +45,11 @@ from blockspec.layers.norm import RMSNorm
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _CHUNK_ELEMENTS = 1 << 25  # elements per (de)quantization chunk: <= 128 MiB of float32 temporaries
+
+# "auto" keeps narrower drafters in bf16. H200, batch 1, the real pair of SmolLM2-135M (hidden 576,
+# its whole drafter a few tens of MB, L2-sized) and its shipped drafter: FP8 was slower (HumanEval,
+# T=0: 1.33x plain decoding against 1.41x in bf16); at Qwen3-8B's 4096 it is faster at every batch.
+AUTO_MIN_HIDDEN = 2048
 
 # The drafter's projections: fc (context features -> hidden) and every decoder layer's attention
 # and MLP linears. Module names as in `DFlashDrafter.named_modules()`.
@@ -102,9 +107,10 @@ def fp8_supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0) and kernel_module("quantize_rows") is not None
 
 
-def resolve_fp8(setting: bool | str | None, device: torch.device | str) -> bool:
-    """The engine's FP8 switch: True/"on" and False/"off" are obeyed (the reference path runs
-    anywhere); None/"auto" means on where `fp8_supported`, unless BLOCKSPEC_FP8=0 is set."""
+def resolve_fp8(setting: bool | str | None, device: torch.device | str, hidden_size: int) -> bool:
+    """The engine's FP8 switch for a drafter of `hidden_size`: True/"on" and False/"off" are obeyed
+    (the reference path runs anywhere); None/"auto" means on where `fp8_supported` for drafters at
+    least AUTO_MIN_HIDDEN wide, unless the environment sets BLOCKSPEC_FP8 (0/off or 1/on)."""
     if isinstance(setting, str):
         words = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False, "auto": None}
         if setting.strip().lower() not in words:
@@ -114,7 +120,7 @@ def resolve_fp8(setting: bool | str | None, device: torch.device | str) -> bool:
         env = os.environ.get("BLOCKSPEC_FP8")
         if env is not None:
             return env.strip().lower() not in ("0", "off", "false", "")
-        return fp8_supported(device)
+        return fp8_supported(device) and hidden_size >= AUTO_MIN_HIDDEN
     if not isinstance(setting, bool):
         raise TypeError(f"fp8 setting must be True, False or 'auto', got {setting!r}")
     return setting
