@@ -12,8 +12,8 @@ residual + prologue(x) @ (q * s[:, None]).T + bias (prologue: an RMSNorm or SwiG
   (Hopper+, bf16) the GEMM runs on FP8 tensor cores (`torch._scaled_mm` with row-wise scales),
   fed by `blockspec.layers.kernels.quantize_rows`, which fuses the prologue. At those rows the
   drafter's GEMMs are compute-bound or near it, where the weight-only kernel loses to bf16 cuBLAS
-  (H200, one drafter step's linears at 256 rows: bf16 1,365 µs, weight-only FP8 2,799,
-  `torch._scaled_mm` 881 plus the quantization; `python -m blockspec.bench.fp8_bench`).
+  (H200, one drafter step's linears at 256 rows: bf16 cuBLAS 1,468 µs, weight-only FP8 3,052,
+  W8A8 989; at 16 rows 919, 710 and 883; `python -m blockspec.bench.fp8_bench`).
 Elsewhere runs the reference (the CPU path and the oracle) with the same rounding: the prologue,
 above `LINEAR_MAX_M` rows the activations rounded to E4M3 and back, then the weight dequantized to
 x.dtype (in float32, rounded once) and `layers.linear.dense`.
