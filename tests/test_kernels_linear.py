@@ -265,8 +265,10 @@ def test_fp8_linear_module_on_cuda_uses_kernel_and_graphs(monkeypatch):
     ref = layer.forward_reference(x)
     torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
     n = len(calls)  # past LINEAR_MAX_M rows: W8A8 (test_kernels_quantize.py), not this kernel
-    layer(torch.randn(linear_module.LINEAR_MAX_M + 1, 4096, device="cuda", dtype=torch.bfloat16))
+    big = torch.randn(linear_module.LINEAR_MAX_M + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    y, ref = layer(big), layer.forward_reference(big)
     assert len(calls) == n
+    torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
     check_in_cuda_graph(layer, x)
 
 

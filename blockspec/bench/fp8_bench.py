@@ -1,16 +1,16 @@
 """Micro-benchmark of the linears on CUDA: bf16 F.linear (cuBLAS), bf16 `linear` (the models'
 path: the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's two CUDA paths: the
 weight-only Triton kernel (its path up to 16 rows) and W8A8 (above: the activations quantized per
-row by `quantize_rows`, then `torch._scaled_mm` on FP8 tensor cores), at the shapes of the Qwen3-8B DFlash
-drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5 target layers)
+row by `quantize_rows`, then `torch._scaled_mm` on FP8 tensor cores), at the shapes of the
+Qwen3-8B DFlash drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5 target layers)
 and of the LM head (151936 x 4096).
 
 Each figure is device time per call from a CUDA graph of back-to-back calls (no launch overhead,
 as under the engine's graphs); the calls cycle through enough copies of the weight (>= 256 MB) that
 it is read from HBM, not from the 60 MB L2. GB/s counts the bytes a call must move (weight +
 scales + x + y). `err` is max |fp8 kernel - fp8 reference| / max |reference|, and `q-err` and
-`w8a8-err` the same for the weight-only kernel and W8A8 against bf16 (the quantization error). The last lines add up one drafter step's linears, every
-GEMM at the same M.
+`w8a8-err` the same for the weight-only kernel and W8A8 against bf16 (the quantization error).
+The last lines add up one drafter step's linears, every GEMM at the same M.
 
     python -m blockspec.bench.fp8_bench                        # M in {1, 16, 256}
     python -m blockspec.bench.fp8_bench --m 1 16 256 1024      # also where large M should switch

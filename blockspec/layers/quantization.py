@@ -25,8 +25,8 @@ quantized projections (`Fp8Linear.concat`).
 
 Switch: `resolve_fp8(setting, device, hidden_size)` maps an engine setting (True / False / "auto" /
 None) to a bool; "auto" (the default) is on for CUDA devices of compute capability 9.0+ (Hopper)
-and drafters of hidden size >= AUTO_MIN_HIDDEN, unless the environment sets BLOCKSPEC_FP8. BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference
-path everywhere.
+and drafters of hidden size >= AUTO_MIN_HIDDEN, unless the environment sets BLOCKSPEC_FP8.
+BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference path everywhere.
 """
 
 import fnmatch
@@ -95,6 +95,11 @@ def dequantize_weight(
     for rows in _row_chunks(*q.shape):
         out[rows] = (q[rows].float() * scale[rows, None]).to(dtype)
     return out
+
+
+def w8a8(x: torch.Tensor) -> bool:
+    """Whether Fp8Linear quantizes x's rows too: past LINEAR_MAX_M of them (see the module docstring)."""
+    return x.numel() > LINEAR_MAX_M * x.shape[-1]
 
 
 @functools.cache
@@ -194,7 +199,7 @@ class Fp8Linear(nn.Module):
         self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = prologue(x, norm, gated)
-        if x.numel() > LINEAR_MAX_M * x.shape[-1]:  # W8A8: x rounded to E4M3 per row, as the GEMM reads it
+        if w8a8(x):  # x rounded to E4M3 per row, as the GEMM reads it
             q, scale = quantize_weight(x.reshape(-1, x.shape[-1]))
             x = dequantize_weight(q, scale, x.dtype, self.use_kernel).view(x.shape)
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -207,7 +212,7 @@ class Fp8Linear(nn.Module):
         (weight-only, up to LINEAR_MAX_M rows) or FP8 tensor cores (W8A8, above)."""
         if not (self.use_kernel and fast_path(x)):
             return self.forward_reference(x, norm, gated, residual)
-        if x.numel() <= LINEAR_MAX_M * x.shape[-1]:
+        if not w8a8(x):
             if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernel_module("skinny_linear") is not None:
                 return fused_linear(x, self.weight, self.weight_scale, self.bias, norm, gated, residual)
         elif (
@@ -230,7 +235,9 @@ class Fp8Linear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y += self.bias
-        return y if residual is None else residual + y
+        if residual is not None:
+            y += residual
+        return y
 
     def _apply(self, fn, recurse=True):
         keep = {name: self._buffers[name] for name in ("weight", "weight_scale")}

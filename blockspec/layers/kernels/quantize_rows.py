@@ -45,7 +45,8 @@ def _quantize_rows_kernel(  # K is a compile-time constant: a decoder has few wi
         offs = k0 + tl.arange(0, BLOCK)
         h, x = _prologue_tile(x_row, norm_ptr, offs, offs < K, K, NORM, GATED)
         amax = tl.maximum(amax, tl.abs(h))
-        sq += x * x
+        if NORM:
+            sq += x * x
     factor = 1.0
     if NORM:
         factor = tl.rsqrt(tl.sum(sq) / K + eps)
