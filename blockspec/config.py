@@ -11,7 +11,7 @@ class SpeculativeConfig:
     window: int | None = None  # drafter sees only the last `window` context positions
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
-    # FP8 drafter projections (layers/quantization.py: weight-only up to 16 rows, W8A8 above);
+    # FP8 drafter projections (layers/quantization.py: W8A8, weights and activations in E4M3);
     # "auto": on for Hopper+ GPUs and drafters of hidden size >= 2048 (BLOCKSPEC_FP8=0/1 overrides).
     fp8: bool | str = "auto"
     fp8_lm_head: bool = True  # with fp8, the drafter reads an FP8 copy of the target's LM head

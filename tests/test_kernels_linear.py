@@ -1,6 +1,7 @@
-"""The Triton skinny linear (`blockspec.layers.kernels.skinny_linear`) against F.linear: with FP8
-weights and per-row scales (Fp8Linear's CUDA path) and with unscaled bf16/fp16/fp32 weights (the
-`linear` op's CUDA path), on the GEMV (M = 1) and the swap-AB (M > 1, split-K) kernels.
+"""The Triton skinny linear (`blockspec.layers.kernels.skinny_linear`) against F.linear: W8A8, FP8
+x and weights with per-row scales (`skinny_scaled_mm`, Fp8Linear's CUDA path), and bf16/fp16/fp32
+x and weights (`skinny_linear`, the `linear` op's CUDA path), on the GEMV (M = 1) and the swap-AB
+(M > 1, split-K) kernels.
 
 With a GPU the kernels run for real (bf16/fp16/fp32, drafter and target shapes, CUDA-graph
 capture). Without one they run in Triton's interpreter (fp16/fp32, small odd shapes; the
@@ -24,7 +25,7 @@ from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.kernels import skinny_linear as kernel
 from blockspec.layers.norm import RMSNorm, rms_norm_ref
-from blockspec.layers.quantization import Fp8Linear, dequantize_weight, quantize_weight
+from blockspec.layers.quantization import FP8_SKINNY_MAX_M, Fp8Linear, dequantize_weight, fp8_supported, quantize_weight
 
 test_kernels_in_interpreter = interpreter_test(__file__)
 cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -51,19 +52,24 @@ def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0, prologue=N
     if prologue == "norm":  # mean square 0.01 against eps 0.01: a wrong eps shows
         x, norm = x * 0.1, ((torch.rand(K, generator=gen) + 0.5).to(DEVICE, dtype), 1e-2)
     res = torch.randn(M, N, generator=gen).to(DEVICE, dtype) if residual else None
-    if fp8:
+    if fp8:  # W8A8: x quantized by the torch reference (the prologue applied before, in float32)
+        assert prologue is None, "W8A8 takes its prologue from quantize_rows"
+        qx, sx = quantize_weight(x)
         q, scale = quantize_weight(w.to(DEVICE))
-        y = kernel.skinny_linear(x, q, scale, b, config, norm, prologue == "gated", res)
-        w_ref = dequantize_weight(q, scale, torch.float32)
+        y = kernel.skinny_scaled_mm(qx, sx, q, scale, dtype, b, res, config)
+        x, w_ref = dequantize_weight(qx, sx, torch.float32), dequantize_weight(q, scale, torch.float32)
     else:
         w_ref = w.to(DEVICE, dtype)
-        y = kernel.skinny_linear(x, w_ref, None, b, config, norm, prologue == "gated", res)
+        y = kernel.skinny_linear(x, w_ref, b, config, norm, prologue == "gated", res)
     assert y.shape == (M, N) and y.dtype == dtype
     ref = F.linear(
         reference_input(x.float(), norm, prologue == "gated"), w_ref.float(), None if b is None else b.float()
     )
     ref = ref if res is None else ref + res.float()
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype] * ref.abs().max().item()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    if fp8 and CUDA:  # FP8 MMAs add with ~14 bits within a K step (the interpreter's are exact)
+        tol = max(tol, 2**-9)
+    tol *= ref.abs().max().item()
     err = (y.float() - ref).abs().max().item()
     assert err <= tol, (M, N, K, dtype, config, fp8, prologue, residual, err, tol)
 
@@ -83,8 +89,8 @@ INTERPRETED_CASES = [  # M, N, K, dtype, bias, config (None: choose_config)
 def resolve_config(spec):
     if spec == "split":
         return kernel.SkinnyConfig(16, 32, 32, split_k=2)
-    if spec == "odd-split":
-        return kernel.SkinnyConfig(32, 16, 16, split_k=3)
+    if spec == "odd-split":  # block_k 32: FP8 MMAs take K in steps of 32
+        return kernel.SkinnyConfig(32, 16, 32, split_k=3)
     return None
 
 
@@ -108,10 +114,10 @@ FUSED_CASES = [  # M, N, K, dtype, config, prologue, residual
 
 
 @runs_kernel
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "unscaled"])
 @pytest.mark.parametrize("M,N,K,dtype,config,prologue,residual", FUSED_CASES)
-def test_fused_prologue_and_residual_small(M, N, K, dtype, config, prologue, residual, fp8):
-    check_kernel(M, N, K, dtype, True, resolve_config(config), fp8, prologue=prologue, residual=residual)
+def test_fused_prologue_and_residual_small(M, N, K, dtype, config, prologue, residual):
+    check_kernel(M, N, K, dtype, True, resolve_config(config), False, prologue=prologue, residual=residual)
+    check_kernel(M, N, K, dtype, True, resolve_config(config), True, residual=residual)  # W8A8: no prologue
 
 
 @runs_kernel
@@ -131,22 +137,21 @@ def test_dequant_kernel_is_the_reference_bit_for_bit(dtype):
 def test_choose_config_for_model_shapes():
     shapes = [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (4096, 12288)]
     shapes += [(10240, 4096), (4096, 20480), (151936, 4096)]  # fused K/V, fc, LM head
-    for M, (N, K), (weight_bytes, x_bytes) in itertools.product(
-        (1, 16, 37, 256, 1024), shapes, ((1, 2), (1, 4), (2, 2), (4, 4))
-    ):
-        c = kernel.choose_config(M, N, K, 132, weight_bytes, x_bytes)
-        if M == 1:  # the GEMV kernel: no split, no MMA tile
+    for M, (N, K), elem_bytes in itertools.product((1, 16, 37, 256, 1024), shapes, (1, 2, 4)):
+        c = kernel.choose_config(M, N, K, 132, elem_bytes)
+        if M == 1 and elem_bytes > 1:  # the GEMV kernel: no split, no MMA tile
             assert c.block_m == 1 and c.split_k == 1 and c.block_k <= K, (N, K, c)
             continue
         k_steps = -(-K // c.block_k)
         assert k_steps % c.split_k == 0 and k_steps // c.split_k >= 2, (M, N, K, c)
-        assert c.block_m >= 16 and c.block_n >= 16 and c.block_k >= 16
-        assert (c.block_n * weight_bytes + c.block_m * x_bytes) * c.block_k * c.num_stages <= 192 * 1024
+        assert c.block_m >= 16 and c.block_n >= 16 and c.block_k >= 32
+        assert (c.block_n + c.block_m) * elem_bytes * c.block_k * c.num_stages <= 192 * 1024
         tiles = -(-M // c.block_m) * -(-N // c.block_n)
         assert c.split_k == 1 or tiles * c.split_k // 2 < 2 * 132, (M, N, K, c)
-    assert kernel.choose_config(16, 1024, 4096, 132).split_k > 1  # FP8 k/v projection: too few tiles alone
-    assert kernel.choose_config(16, 1024, 4096, 132, weight_bytes=2).split_k == 1  # bf16: streams best unsplit
-    assert kernel.choose_config(16, 151936, 4096, 132).split_k == 1  # LM head: plenty
+    assert kernel.choose_config(16, 1024, 4096, 132, 1).split_k > 1  # W8A8 k/v projection: too few tiles alone
+    assert kernel.choose_config(16, 1024, 4096, 132, 2).split_k == 1  # bf16: streams best unsplit
+    assert kernel.choose_config(16, 151936, 4096, 132, 1).split_k == 1  # LM head: plenty
+    assert kernel.choose_config(1, 4096, 4096, 132, 1).block_m == 16  # W8A8 at one row: the MMA kernel
 
 
 @runs_kernel
@@ -156,13 +161,13 @@ def test_choose_config_for_model_shapes():
         (1, torch.float32, "gated"),  # the GEMV's SwiGLU prologue
         (5, torch.float32, "gated"),  # past one row SwiGLU runs apart (the MMA kernel has none)
         (5, torch.float32, "norm"),  # the norm on the MMA kernel's weight tile
-        (5, torch.float16, "norm"),  # fp16 past one row: apart (norm weights ~200 x FP8 448 overflow fp16)
-        (17, torch.float32, "norm"),  # past LINEAR_MAX_M rows (Fp8Linear's range): apart
+        (5, torch.float16, "norm"),  # fp16 past one row: apart (weight x norm weight could overflow fp16)
+        (17, torch.float32, "norm"),  # past LINEAR_MAX_M rows: apart
     ],
 )
 def test_fused_linear_matches_the_unfused_ops(rows, dtype, prologue):
-    """`fused_linear` (the kernel with each prologue fused where it pays, apart where not), FP8 and
-    unscaled weights, with bias and residual, against the reference `dense(prologue(x))`."""
+    """`fused_linear` (the kernel with each prologue fused where it pays, apart where not), with
+    bias and residual, against the reference `dense(prologue(x))`."""
     gen = torch.Generator().manual_seed(rows)
     K, N = 96, 40
     norm = RMSNorm(K, 1e-2).to(DEVICE, dtype) if prologue == "norm" else None
@@ -171,26 +176,30 @@ def test_fused_linear_matches_the_unfused_ops(rows, dtype, prologue):
         norm.weight.data = ((torch.rand(K, generator=gen) + 0.5) * large).to(DEVICE, dtype)
     x = (torch.randn(rows, 2 * K if prologue == "gated" else K, generator=gen) * 0.1).to(DEVICE, dtype)
     bias, res = (torch.randn(*shape, generator=gen).to(DEVICE, dtype) for shape in ((N,), (rows, N)))
-    q, scale = quantize_weight(torch.randn(N, K, generator=gen).to(DEVICE) * 0.1)
-    w = dequantize_weight(q, scale, dtype)
+    w = (torch.randn(N, K, generator=gen) * 0.1).to(DEVICE, dtype)
     gated = prologue == "gated"
-    for weight, w_scale in ((q, scale), (w, None)):
-        y = linear_module.fused_linear(x, weight, w_scale, bias, norm, gated, res)
-        ref = linear_module.dense(linear_module.prologue(x.float(), norm, gated), w.float(), bias.float(), res.float())
-        tol = (1e-5 if dtype == torch.float32 else 2e-3) * ref.abs().max().item()
-        assert (y.float() - ref).abs().max().item() <= tol, (rows, dtype, prologue, w_scale is None)
+    y = linear_module.fused_linear(x, w, bias, norm, gated, res)
+    ref = linear_module.dense(linear_module.prologue(x.float(), norm, gated), w.float(), bias.float(), res.float())
+    tol = (1e-5 if dtype == torch.float32 else 2e-3) * ref.abs().max().item()
+    assert (y.float() - ref).abs().max().item() <= tol, (rows, dtype, prologue)
 
 
 @runs_kernel
 def test_kernel_empty_and_batched_input():
-    q, s = quantize_weight(torch.randn(40, 32, device=DEVICE))
     dtype = torch.float32
-    assert kernel.skinny_linear(torch.randn(0, 32, device=DEVICE, dtype=dtype), q, s).shape == (0, 40)
+    w = torch.randn(40, 32, device=DEVICE)
+    q, s = quantize_weight(w)
+    assert kernel.skinny_linear(torch.randn(0, 32, device=DEVICE, dtype=dtype), w).shape == (0, 40)
     x = torch.randn(2, 3, 32, device=DEVICE, dtype=dtype)
-    y = kernel.skinny_linear(x, q, s)
-    torch.testing.assert_close(y, F.linear(x, dequantize_weight(q, s, dtype)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel.skinny_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    qx, sx = quantize_weight(x.view(6, 32))
+    y = kernel.skinny_scaled_mm(qx.view(2, 3, 32), sx, q, s, dtype)
+    want = F.linear(dequantize_weight(qx, sx, dtype), dequantize_weight(q, s, dtype)).view(2, 3, 40)
+    torch.testing.assert_close(y, want, rtol=0, atol=(2**-9 if CUDA else 1e-5) * want.abs().max().item())
     with pytest.raises(AssertionError, match="x's dtype"):
-        kernel.skinny_linear(x, q.to(torch.float16))
+        kernel.skinny_linear(x, w.to(torch.float16))
+    with pytest.raises(AssertionError, match="FP8 x and weight"):
+        kernel.skinny_scaled_mm(x, sx, q, s, dtype)
 
 
 # -- the kernels on a GPU -------------------------------------------------------------------------
@@ -217,7 +226,7 @@ def test_fused_prologue_and_residual_cuda_bf16(M, fp8):
         (4096, 4096, None, True),  # o
         (1024, 4096, "norm", True),  # split-K for FP8
     ):
-        check_kernel(M, N, K, torch.bfloat16, False, fp8=fp8, prologue=prologue, residual=residual)
+        check_kernel(M, N, K, torch.bfloat16, False, fp8=fp8, prologue=None if fp8 else prologue, residual=residual)
 
 
 @cuda
@@ -246,30 +255,28 @@ def check_in_cuda_graph(layer: nn.Module, x: torch.Tensor) -> None:
     torch.testing.assert_close(static_y, layer(static_x), rtol=0, atol=0)
 
 
-def count_kernel_calls(monkeypatch) -> list:
-    calls = []
-    monkeypatch.setattr(kernel, "skinny_linear", lambda *a, _f=kernel.skinny_linear: calls.append(1) or _f(*a))
+def count_kernel_calls(monkeypatch, name: str = "skinny_linear") -> list:
+    calls, original = [], getattr(kernel, name)
+    monkeypatch.setattr(kernel, name, lambda *a, **k: calls.append(1) or original(*a, **k))
     return calls
 
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.skipif(CUDA and not fp8_supported("cuda"), reason="W8A8 needs Hopper+")
 @torch.no_grad()  # grad mode takes the reference path
 def test_fp8_linear_module_on_cuda_uses_kernel_and_graphs(monkeypatch):
+    """Up to FP8_SKINNY_MAX_M rows Fp8Linear runs the skinny W8A8 kernel, above it not (_scaled_mm,
+    test_kernels_quantize.py); both against the reference path, and the kernel in a CUDA graph."""
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16))
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    calls = count_kernel_calls(monkeypatch)
-    y = layer(x)
-    assert calls, "Fp8Linear did not use the Triton kernel on CUDA"
-    ref = layer.forward_reference(x)
-    torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
-    n = len(calls)  # past LINEAR_MAX_M rows: W8A8 (test_kernels_quantize.py), not this kernel
-    big = torch.randn(linear_module.LINEAR_MAX_M + 1, 4096, device="cuda", dtype=torch.bfloat16)
-    y, ref = layer(big), layer.forward_reference(big)
-    assert len(calls) == n
-    torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
-    check_in_cuda_graph(layer, x)
+    calls = count_kernel_calls(monkeypatch, "skinny_scaled_mm")
+    for rows, kernel_calls in ((1, 1), (16, 2), (FP8_SKINNY_MAX_M, 3), (FP8_SKINNY_MAX_M + 1, 3)):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        y, ref = layer(x), layer.forward_reference(x)
+        assert len(calls) == kernel_calls, rows
+        torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=2e-2 * ref.abs().max().item())
+    check_in_cuda_graph(layer, torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16))
 
 
 @cuda

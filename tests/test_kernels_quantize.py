@@ -1,6 +1,7 @@
-"""FP8's large-M CUDA path (W8A8): `quantize_rows` (row-wise E4M3 activations, with the RMSNorm or
-SwiGLU prologue fused) against the torch reference, and `Fp8Linear` above LINEAR_MAX_M rows
-(quantize_rows + torch._scaled_mm) against its reference path, also inside a CUDA graph.
+"""FP8's CUDA path (W8A8): `quantize_rows` (row-wise E4M3 activations, with the RMSNorm or SwiGLU
+prologue fused) against the torch reference, and `Fp8Linear` (quantize_rows, then the skinny
+kernel up to FP8_SKINNY_MAX_M rows or torch._scaled_mm above) against the same quantized
+activations multiplied in float32, also inside a CUDA graph.
 
 CUDA only (Hopper+ for the GEMM): Triton's interpreter rounds float32 to E4M3 wrongly near binade
 edges (124.3 -> 64, 17 -> 18 in triton 3.6), so the CPU cannot stand in for it here; the CPU runs
@@ -17,9 +18,8 @@ from conftest import CUDA
 from test_kernels_linear import check_in_cuda_graph
 
 from blockspec.layers.kernels.quantize_rows import quantize_rows
-from blockspec.layers.linear import LINEAR_MAX_M
 from blockspec.layers.norm import RMSNorm, rms_norm_ref
-from blockspec.layers.quantization import Fp8Linear, fp8_supported, quantize_weight
+from blockspec.layers.quantization import FP8_SKINNY_MAX_M, Fp8Linear, fp8_supported, quantize_weight
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA (see the module docstring)")]
 REL_STEP = 2.0**-4  # E4M3 round to nearest: within 2^-4 of the value
@@ -71,12 +71,11 @@ def test_quantize_rows_matches_reference(dtype, M, K, prologue):
 
 @pytest.mark.skipif(CUDA and not fp8_supported("cuda"), reason="W8A8 needs Hopper+")
 @torch.no_grad()
-@pytest.mark.parametrize("rows", [LINEAR_MAX_M + 1, 64, 300])
+@pytest.mark.parametrize("rows", [16, FP8_SKINNY_MAX_M, FP8_SKINNY_MAX_M + 2, 300])
 def test_fp8_linear_w8a8_matches_its_reference(monkeypatch, rows):
-    """Above LINEAR_MAX_M rows Fp8Linear runs quantize_rows + torch._scaled_mm, with the norm or
-    SwiGLU prologue, bias and residual: against the same quantized activations and weight
-    multiplied in float32 (bf16 rounding of the output apart), and within an E4M3 step of the
-    weight-only result (activations unrounded)."""
+    """Fp8Linear with the norm or SwiGLU prologue, bias and residual, on either GEMM: against the
+    same quantized activations and weight multiplied in float32 (bf16 rounding of the output
+    apart), and within an E4M3 step of the result with unrounded activations."""
     torch.manual_seed(rows)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     qkv = Fp8Linear.from_linear(nn.Linear(4096, 6144, bias=True, device=dev, dtype=dtype))
@@ -92,14 +91,14 @@ def test_fp8_linear_w8a8_matches_its_reference(monkeypatch, rows):
     calls = []
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, _f=torch._scaled_mm, **k: calls.append(1) or _f(*a, **k))
     y_qkv, y_down = qkv(x, norm=norm, residual=res), down(gate_up, gated=True, residual=res3)
-    assert len(calls) == (2 if gate_up.shape[0] * gate_up.shape[1] > LINEAR_MAX_M else 1)  # 17: 2 x 8 rows
+    assert len(calls) == (2 if rows > FP8_SKINNY_MAX_M else 0)  # _scaled_mm above, the skinny kernel up to
 
     def exact(layer, x, norm, gated):  # float32 GEMM of the kernel-quantized activations
         qx, sx = quantize_rows(x.reshape(-1, x.shape[-1]), norm, gated)
         y = F.linear(qx.float() * sx, layer.dequantize(torch.float32))
         return y.view(*x.shape[:-1], -1) + (0 if layer.bias is None else layer.bias.float())
 
-    cases = [  # (output less residual, float32 W8A8, weight-only)
+    cases = [  # (output less residual, float32 W8A8, activations unrounded)
         (
             y_qkv - res,
             exact(qkv, x, (norm.weight, norm.eps), False),
@@ -111,12 +110,10 @@ def test_fp8_linear_w8a8_matches_its_reference(monkeypatch, rows):
             F.linear(F.silu(gate_up[..., :12288]) * gate_up[..., 12288:], down.dequantize(dtype)),
         ),
     ]
-    if gate_up.shape[0] * gate_up.shape[1] <= LINEAR_MAX_M:
-        cases.pop()  # down at 16 rows: the weight-only kernel (test_kernels_linear.py)
-    for y, want, weight_only in cases:
+    for y, want, unrounded in cases:
         assert y.shape == want.shape and y.dtype == dtype
         # two bf16 roundings (the output, then the residual add) of values ~ the residual's
         assert (y.float() - want).norm() / want.norm() < 2e-2
         assert (y.float() - want).abs().max() <= 2**-7 * (want.abs().max() + 4.5)
-        assert (y.float() - weight_only.float()).norm() / weight_only.float().norm() < REL_STEP
+        assert (y.float() - unrounded.float()).norm() / unrounded.float().norm() < REL_STEP
     check_in_cuda_graph(qkv, x)

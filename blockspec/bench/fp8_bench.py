@@ -1,21 +1,21 @@
 """Micro-benchmark of the linears on CUDA: bf16 F.linear (cuBLAS), bf16 `linear` (the models'
-path: the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's two CUDA paths: the
-weight-only Triton kernel (its path up to 16 rows) and W8A8 (above: the activations quantized per
-row by `quantize_rows`, then `torch._scaled_mm` on FP8 tensor cores), at the shapes of the
-Qwen3-8B DFlash drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5 target layers)
-and of the LM head (151936 x 4096).
+path: the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's two W8A8 paths (the
+activations quantized per row by `quantize_rows`, then the Triton skinny kernel on FP8 tensor
+cores, its path up to FP8_SKINNY_MAX_M rows, or `torch._scaled_mm`, above), at the shapes of the
+Qwen3-8B DFlash drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5
+target layers) and of the LM head (151936 x 4096).
 
 Each figure is device time per call from a CUDA graph of back-to-back calls (no launch overhead,
 as under the engine's graphs); the calls cycle through enough copies of the weight (>= 256 MB) that
 it is read from HBM, not from the 60 MB L2. GB/s counts the bytes a call must move (weight +
-scales + x + y). `err` is max |fp8 kernel - fp8 reference| / max |reference|, and `q-err` and
-`w8a8-err` the same for the weight-only kernel and W8A8 against bf16 (the quantization error).
-The last lines add up one drafter step's linears, every GEMM at the same M.
+scales + x + y). `err` is max |skinny - _scaled_mm| / max |bf16 output| (two orders of the same
+FP8 sums), `q-err` max |_scaled_mm - bf16| / max |bf16 output| (the quantization error). The last
+lines add up one drafter step's linears, every GEMM at the same M.
 
     python -m blockspec.bench.fp8_bench                        # M in {1, 16, 256}
-    python -m blockspec.bench.fp8_bench --m 1 16 256 1024      # also where large M should switch
+    python -m blockspec.bench.fp8_bench --m 16 64 128 256      # also where the paths should switch
     python -m blockspec.bench.fp8_bench --layout split                # q/k/v, gate/up as separate linears
-    python -m blockspec.bench.fp8_bench --sweep --shapes qkv_proj o_proj --m 16   # tile sweep
+    python -m blockspec.bench.fp8_bench --sweep --shapes qkv_proj o_proj --m 16   # skinny tile sweep
 """
 
 import argparse
@@ -30,9 +30,10 @@ from triton.runtime.errors import OutOfResources
 from blockspec.bench.bench import copy_bandwidth
 from blockspec.bench.timing import time_us
 from blockspec.layers.kernels import num_sms
-from blockspec.layers.kernels.skinny_linear import SkinnyConfig, choose_config, dequantize_fp8, skinny_linear
-from blockspec.layers.linear import LINEAR_MAX_M, linear
-from blockspec.layers.quantization import Fp8Linear, quantize_weight
+from blockspec.layers.kernels.quantize_rows import quantize_rows
+from blockspec.layers.kernels.skinny_linear import SkinnyConfig, choose_config, skinny_scaled_mm
+from blockspec.layers.linear import linear
+from blockspec.layers.quantization import FP8_SKINNY_MAX_M, Fp8Linear, quantize_weight
 
 LAYERS = 5
 # name: (N, K, calls per drafter step). The decoder layers either fuse q|k|v and gate|up into one
@@ -65,11 +66,17 @@ def describe(c: SkinnyConfig) -> str:
     return f"{c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
 
 
+def w8a8_skinny(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: SkinnyConfig | None) -> torch.Tensor:
+    """Fp8Linear's skinny path with a chosen tile config."""
+    qx, sx = quantize_rows(x)
+    return skinny_scaled_mm(qx, sx, q, scale, x.dtype, config=cfg)
+
+
 def sweep_configs(M: int, N: int, K: int) -> list[SkinnyConfig]:
-    base = choose_config(M, N, K, num_sms(torch.device("cuda"), 0))
+    base = choose_config(M, N, K, num_sms(torch.device("cuda"), 0), 1)
     out = []
     if M <= 64:
-        grid = itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16), (4,), (3, 4, 5))
+        grid = itertools.product((64, 128), (128, 256), (1, 2, 4), (4,), (3, 4))
     else:
         grid = itertools.product((64, 128), (64, 128), (1, 2), (4, 8), (3, 4))
     for bn, bk, split, warps, stages in grid:
@@ -99,11 +106,10 @@ def main() -> None:
     sms = num_sms(dev, 0)
     bw = copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"{torch.cuda.get_device_name()}  {sms} SMs  torch {torch.__version__}  copy {bw:.0f} GB/s (r+w)")
-    print(f"Fp8Linear: weight-only Triton kernel for M <= {LINEAR_MAX_M}, W8A8 (_scaled_mm) above\n")
+    print(f"Fp8Linear: W8A8, the skinny kernel for M <= {FP8_SKINNY_MAX_M}, _scaled_mm above\n")
     head = f"{'shape':<13} {'M':>5} {'N':>6} {'K':>6} | {'bf16 µs':>8} {'GB/s':>5} {'linear µs':>9}"
-    head += f" | {'fp8 µs':>8} {'GB/s':>5}"
-    head += f" {'vs bf16':>7} {'config':<22} | {'w8a8 µs':>8} | {'err':>7} {'q-err':>6} {'w8a8-err':>8}"
-    print(head)
+    head += f" | {'skinny µs':>9} {'GB/s':>5} {'config':<22} | {'scaled_mm µs':>12} | {'fp8 vs bf16':>11}"
+    print(head + f" | {'err':>7} {'q-err':>6}")
     totals: dict[int, list[float]] = {}
     for name in shapes:
         N, K, per_step = SHAPES[name]
@@ -119,42 +125,34 @@ def main() -> None:
         for M in args.m:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             act = 2 * M * (K + N)
-            cfg = choose_config(M, N, K, sms)
+            cfg = choose_config(M, N, K, sms, 1)
             y_bf16 = F.linear(x, w)
-            y_fp8 = skinny_linear(x, q, scale, None, cfg)
-            y_ref = F.linear(x, dequantize_fp8(q, scale, torch.bfloat16))
-            denom = y_ref.float().abs().max().item()
-            err = (y_fp8.float() - y_ref.float()).abs().max().item() / denom
             top = y_bf16.float().abs().max().item()
-            qerr = (y_fp8.float() - y_bf16.float()).abs().max().item() / top
-            y_w8a8 = layers[0].forward_scaled_mm(x, None, False, None)
-            w8a8_err = (y_w8a8.float() - y_bf16.float()).abs().max().item() / top
+            y_mm = layers[0].forward_w8a8(x, None, False, None, skinny=False)
+            err = (w8a8_skinny(x, q, scale, cfg).float() - y_mm.float()).abs().max().item() / top
+            qerr = (y_mm.float() - y_bf16.float()).abs().max().item() / top
             t_bf16 = time_us([lambda w=w_, x=x: F.linear(x, w) for w_ in ws], calls, args.reps)
             t_linear = time_us([lambda w=w_, x=x: linear(x, w) for w_ in ws], calls, args.reps)
-            t_fp8 = time_us([lambda p=p, x=x, c=cfg: skinny_linear(x, *p, None, c) for p in qs], calls, args.reps)
-            t_w8a8 = time_us(
-                [lambda m=m, x=x: m.forward_scaled_mm(x, None, False, None) for m in layers], calls, args.reps
+            t_sk = time_us([lambda p=p, x=x, c=cfg: w8a8_skinny(x, *p, c) for p in qs], calls, args.reps)
+            t_mm = time_us(
+                [lambda m=m, x=x: m.forward_w8a8(x, None, False, None, skinny=False) for m in layers], calls, args.reps
             )
+            t_fp8 = t_sk if M <= FP8_SKINNY_MAX_M else t_mm
             gb_bf16 = (w.nbytes + act) / t_bf16 / 1e3
-            gb_fp8 = (q.nbytes + scale.nbytes + act) / t_fp8 / 1e3
+            gb_sk = (q.nbytes + scale.nbytes + act) / t_sk / 1e3
             line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} {t_linear:>9.1f}"
-            line += f" | {t_fp8:>8.1f} {gb_fp8:>5.0f}"
-            line += f" {t_bf16 / t_fp8:>6.2f}x {describe(cfg):<22} | {t_w8a8:>8.1f}"
-            line += f" | {err:>7.1e} {qerr:>6.3f} {w8a8_err:>8.3f}"
-            print(line, flush=True)
-            fp8_best = t_fp8 if M <= LINEAR_MAX_M else t_w8a8
+            line += f" | {t_sk:>9.1f} {gb_sk:>5.0f} {describe(cfg):<22} | {t_mm:>12.1f} | {t_bf16 / t_fp8:>10.2f}x"
+            print(line + f" | {err:>7.1e} {qerr:>6.3f}", flush=True)
             row = totals.setdefault(M, [0.0, 0.0, 0.0, 0.0])
-            row[0] += per_step * t_bf16
-            row[1] += per_step * t_linear
-            row[2] += per_step * fp8_best
-            row[3] += per_step * min(t_fp8, t_w8a8)
+            for i, t in enumerate((t_bf16, t_linear, t_sk, t_mm)):
+                row[i] += per_step * t
             if args.sweep:
                 results = []
                 for c in sweep_configs(M, N, K):
                     try:
-                        skinny_linear(x, q, scale, None, c)
+                        w8a8_skinny(x, q, scale, c)
                         results.append(
-                            (time_us([lambda p=p, c=c, x=x: skinny_linear(x, *p, None, c) for p in qs], calls, 3), c)
+                            (time_us([lambda p=p, c=c, x=x: w8a8_skinny(x, *p, c) for p in qs], calls, 3), c)
                         )
                     except (OutOfResources, RuntimeError) as e:  # too much shared memory, ...
                         print(f"    {describe(c)}: {type(e).__name__}")
@@ -166,10 +164,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     if set(shapes) == set(LAYOUTS[args.layout]):
         print(f"\ndrafter linears per step ({args.layout}: 5 layers + fc + fused K/V + LM head, every GEMM at M):")
-        for M, (b, lin, f, best) in totals.items():
+        for M, (b, lin, sk, mm) in totals.items():
+            fp8 = sk if M <= FP8_SKINNY_MAX_M else mm
             print(
-                f"  M={M:>5}: bf16 cuBLAS {b:>8.1f} µs   bf16 linear {lin:>8.1f} µs   fp8 {f:>8.1f} µs ({b / f:.2f}x)"
-                f"   best of fp8 paths {best:>8.1f} µs"
+                f"  M={M:>5}: bf16 cuBLAS {b:>8.1f} µs   bf16 linear {lin:>8.1f} µs   W8A8 skinny {sk:>8.1f} µs"
+                f"   W8A8 _scaled_mm {mm:>8.1f} µs   Fp8Linear {fp8:>8.1f} µs ({b / fp8:.2f}x)"
             )
 
 

@@ -50,7 +50,6 @@ def dense(
 def fused_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     norm: RMSNorm | None,
     gated: bool,
@@ -59,15 +58,15 @@ def fused_linear(
     """The skinny kernel (triton needed) with the residual add fused in, and the prologue where it
     was measured to pay (H200): always at one row (the GEMV); past one row, the MMA kernel takes
     the RMSNorm on its weight tile (its register operand; q|k|v at 16 rows 17.0 µs against 17.9
-    apart), up to LINEAR_MAX_M rows and not in fp16 (an FP8 weight times a large norm weight
-    could overflow it), while SwiGLU runs apart: computed in registers, it would be stored back
+    apart), up to LINEAR_MAX_M rows and not in fp16 (the weight times a large norm weight could
+    overflow it), while SwiGLU runs apart: computed in registers, it would be stored back
     to shared memory as the MMA's operand, which stalls the weight stream (down_proj at 4 and 16
     rows: 58-59 µs fused against 31-32 apart)."""
     rows = x.numel() // x.shape[-1]
     if rows > 1 and (gated or rows > LINEAR_MAX_M or x.dtype == torch.float16):
         x, norm, gated = prologue(x, norm, gated), None, False
     norm_args = None if norm is None else (norm.weight, norm.eps)
-    return kernel_module("skinny_linear").skinny_linear(x, weight, scale, bias, None, norm_args, gated, residual)
+    return kernel_module("skinny_linear").skinny_linear(x, weight, bias, None, norm_args, gated, residual)
 
 
 def linear(
@@ -87,7 +86,7 @@ def linear(
         and x.numel() <= LINEAR_MAX_M * x.shape[-1]
         and _kernel_on()
     ):
-        return fused_linear(x, weight, None, bias, norm, gated, residual)
+        return fused_linear(x, weight, bias, norm, gated, residual)
     return dense(prologue(x, norm, gated), weight, bias, residual)
 
 

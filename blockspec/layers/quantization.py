@@ -3,20 +3,20 @@
 `Fp8Linear` replaces an `nn.Linear` at load time (inference only). Its weight is
 q = round_e4m3(w / s) with s = rowmax(|w|) / 448 (448 = largest E4M3 value, so every row uses the
 full range and the row maximum is exact), and forward computes, as `Linear` does,
-residual + prologue(x) @ (q * s[:, None]).T + bias (prologue: an RMSNorm or SwiGLU, or none):
-- up to `LINEAR_MAX_M` rows (decode, and a propose step at batch 1), weight-only: activations stay
-  bf16, and on CUDA (triton importable) the Triton skinny kernel
-  (`blockspec.layers.kernels.skinny_linear`, through `layers.linear.fused_linear`) streams the FP8
-  bytes and dequantizes in registers;
-- above that, the activations are quantized too, per row as the weight is (W8A8), and on CUDA
-  (Hopper+, bf16) the GEMM runs on FP8 tensor cores (`torch._scaled_mm` with row-wise scales),
-  fed by `blockspec.layers.kernels.quantize_rows`, which fuses the prologue. At those rows the
-  drafter's GEMMs are compute-bound or near it, where the weight-only kernel loses to bf16 cuBLAS
-  (H200, one drafter step's linears at 256 rows: bf16 cuBLAS 1,468 µs, weight-only FP8 3,052,
-  W8A8 989; at 16 rows 919, 710 and 883; `python -m blockspec.bench.fp8_bench`).
+residual + prologue(x) @ (q * s[:, None]).T + bias (prologue: an RMSNorm or SwiGLU, or none),
+W8A8: the prologue's output is quantized per row as the weight is, and the GEMM multiplies E4M3 by
+E4M3 on FP8 tensor cores. On CUDA (Hopper+) `blockspec.layers.kernels.quantize_rows` quantizes x
+with the prologue fused, then:
+- up to `FP8_SKINNY_MAX_M` rows (a propose step up to batch 4), the Triton skinny kernel
+  (`skinny_scaled_mm`), which streams the weight at small M;
+- above, `torch._scaled_mm` with row-wise scales (bf16 x), where the GEMM nears compute-bound.
+H200, one drafter step's linears at M rows (`python -m blockspec.bench.fp8_bench`), bf16 cuBLAS
+against FP8: M = 16: 911 against 560 µs; 64: 942 against 615; 256: 1,468 against 989 (_scaled_mm).
+A weight-only path (bf16 x, the weight converted in registers) was slower at 16 rows (706 µs) and
+is gone.
 Elsewhere runs the reference (the CPU path and the oracle) with the same rounding: the prologue,
-above `LINEAR_MAX_M` rows the activations rounded to E4M3 and back, then the weight dequantized to
-x.dtype (in float32, rounded once) and `layers.linear.dense`.
+the activations rounded to E4M3 per row and back, then the weight dequantized to x.dtype (in
+float32, rounded once) and `layers.linear.dense`.
 The drafter only proposes, so its precision moves the acceptance rate, never the output.
 
 Per-row scales make quantization commute with stacking rows, so the drafter's fused K/V weight
@@ -25,9 +25,9 @@ quantized projections (`Fp8Linear.concat`).
 
 Switch: `resolve_fp8(setting, device, hidden_size)` maps an engine setting (True / False / "auto" /
 None) to a bool; "auto" (the default) is on for CUDA devices of compute capability 9.0+ (Hopper)
-and drafters of hidden size >= AUTO_MIN_HIDDEN, unless the environment sets BLOCKSPEC_FP8.
-BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference path everywhere.
-"""
+and drafters of hidden size >= AUTO_MIN_HIDDEN, unless the environment sets BLOCKSPEC_FP8. Forced
+on where FP8 tensor cores are missing, Fp8Linear runs its reference path (correct, not fast).
+BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference path everywhere."""
 
 import fnmatch
 import functools
@@ -39,12 +39,14 @@ from torch import nn
 
 from blockspec.layers.fast_path import fast_path
 from blockspec.layers.kernels import kernel_module
-from blockspec.layers.linear import LINEAR_MAX_M, dense, fused_linear, prologue
+from blockspec.layers.linear import dense, prologue
 from blockspec.layers.norm import RMSNorm
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _CHUNK_ELEMENTS = 1 << 25  # elements per (de)quantization chunk: <= 128 MiB of float32 temporaries
+# Rows up to which the skinny kernel beats torch._scaled_mm (H200, measured at 16, 32 and 64).
+FP8_SKINNY_MAX_M = 64
 
 # "auto" keeps narrower drafters in bf16. H200, batch 1, the real pair of SmolLM2-135M (hidden 576,
 # its whole drafter a few tens of MB, L2-sized) and its shipped drafter: FP8 was slower (HumanEval,
@@ -97,19 +99,14 @@ def dequantize_weight(
     return out
 
 
-def w8a8(x: torch.Tensor) -> bool:
-    """Whether Fp8Linear quantizes x's rows too: past LINEAR_MAX_M of them (see the module docstring)."""
-    return x.numel() > LINEAR_MAX_M * x.shape[-1]
-
-
 @functools.cache
 def fp8_supported(device: torch.device | str) -> bool:
-    """CUDA of compute capability 9.0+ (Hopper, Blackwell: FP8 tensor cores with row-wise scales in
+    """CUDA of compute capability 9.0+ (Hopper, Blackwell: FP8 tensor cores, with row-wise scales in
     `torch._scaled_mm`) and triton importable."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and kernel_module("quantize_rows") is not None
+    return torch.cuda.get_device_capability(device) >= (9, 0) and kernel_module("skinny_linear") is not None
 
 
 def resolve_fp8(setting: bool | str | None, device: torch.device | str, hidden_size: int) -> bool:
@@ -199,40 +196,43 @@ class Fp8Linear(nn.Module):
         self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = prologue(x, norm, gated)
-        if w8a8(x):  # x rounded to E4M3 per row, as the GEMM reads it
-            q, scale = quantize_weight(x.reshape(-1, x.shape[-1]))
-            x = dequantize_weight(q, scale, x.dtype, self.use_kernel).view(x.shape)
+        q, scale = quantize_weight(x.reshape(-1, x.shape[-1]))  # x rounded to E4M3 per row, as the GEMM reads it
+        x = dequantize_weight(q, scale, x.dtype, self.use_kernel).view(x.shape)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return dense(x, self.dequantize(x.dtype), bias, residual)
 
     def forward(
         self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """As `Linear.forward`: residual + prologue(x) @ W.T + bias, on CUDA by the skinny kernel
-        (weight-only, up to LINEAR_MAX_M rows) or FP8 tensor cores (W8A8, above)."""
-        if not (self.use_kernel and fast_path(x)):
-            return self.forward_reference(x, norm, gated, residual)
-        if not w8a8(x):
-            if x.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernel_module("skinny_linear") is not None:
-                return fused_linear(x, self.weight, self.weight_scale, self.bias, norm, gated, residual)
-        elif (
-            x.dtype == torch.bfloat16
+        """As `Linear.forward`: residual + prologue(x) @ W.T + bias, on CUDA (Hopper+) in W8A8 by the
+        skinny kernel (up to FP8_SKINNY_MAX_M rows) or torch._scaled_mm (above, bf16)."""
+        skinny = x.numel() <= FP8_SKINNY_MAX_M * x.shape[-1]
+        scaled_mm = x.dtype == torch.bfloat16 and self.in_features % 16 == self.out_features % 16 == 0
+        if (
+            self.use_kernel
+            and fast_path(x)
             and fp8_supported(x.device)
-            and self.in_features % 16 == self.out_features % 16 == 0
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (skinny or scaled_mm)
         ):
-            return self.forward_scaled_mm(x, norm, gated, residual)
+            return self.forward_w8a8(x, norm, gated, residual, skinny)
         return self.forward_reference(x, norm, gated, residual)
 
-    def forward_scaled_mm(
-        self, x: torch.Tensor, norm: RMSNorm | None, gated: bool, residual: torch.Tensor | None
+    def forward_w8a8(
+        self, x: torch.Tensor, norm: RMSNorm | None, gated: bool, residual: torch.Tensor | None, skinny: bool
     ) -> torch.Tensor:
-        """The W8A8 GEMM on FP8 tensor cores (bf16 x, Hopper+): x quantized per row with the
-        prologue fused, y = (qx @ qw.T) * sx * sw in float32, rounded to bf16."""
+        """x quantized per row with the prologue fused, then the skinny kernel (`skinny`) or
+        torch._scaled_mm (bf16 x, features multiples of 16); fp32 accumulation, one rounding."""
         norm_args = None if norm is None else (norm.weight, norm.eps)
         qx, sx = kernel_module("quantize_rows").quantize_rows(x.reshape(-1, x.shape[-1]), norm_args, gated)
-        sw = self.weight_scale.view(1, -1)
-        y = torch._scaled_mm(qx, self.weight.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
-        y = y.view(*x.shape[:-1], self.out_features)
+        out_shape = (*x.shape[:-1], self.out_features)
+        if skinny:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            kernels = kernel_module("skinny_linear")
+            res = None if residual is None else residual.reshape(-1, self.out_features)
+            return kernels.skinny_scaled_mm(qx, sx, self.weight, self.weight_scale, x.dtype, bias, res).view(out_shape)
+        y = torch._scaled_mm(qx, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.view(1, -1), out_dtype=x.dtype)
+        y = y.view(out_shape)
         if self.bias is not None:
             y += self.bias
         if residual is not None:

@@ -1,6 +1,6 @@
 """Row-wise E4M3 quantization of activations, with the GEMM's prologue fused in: the input of
-FP8's tensor-core GEMM (`torch._scaled_mm` with one scale per row of x and per row of w, the path
-of `blockspec.layers.quantization.Fp8Linear` above `LINEAR_MAX_M` rows).
+`blockspec.layers.quantization.Fp8Linear`'s GEMMs on FP8 tensor cores (the Triton skinny kernel or
+`torch._scaled_mm`, each with one scale per row of x and per row of w).
 
 One program per row, two passes over it: the first finds the row's largest magnitude (and, with
 an RMSNorm prologue, its sum of squares), the second writes h / scale rounded to E4M3, where h is

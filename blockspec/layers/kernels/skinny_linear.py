@@ -1,16 +1,19 @@
-"""Skinny linear in Triton: y = residual + prologue(x) @ (w * scale[:, None]).T + bias for the few
-rows of a decode, verify or propose step. It serves two callers with one contract:
-- `blockspec.layers.linear.linear`: bf16/fp16 weights, no scale, up to `LINEAR_MAX_M` rows, where
-  it reads the weight faster than cuBLAS (H200, a one-off sweep over the Qwen3-8B target's shapes:
-  3.87 against 4.16 ms of GEMMs a decode step at M = 1, 4.01 against 4.18 at M = 16;
-  `python -m blockspec.bench.fp8_bench` times the drafter's shapes, column "linear µs");
-- `blockspec.layers.quantization.Fp8Linear`: float8_e4m3fn weights with one float32 scale per
-  output row (E4M3 values are exact in bf16/fp16; the scale commutes with the K reduction, so it is
-  applied once to the fp32 accumulator in the epilogue, with the bias and the cast).
-x and y stay in the activation dtype (bf16/fp16, or fp32 with exact fp32 products); accumulation is
-fp32. At small M the GEMM is bound by reading the weight, so both kernels only stream it, and the
-small elementwise ops around a decoder layer's GEMMs ride along instead of costing a launch and a
-round trip each:
+"""Skinny linear in Triton: y = residual + prologue(x) @ w.T + bias for the few rows of a decode,
+verify or propose step. Two entry points share the kernels:
+- `skinny_linear` (through `blockspec.layers.linear.linear`): x and w in bf16/fp16 (or fp32, with
+  exact fp32 products), up to `LINEAR_MAX_M` rows, where it reads the weight faster than cuBLAS
+  (H200, a one-off sweep over the Qwen3-8B target's shapes: 3.87 against 4.16 ms of GEMMs a decode
+  step at M = 1, 4.01 against 4.18 at M = 16; `python -m blockspec.bench.fp8_bench` times the
+  drafter's shapes, column "linear µs");
+- `skinny_scaled_mm` (through `blockspec.layers.quantization.Fp8Linear`), W8A8: x and w in
+  float8_e4m3fn, each with one float32 scale per row, multiplied on FP8 tensor cores; the scales
+  commute with the K reduction, so both are applied once to the fp32 accumulator in the epilogue.
+  It replaced a weight-only kernel (bf16 x, the FP8 weight converted in registers), which the
+  conversion slowed: one drafter step's linears at 16 rows, H200, 706 µs against 560 W8A8,
+  activation quantization included.
+Accumulation is fp32. At small M the GEMM is bound by reading the weight, so both kernels only
+stream it, and the small elementwise ops around a decoder layer's GEMMs ride along instead of
+costing a launch and a round trip each (W8A8 gets its prologue from `quantize_rows` instead):
 - prologue RMSNorm (qkv and gate|up): the squares of each x tile are summed as it is read, and
   the norm weight multiplies the x tile (GEMV) or the weight tile (MMA: the weight is the register
   operand, so x reaches the MMA as loaded); the row's 1 / rms is a per-row factor, applied to the
@@ -25,22 +28,21 @@ dependent launch (`blockspec.layers.kernels.pdl`: measured there). Prefetching t
 tiles to L2 before its wait for the previous kernel made it slower (36 layers at M = 1: 3,770 µs
 without, 3,838 with 2 tiles, 4,086 with 4).
 
-M > 1, `_skinny_kernel`, "swap AB": a program computes the transposed tile acc[BLOCK_N, BLOCK_M] =
-w_tile @ x_tile.T, so the weight rows fill the MMA's large M side (64, the wgmma granule on Hopper;
-the converted weight can be its register operand) and the few activation rows the narrow side
-(>= 16 for tl.dot; rows past M are clamped, not masked, and the store is masked).
+M > 1 (and W8A8 at any M), `_skinny_kernel`, "swap AB": a program computes the transposed tile
+acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T, so the weight rows fill the MMA's large M side (64, the
+wgmma granule on Hopper) and the few activation rows the narrow side (>= 16 for tl.dot; rows past
+M are clamped, not masked, and the store is masked).
 
-Split-K: when the (M, N) tiles are too few to keep every SM streaming (N = 1024..4096 at small M),
+Split-K: when the (M, N) tiles are too few to keep the SMs streaming (N = 1024..4096 at small M),
 the K range is cut into SPLIT_K chunks handled by separate programs, each writing an fp32 partial
 tile to a workspace; a second kernel sums the partials in a fixed order (deterministic, no
-atomics) and applies the 1 / rms factor (summing the splits' sums of
-squares), scale, bias, residual and cast. Launch shapes depend only on (M, N, K), there is no host
+atomics) and applies the per-row factor (1 / rms from the splits' sums of squares, or x's scale),
+w's scale, bias, residual and cast. Launch shapes depend only on (M, N, K), there is no host
 synchronisation, and the workspace comes from the caching allocator, so calls can be captured in
 CUDA graphs (warm up first: the first call compiles).
 
-`dequantize_fp8` is FP8's large-M path's first half (then cuBLAS): one pass, float32 product
-rounded once, equal bit for bit to the torch reference.
-"""
+`dequantize_fp8` serves Fp8Linear's reference path on CUDA: one pass, float32 product rounded
+once, equal bit for bit to the torch reference."""
 
 import dataclasses
 
@@ -57,13 +59,24 @@ DEQUANT_BLOCK = 4096
 
 
 @triton.jit
-def _epilogue(acc, sq, offs, n, mask, K, eps, scale_ptr, bias_ptr, res_ptr, HAS_SCALE, HAS_BIAS, NORM, RESIDUAL):
-    """acc / rms (from the row's sum of squares `sq`) * scale[n] + bias[n] + residual[offs]. `n`:
-    the output columns clamped into range (read unmasked, once per column; past N never stored)."""
+def _row_factor(sq, m, K, eps, x_scale_ptr, NORM, FP8):
+    """The accumulator's factor per row of x: 1 / rms (from the row's sum of squares `sq`) with the
+    norm prologue, the row's scale with FP8 x (`m`: clamped row indices), else 1."""
+    factor = 1.0
     if NORM:
-        acc = acc * tl.rsqrt(sq / K + eps)
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + n)
+        factor = tl.rsqrt(sq / K + eps)
+    elif FP8:
+        factor = tl.load(x_scale_ptr + m)
+    return factor
+
+
+@triton.jit
+def _epilogue(acc, row_factor, offs, n, mask, w_scale_ptr, bias_ptr, res_ptr, FP8, HAS_BIAS, RESIDUAL):
+    """acc * row_factor * w_scale[n] + bias[n] + residual[offs]. `n`: the output columns clamped into
+    range (read unmasked, once per column; past N never stored)."""
+    acc = acc * row_factor
+    if FP8:
+        acc = acc * tl.load(w_scale_ptr + n)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n).to(tl.float32)
     if RESIDUAL:
@@ -73,35 +86,13 @@ def _epilogue(acc, sq, offs, n, mask, K, eps, scale_ptr, bias_ptr, res_ptr, HAS_
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    bias_ptr,
-    norm_ptr,
-    res_ptr,
-    y_ptr,
-    ws_ptr,
-    sq_ptr,
-    M,
-    N,
-    K,
-    eps,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
+    x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, ws_ptr, sq_ptr,
+    M, N, K, eps, stride_xm, stride_xk, stride_wn, stride_wk,
     K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, FP8: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -120,33 +111,23 @@ def _skinny_kernel(
         x = load_tile(x_ptrs, offs_k[:, None] < K, EVEN_K)
         if NORM:  # the norm weight scales the weight tile, the register operand: x stays as loaded
             g = load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
-            w = w.to(tl.float32) * g[None, :]
+            w = (w.to(tl.float32) * g[None, :]).to(x.dtype)
             sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0)
-        if IEEE:
-            acc = tl.dot(w.to(x.dtype), x, acc, input_precision="ieee")
+        if FP8:  # Hopper's FP8 MMAs add with ~14 bits: each K step's sum joins the fp32 total apart
+            acc += tl.dot(w, x)
+        elif IEEE:
+            acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
-            acc = tl.dot(w.to(x.dtype), x, acc)
+            acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
         offs_k += BLOCK_K
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     offs = offs_m[None, :] * N + offs_n[:, None]  # y, the residual and each workspace slice: [M, N]
     if SPLIT_K == 1:
+        factor = _row_factor(sq[None, :], rows_m[None, :], K, eps, x_scale_ptr, NORM, FP8)
         acc = _epilogue(
-            acc,
-            sq[None, :],
-            offs,
-            rows_n[:, None],
-            mask,
-            K,
-            eps,
-            scale_ptr,
-            bias_ptr,
-            res_ptr,
-            HAS_SCALE,
-            HAS_BIAS,
-            NORM,
-            RESIDUAL,
+            acc, factor, offs, rows_n[:, None], mask, w_scale_ptr, bias_ptr, res_ptr, FP8, HAS_BIAS, RESIDUAL
         )
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:  # partial sums to the workspace [SPLIT_K, M, N]; sums of squares [SPLIT_K, M], once per row
@@ -157,30 +138,10 @@ def _skinny_kernel(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    bias_ptr,
-    norm_ptr,
-    res_ptr,
-    y_ptr,
-    N,
-    K,
-    eps,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    K_ITERS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    GATED: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, N, K, eps, stride_xk, stride_wn, stride_wk,
+    K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows_n = (offs_n % N).to(tl.int64)  # clamped: loads stay in bounds, the store is masked
@@ -201,44 +162,19 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K * stride_wk
         offs_k += BLOCK_K
     mask = offs_n < N
+    factor = _row_factor(tl.sum(sq), 0, K, eps, y_ptr, NORM, False)
     y = _epilogue(
-        tl.sum(acc, axis=1),
-        tl.sum(sq),
-        offs_n,
-        rows_n,
-        mask,
-        K,
-        eps,
-        scale_ptr,
-        bias_ptr,
-        res_ptr,
-        HAS_SCALE,
-        HAS_BIAS,
-        NORM,
-        RESIDUAL,
+        tl.sum(acc, axis=1), factor, offs_n, rows_n, mask, y_ptr, bias_ptr, res_ptr, False, HAS_BIAS, RESIDUAL
     )
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _splitk_reduce_kernel(
-    ws_ptr,
-    sq_ptr,
-    scale_ptr,
-    bias_ptr,
-    res_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    eps,
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    ws_ptr, sq_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, eps,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, FP8: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = offs // N
@@ -248,9 +184,8 @@ def _splitk_reduce_kernel(
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
         if NORM:
             sq += tl.load(sq_ptr + s * M + m, mask=mask, other=0.0)
-    acc = _epilogue(
-        acc, sq, offs, offs % N, mask, K, eps, scale_ptr, bias_ptr, res_ptr, HAS_SCALE, HAS_BIAS, NORM, RESIDUAL
-    )
+    factor = _row_factor(sq, m, K, eps, x_scale_ptr, NORM, FP8)
+    acc = _epilogue(acc, factor, offs, offs % N, mask, w_scale_ptr, bias_ptr, res_ptr, FP8, HAS_BIAS, RESIDUAL)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -265,7 +200,7 @@ def _dequant_kernel(q_ptr, scale_ptr, out_ptr, numel, K, BLOCK: tl.constexpr):
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q * scale[:, None] in float32, rounded once to dtype (as the torch reference, bit for bit),
-    in one pass: 1 byte read and 2 written per element (the large-M path: dequantize + cuBLAS)."""
+    in one pass: 1 byte read and 2 written per element."""
     assert q.dim() == 2 and q.is_contiguous() and q.dtype == torch.float8_e4m3fn
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if q.numel():
@@ -289,105 +224,135 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def _fit_shared_memory(bm: int, bn: int, bk: int, weight_bytes: int, x_bytes: int, stages: int) -> int:
+def _fit_shared_memory(bm: int, bn: int, bk: int, elem_bytes: int, stages: int) -> int:
     """bk, halved until the weight and x tiles in flight fit in 192 KB of shared memory."""
-    while (bn * weight_bytes + bm * x_bytes) * bk * stages > 192 * 1024 and bk > 16:
+    while (bn + bm) * elem_bytes * bk * stages > 192 * 1024 and bk > 16:
         bk //= 2
     return bk
 
 
-def choose_config(M: int, N: int, K: int, sms: int, weight_bytes: int = 1, x_bytes: int = 2) -> SkinnyConfig:
-    """Tile sizes by M, then split-K until there are about two programs per SM, while the splits
-    divide the K steps evenly (>= 2 steps each) and the fp32 workspace traffic (8 * split * M * N
-    bytes) stays within a quarter of the weight's (N * K). The M = 1 and M <= 16 tiles are the
-    H200's best (or within 3% of it) over the Qwen3-8B target and drafter shapes, for FP8
-    (`weight_bytes` 1) and bf16 (2) weights; wider weights at M <= 16 stream best without split-K,
-    in longer K steps. Larger M are first guesses. K steps are shortened where the tiles in flight
-    would not fit in shared memory (fp32 `x_bytes` or weights). `python -m blockspec.bench.fp8_bench --sweep` times
-    alternatives for FP8 weights."""
-    if M == 1:
-        wide = N >= 16384  # LM heads, gate|up: longer rows per program, fewer programs
-        return SkinnyConfig(1, 32 if wide else 16, min(256 if wide else 512, _pow2_at_least(K)), 1, 8, 3)
-    if M <= 16 and weight_bytes > 1:
-        bk, stages = (128, 3) if N >= 16384 else (256, 4)
-        bn, bk = min(64, _pow2_at_least(N)), min(bk, _pow2_at_least(K))
-        return SkinnyConfig(16, bn, _fit_shared_memory(16, bn, bk, weight_bytes, x_bytes, stages), 1, 4, stages)
-    if M <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
-    elif M <= 32:
-        bm, bn, bk, warps, stages = 32, 64, 256, 4, 4
-    elif M <= 64:
-        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
-    elif M <= 128 or triton.cdiv(M, 128) * triton.cdiv(N, 128) < sms:
-        bm, bn, bk, warps, stages = 64, 128, 128, 4, 3
-    else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-    bm = min(bm, _pow2_at_least(M))
-    bn = min(bn, _pow2_at_least(N))
-    bk = _fit_shared_memory(bm, bn, min(bk, _pow2_at_least(K)), weight_bytes, x_bytes, stages)
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    k_iters = triton.cdiv(K, bk)
+def _split_k(tiles: int, k_iters: int, M: int, K: int, min_programs: int) -> int:
+    """Splits of K, doubled while there are fewer than `min_programs` programs, the splits divide the
+    K steps evenly (>= 2 steps each) and the fp32 workspace traffic (8 * split * M * N bytes) stays
+    within a quarter of the weight's (N * K)."""
     split = 1
     while (
-        tiles * split < 2 * sms
+        tiles * split < min_programs
         and k_iters % (2 * split) == 0
         and k_iters // (2 * split) >= 2
         and 32 * (2 * split) * M <= K
     ):
         split *= 2
+    return split
+
+
+def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2) -> SkinnyConfig:
+    """Tile sizes by M and the bytes of an x or weight element (1: W8A8), then split-K. The M = 1
+    and M <= 16 tiles are the H200's best (or within 3% of it) over the Qwen3-8B target's shapes in
+    bf16 and the drafter's in W8A8: wide weights stream best in long K steps, bf16 ones without
+    split-K, FP8 ones split until half the SMs have a program (down_proj, o_proj); larger M are
+    first guesses, split until about two programs per SM. K steps are shortened where the tiles in
+    flight would not fit in shared memory (fp32). `python -m blockspec.bench.fp8_bench --sweep`
+    times alternatives for W8A8."""
+    if M == 1 and elem_bytes > 1:  # W8A8 runs on the MMA kernel at any M
+        wide = N >= 16384  # LM heads, gate|up: longer rows per program, fewer programs
+        return SkinnyConfig(1, 32 if wide else 16, min(256 if wide else 512, _pow2_at_least(K)), 1, 8, 3)
+    if M <= 16:
+        wide = N >= 16384
+        bm, bn, bk, warps, stages = 16, 64, 128 if wide and elem_bytes > 1 else 256, 4, 3 if wide else 4
+        min_programs = sms // 2 if elem_bytes == 1 else 1
+    elif M <= 32:
+        bm, bn, bk, warps, stages, min_programs = 32, 64, 256, 4, 4, 2 * sms
+    elif M <= 64:
+        bm, bn, bk, warps, stages, min_programs = 64, 64, 128, 4, 4, 2 * sms
+    elif M <= 128 or triton.cdiv(M, 128) * triton.cdiv(N, 128) < sms:
+        bm, bn, bk, warps, stages, min_programs = 64, 128, 128, 4, 3, 2 * sms
+    else:
+        bm, bn, bk, warps, stages, min_programs = 128, 128, 64, 8, 3, 2 * sms
+    bm = min(bm, _pow2_at_least(M))
+    bn = min(bn, _pow2_at_least(N))
+    bk = _fit_shared_memory(bm, bn, min(bk, _pow2_at_least(K)), elem_bytes, stages)
+    split = _split_k(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), M, K, min_programs)
     return SkinnyConfig(bm, bn, bk, split, warps, stages)
 
 
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
     gated: bool = False,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """residual + prologue(x) @ (weight * scale[:, None]).T + bias. x [..., K] (bf16/fp16/fp32),
-    or [..., 2K] gate|up with `gated` (prologue: SiLU(gate) * up, one row only); `norm` (weight [K], eps): the
-    prologue is that RMSNorm. weight [N, K] float8_e4m3fn with scale [N] float32, or in x's dtype
-    with scale None; bias [N] or None; residual [..., N] like the output, or None. -> [..., N] in
-    x's dtype."""
+    """residual + prologue(x) @ weight.T + bias. x [..., K] (bf16/fp16/fp32), or [..., 2K] gate|up
+    with `gated` (prologue: SiLU(gate) * up, one row only); `norm` (weight [K], eps): the prologue
+    is that RMSNorm. weight [N, K] in x's dtype; bias [N] or None; residual [..., N] like the
+    output, or None. -> [..., N] in x's dtype."""
     K = x.shape[-1] // 2 if gated else x.shape[-1]
-    N = weight.shape[0]
     assert weight.shape[1] == K, (
         f"x has {x.shape[-1]} features{' (gate|up)' if gated else ''}, weight is {tuple(weight.shape)}"
     )
     assert not gated or x.shape[-1] == 2 * K, f"gate|up of {x.shape[-1]} features: not two halves"
     assert not (gated and norm is not None), "one prologue: norm or gated"
-    if scale is None:
-        assert weight.dtype == x.dtype, f"an unscaled weight must be in x's dtype {x.dtype}, got {weight.dtype}"
-    else:
-        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    assert weight.dtype == x.dtype, f"the weight must be in x's dtype {x.dtype}, got {weight.dtype}"
+    if norm is not None:
+        assert norm[0].shape == (K,), f"norm weight {tuple(norm[0].shape)} for {K} features"
+    return _launch(x, weight, x.dtype, bias, config, norm, gated, residual, None)
+
+
+def skinny_scaled_mm(
+    qx: torch.Tensor,
+    x_scale: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """W8A8: residual + (qx * x_scale) @ (qw * w_scale[:, None]).T + bias on FP8 tensor cores, for
+    few rows of x. qx [..., K] and qw [N, K] float8_e4m3fn; x_scale one float32 per row of qx ([M]
+    or [M, 1], from `quantize_rows`, which also applies the layer's prologue); w_scale [N] float32.
+    -> [..., N] in out_dtype (bf16/fp16/fp32); bias and residual in it too."""
+    assert qx.dtype == qw.dtype == torch.float8_e4m3fn, f"FP8 x and weight expected, got {qx.dtype}, {qw.dtype}"
+    assert qw.shape[1] == qx.shape[-1], f"x has {qx.shape[-1]} features, weight is {tuple(qw.shape)}"
+    assert x_scale.dtype == w_scale.dtype == torch.float32 and w_scale.shape == (qw.shape[0],)
+    assert x_scale.numel() == qx.numel() // max(qx.shape[-1], 1), f"{x_scale.numel()} row scales for x {qx.shape}"
+    assert out_dtype in (torch.bfloat16, torch.float16, torch.float32), out_dtype
+    scales = (x_scale.reshape(-1).contiguous(), w_scale)
+    return _launch(qx, qw, out_dtype, bias, config, None, False, residual, scales)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig | None,
+    norm: tuple[torch.Tensor, float] | None,
+    gated: bool,
+    residual: torch.Tensor | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    K, N = weight.shape[1], weight.shape[0]
     out_shape = (*x.shape[:-1], N)
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return y.view(out_shape)
     if residual is not None:
         assert residual.shape == out_shape, f"residual {tuple(residual.shape)} for an output {out_shape}"
-        assert residual.dtype == x.dtype, f"a {residual.dtype} residual for {x.dtype} activations"
+        assert residual.dtype == out_dtype, f"a {residual.dtype} residual for a {out_dtype} output"
         residual = residual.contiguous()
-    if norm is not None:
-        assert norm[0].shape == (K,), f"norm weight {tuple(norm[0].shape)} for {K} features"
     sms = num_sms(x.device, interpreted=8)  # interpreter: few SMs, so that split-K is exercised
-    cfg = config or choose_config(M, N, K, sms, weight.element_size(), x.element_size())
+    cfg = config or choose_config(M, N, K, sms, x.element_size())
     assert not gated or cfg.block_m == 1, "the SwiGLU prologue is the GEMV's only (see layers.linear.fused_linear)"
+    assert not (scales is not None and cfg.block_m == 1), "W8A8 runs on the MMA kernel"
     # Pointers that a flag leaves unread are given some valid tensor.
-    flags = {
-        "HAS_SCALE": scale is not None,
-        "HAS_BIAS": bias is not None,
-        "NORM": norm is not None,
-        "RESIDUAL": residual is not None,
-    }
-    scale = weight if scale is None else scale
+    flags = {"HAS_BIAS": bias is not None, "NORM": norm is not None, "RESIDUAL": residual is not None}
     bias = weight if bias is None else bias
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
     residual = weight if residual is None else residual
@@ -395,79 +360,27 @@ def skinny_linear(
         assert M == 1, f"the GEMV config serves one row, got {M}"
         k_iters = triton.cdiv(K, cfg.block_k)
         _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-            x2,
-            weight,
-            scale,
-            bias,
-            norm_weight,
-            residual,
-            y,
-            N,
-            K,
-            eps,
-            x2.stride(1),
-            weight.stride(0),
-            weight.stride(1),
-            k_iters,
-            **flags,
-            GATED=gated,
-            EVEN_K=K == k_iters * cfg.block_k,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **pdl_launch(x.device),
-        )
+            x2, weight, bias, norm_weight, residual, y, N, K, eps, x2.stride(1), weight.stride(0), weight.stride(1),
+            k_iters, **flags, GATED=gated, EVEN_K=K == k_iters * cfg.block_k, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
+        )  # fmt: skip
         return y.view(out_shape)
+    x_scale, w_scale = scales if scales is not None else (weight, weight)
     k_iters = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k)
     split = cfg.split_k > 1
     ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if split else y
     sq = torch.empty((cfg.split_k, M), dtype=torch.float32, device=x.device) if split and flags["NORM"] else y
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
     _skinny_kernel[grid](
-        x2,
-        weight,
-        scale,
-        bias,
-        norm_weight,
-        residual,
-        y,
-        ws,
-        sq,
-        M,
-        N,
-        K,
-        eps,
-        x2.stride(0),
-        x2.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        k_iters,
-        **flags,
-        SPLIT_K=cfg.split_k,
-        EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
-        IEEE=x.dtype == torch.float32,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        x2, weight, x_scale, w_scale, bias, norm_weight, residual, y, ws, sq, M, N, K, eps,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), k_iters, **flags,
+        FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
+        IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if split:
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-            ws,
-            sq,
-            scale,
-            bias,
-            residual,
-            y,
-            M,
-            N,
-            K,
-            eps,
-            **flags,
-            SPLIT_K=cfg.split_k,
-            BLOCK=REDUCE_BLOCK,
-            num_warps=4,
-        )
+            ws, sq, x_scale, w_scale, bias, residual, y, M, N, K, eps, **flags, FP8=scales is not None,
+            SPLIT_K=cfg.split_k, BLOCK=REDUCE_BLOCK, num_warps=4,
+        )  # fmt: skip
     return y.view(out_shape)
