@@ -18,7 +18,7 @@ from blockspec.layers.attention import paged_attention, paged_attention_ref, wri
 from blockspec.layers.kernels.kv_write import write_kv_triton
 from blockspec.layers.kernels.paged_attention import choose_splits, paged_attention_triton
 from blockspec.layers.kernels.qk_norm_rope import qk_norm_rope_triton
-from blockspec.layers.rotary import qk_norm_rope_ref
+from blockspec.layers.rotary import qk_norm_rope, qk_norm_rope_ref
 
 test_kernels_in_interpreter = interpreter_test(__file__)
 
@@ -249,3 +249,33 @@ def test_qk_norm_rope_kernel_matches_reference(dtype: torch.dtype, weights: bool
         qk_norm_rope_triton(qkv, *w, 1e-6, cos, sin, 4, 3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@runs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_norm_rope_kernel_writes_the_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """With kv_write the same launch stores each token's rotated k heads and its v heads at its
+    slot, bit for bit what `write_kv_ref` stores from the kernel's own output; other slots keep
+    their contents. As the model runs it: `rotary.qk_norm_rope` dispatches here on CUDA."""
+    gen = torch.Generator().manual_seed(1)
+    d, slots = 64, 40
+    qkv = torch.randn(2, 3, 8, d, generator=gen).to(DEVICE, dtype)  # Hq 4, Hkv 2
+    angles = torch.rand(2, 3, d // 2, generator=gen) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    w = [(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)]
+    slot_mapping = torch.tensor([[7, 8, 9], [33, 1, 39]], device=DEVICE)
+    caches = [torch.randn(slots, 2, d, generator=gen).to(DEVICE, cache_dtype) for _ in range(2)]
+    initial, expected = [c.clone() for c in caches], [c.clone() for c in caches]
+    original = qkv.clone()
+    out = qk_norm_rope_triton(qkv.clone(), *w, 1e-6, cos, sin, 4, 2)
+    write_kv_ref(*expected, out[:, :, 4:6], out[:, :, 6:], slot_mapping)
+    got = qk_norm_rope_triton(qkv, *w, 1e-6, cos, sin, 4, 2, (*caches, slot_mapping))
+    assert torch.equal(got, out)
+    assert all(map(torch.equal, caches, expected))
+    with torch.no_grad():  # the dispatcher (the reference path on CPU, this kernel on CUDA) from scratch
+        ref_caches = [c.clone() for c in initial]
+        qk_norm_rope(original, *w, 1e-6, cos, sin, 4, 2, kv_write=(*ref_caches, slot_mapping))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for c, r in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(c.float(), r.float(), rtol=tol, atol=tol)

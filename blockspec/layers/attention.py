@@ -2,8 +2,9 @@
 
 A cache is `[num_slots, kv_heads, head_dim]` per layer for K and for V, where slot =
 page * page_size + offset; a sequence's pages are listed in its row of `block_tables`.
-Every forward first writes its new K/V to their slots, then each query row attends to the
-keys of its sequence at positions k_start <= k < k_end:
+Every forward first writes its new K/V to their slots (`kv_write`: with the rotary embedding, in
+`blockspec.layers.rotary.qk_norm_rope`), then each query row attends to the keys of its
+sequence at positions k_start <= k < k_end:
 - target prefill/verify (causal): [0, pos + 1);
 - drafter propose: [p - window, p + width): the cached context plus the whole block, so the
   block is bidirectional (a drafter's sliding-window layers are causal inside the block, as in
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from blockspec.layers.fast_path import fast_kernels
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
+KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (k_cache, v_cache, slot_mapping)
 
 
 @dataclass
@@ -29,6 +31,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [B, S] slots of the new K/V (padding rows: trash slot 0)
     key_ranges: dict[str, KeyRange]  # layer type -> visible key positions per query row
     page_size: int
+
+    def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor]) -> KVWrite:
+        """Where a layer's new K/V go: its caches and this step's slots (`qk_norm_rope` writes them)."""
+        return (*cache, self.slot_mapping)
 
     def attend(
         self,
@@ -39,8 +45,7 @@ class AttentionMetadata:
         layer_type: str,
         scale: float,
     ) -> torch.Tensor:
-        """q: [B, S, Hq, D]; k, v: [B, S, Hkv, D]; returns [B, S, Hq, D]."""
-        write_kv(*cache, k, v, self.slot_mapping)
+        """q: [B, S, Hq, D], the new K/V already in the cache (`kv_write`); returns [B, S, Hq, D]."""
         k_start, k_end = self.key_ranges[layer_type]
         return paged_attention(q, *cache, self.block_tables, k_start, k_end, self.page_size, scale)
 

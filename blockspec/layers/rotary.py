@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from blockspec.layers.attention import KVWrite, write_kv
 from blockspec.layers.fast_path import cuda_compiled, fast_kernels
 from blockspec.layers.norm import rms_norm_ref
 
@@ -82,10 +83,17 @@ def qk_norm_rope_ref(
 norm_rope = cuda_compiled(norm_rope_ref)
 
 
-def qk_norm_rope(qkv: torch.Tensor, *args) -> torch.Tensor:
-    """`qk_norm_rope_ref`; on CUDA without grad one Triton launch that rewrites qkv in place
-    (torch.compile makes three kernels of the reference: one per part of its cat)."""
+def qk_norm_rope(qkv: torch.Tensor, *args, kv_write: KVWrite | None = None) -> torch.Tensor:
+    """`qk_norm_rope_ref`, then with `kv_write` = (k_cache, v_cache, slot_mapping) the new k and v
+    heads written to their cache slots (`write_kv`). On CUDA without grad one Triton launch does
+    both, rewriting qkv in place (torch.compile makes three kernels of the reference: one per part
+    of its cat)."""
     kernels = fast_kernels(qkv, "qk_norm_rope")
     if kernels is not None:
-        return kernels.qk_norm_rope_triton(qkv, *args)
-    return qk_norm_rope_ref(qkv, *args)
+        return kernels.qk_norm_rope_triton(qkv, *args, kv_write)
+    out = qk_norm_rope_ref(qkv, *args)
+    if kv_write is not None:
+        num_heads, num_kv_heads = args[-2:]
+        _, k, v = out.split([num_heads, num_kv_heads, num_kv_heads], dim=-2)
+        write_kv(kv_write[0], kv_write[1], k, v, kv_write[2])
+    return out
