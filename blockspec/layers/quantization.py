@@ -11,7 +11,7 @@ with the prologue fused, then:
   (`skinny_scaled_mm`), which streams the weight at small M;
 - above, `torch._scaled_mm` with row-wise scales (bf16 x), where the GEMM nears compute-bound.
 H200, one drafter step's linears at M rows (`python -m blockspec.bench.fp8_bench`), bf16 cuBLAS
-against FP8: M = 16: 911 against 560 µs; 64: 942 against 615; 256: 1,468 against 989 (_scaled_mm).
+against FP8: M = 16: 888 against 535 µs; 64: 917 against 608; 256: 1,405 against 1,037 (_scaled_mm).
 A weight-only path (bf16 x, the weight converted in registers) was slower at 16 rows (706 µs) and
 is gone.
 Elsewhere runs the reference (the CPU path and the oracle) with the same rounding: the prologue,
@@ -45,12 +45,14 @@ from blockspec.layers.norm import RMSNorm
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _CHUNK_ELEMENTS = 1 << 25  # elements per (de)quantization chunk: <= 128 MiB of float32 temporaries
-# Rows up to which the skinny kernel beats torch._scaled_mm (H200, measured at 16, 32 and 64).
+# Rows up to which the skinny kernel beats torch._scaled_mm (H200, measured at 16, 64, 128 and 256).
 FP8_SKINNY_MAX_M = 64
 
-# "auto" keeps narrower drafters in bf16. H200, batch 1, the real pair of SmolLM2-135M (hidden 576,
-# its whole drafter a few tens of MB, L2-sized) and its shipped drafter: FP8 was slower (HumanEval,
-# T=0: 1.33x plain decoding against 1.41x in bf16); at Qwen3-8B's 4096 it is faster at every batch.
+# "auto" keeps narrower drafters in bf16. H200, batch 1, T=0, the real pair of SmolLM2-135M (hidden
+# 576, its whole drafter a few tens of MB, L2-sized) and its shipped drafter, speedup over plain
+# decoding with FP8 against bf16: HumanEval 1.44x against 1.42x, MT-Bench 0.95x against 1.12x (a
+# quantize launch before each GEMM costs about what its bytes save there); at Qwen3-8B's 4096 FP8
+# is faster at every batch.
 AUTO_MIN_HIDDEN = 2048
 
 # The drafter's projections: fc (context features -> hidden) and every decoder layer's attention
