@@ -152,6 +152,11 @@ def test_resolve_fp8_switch(monkeypatch):
     assert resolve_fp8("auto", "cpu", narrow) is True
     with pytest.raises(ValueError):
         resolve_fp8("sometimes", "cpu", wide)
+    monkeypatch.setattr(quantization, "fp8_supported", lambda device: False)  # as on an A100
+    for forced in (True, "on", "auto"):  # "auto" with BLOCKSPEC_FP8=1
+        with pytest.raises(ValueError, match="FP8 tensor cores"):
+            resolve_fp8(forced, "cuda", wide)
+    assert resolve_fp8(True, "cpu", wide) is True
 
 
 # -- swapping a drafter's linears -----------------------------------------------------------------

@@ -254,16 +254,19 @@ def test_qk_norm_rope_kernel_matches_reference(dtype: torch.dtype, weights: bool
 @runs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_qk_norm_rope_kernel_writes_the_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("weights,d", [(True, 64), (False, 96)], ids=["qk_norm", "rope_only_d96"])
+def test_qk_norm_rope_kernel_writes_the_cache(
+    dtype: torch.dtype, cache_dtype: torch.dtype, weights: bool, d: int
+) -> None:
     """With kv_write the same launch stores each token's rotated k heads and its v heads at its
     slot, bit for bit what `write_kv_ref` stores from the kernel's own output; other slots keep
     their contents. As the model runs it: `rotary.qk_norm_rope` dispatches here on CUDA."""
     gen = torch.Generator().manual_seed(1)
-    d, slots = 64, 40
+    slots = 40
     qkv = torch.randn(2, 3, 8, d, generator=gen).to(DEVICE, dtype)  # Hq 4, Hkv 2
     angles = torch.rand(2, 3, d // 2, generator=gen) * 6
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
-    w = [(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)]
+    w = [(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if weights else [None, None]
     slot_mapping = torch.tensor([[7, 8, 9], [33, 1, 39]], device=DEVICE)
     caches = [torch.randn(slots, 2, d, generator=gen).to(DEVICE, cache_dtype) for _ in range(2)]
     initial, expected = [c.clone() for c in caches], [c.clone() for c in caches]

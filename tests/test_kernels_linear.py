@@ -54,6 +54,8 @@ def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0, prologue=N
     res = torch.randn(M, N, generator=gen).to(DEVICE, dtype) if residual else None
     if fp8:  # W8A8: x quantized by the torch reference (the prologue applied before, in float32)
         assert prologue is None, "W8A8 takes its prologue from quantize_rows"
+        if CUDA and not fp8_supported(DEVICE):
+            pytest.skip("W8A8 needs FP8 tensor cores (Hopper+)")
         qx, sx = quantize_weight(x)
         q, scale = quantize_weight(w.to(DEVICE))
         y = kernel.skinny_scaled_mm(qx, sx, q, scale, dtype, b, res, config)
@@ -152,6 +154,7 @@ def test_choose_config_for_model_shapes():
     assert kernel.choose_config(16, 1024, 4096, 132, 2).split_k == 1  # bf16: streams best unsplit
     assert kernel.choose_config(16, 151936, 4096, 132, 1).split_k == 1  # LM head: plenty
     assert kernel.choose_config(1, 4096, 4096, 132, 1).block_m == 16  # W8A8 at one row: the MMA kernel
+    assert kernel.choose_config(4, 64, 8, 132, 1).block_k == 32  # FP8 MMAs: K steps of 32 at least
 
 
 @runs_kernel

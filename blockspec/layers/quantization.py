@@ -26,7 +26,7 @@ quantized projections (`Fp8Linear.concat`).
 Switch: `resolve_fp8(setting, device, hidden_size)` maps an engine setting (True / False / "auto" /
 None) to a bool; "auto" (the default) is on for CUDA devices of compute capability 9.0+ (Hopper)
 and drafters of hidden size >= AUTO_MIN_HIDDEN, unless the environment sets BLOCKSPEC_FP8. Forced
-on where FP8 tensor cores are missing, Fp8Linear runs its reference path (correct, not fast).
+on, it runs the reference path on the CPU, and is refused on a GPU without FP8 tensor cores.
 BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference path everywhere."""
 
 import fnmatch
@@ -113,8 +113,10 @@ def fp8_supported(device: torch.device | str) -> bool:
 
 def resolve_fp8(setting: bool | str | None, device: torch.device | str, hidden_size: int) -> bool:
     """The engine's FP8 switch for a drafter of `hidden_size`: True/"on" and False/"off" are obeyed
-    (the reference path runs anywhere); None/"auto" means on where `fp8_supported` for drafters at
-    least AUTO_MIN_HIDDEN wide, unless the environment sets BLOCKSPEC_FP8 (0/off or 1/on)."""
+    (on the CPU the reference path runs; on CUDA it needs `fp8_supported`, else ValueError: there
+    the reference would dequantize every weight each call); None/"auto" means on where
+    `fp8_supported` for drafters at least AUTO_MIN_HIDDEN wide, unless the environment sets
+    BLOCKSPEC_FP8 (0/off or 1/on)."""
     if isinstance(setting, str):
         words = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False, "auto": None}
         if setting.strip().lower() not in words:
@@ -122,11 +124,13 @@ def resolve_fp8(setting: bool | str | None, device: torch.device | str, hidden_s
         setting = words[setting.strip().lower()]
     if setting is None:
         env = os.environ.get("BLOCKSPEC_FP8")
-        if env is not None:
-            return env.strip().lower() not in ("0", "off", "false", "")
+        setting = env.strip().lower() not in ("0", "off", "false", "") if env is not None else None
+    if setting is None:
         return fp8_supported(device) and hidden_size >= AUTO_MIN_HIDDEN
     if not isinstance(setting, bool):
         raise TypeError(f"fp8 setting must be True, False or 'auto', got {setting!r}")
+    if setting and torch.device(device).type == "cuda" and not fp8_supported(device):
+        raise ValueError(f"an FP8 drafter on {device} needs FP8 tensor cores (compute capability 9.0+) and triton")
     return setting
 
 

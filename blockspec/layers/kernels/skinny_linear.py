@@ -177,7 +177,7 @@ def _splitk_reduce_kernel(
 ):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
-    m = offs // N
+    m = tl.minimum(offs // N, M - 1)  # clamped: the row scales are read unmasked
     acc = tl.full((BLOCK,), 0.0, tl.float32)
     sq = tl.full((BLOCK,), 0.0, tl.float32)
     for s in tl.static_range(SPLIT_K):  # a fixed order: deterministic
@@ -224,9 +224,9 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def _fit_shared_memory(bm: int, bn: int, bk: int, elem_bytes: int, stages: int) -> int:
+def _fit_shared_memory(bm: int, bn: int, bk: int, elem_bytes: int, stages: int, min_bk: int) -> int:
     """bk, halved until the weight and x tiles in flight fit in 192 KB of shared memory."""
-    while (bn + bm) * elem_bytes * bk * stages > 192 * 1024 and bk > 16:
+    while (bn + bm) * elem_bytes * bk * stages > 192 * 1024 and bk > min_bk:
         bk //= 2
     return bk
 
@@ -269,9 +269,10 @@ def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2) -> Skin
         bm, bn, bk, warps, stages, min_programs = 64, 128, 128, 4, 3, 2 * sms
     else:
         bm, bn, bk, warps, stages, min_programs = 128, 128, 64, 8, 3, 2 * sms
+    min_bk = 32 if elem_bytes == 1 else 16  # FP8 MMAs take K in steps of 32
     bm = min(bm, _pow2_at_least(M))
     bn = min(bn, _pow2_at_least(N))
-    bk = _fit_shared_memory(bm, bn, min(bk, _pow2_at_least(K)), elem_bytes, stages)
+    bk = _fit_shared_memory(bm, bn, min(bk, _pow2_at_least(K, min_bk)), elem_bytes, stages, min_bk)
     split = _split_k(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), M, K, min_programs)
     return SkinnyConfig(bm, bn, bk, split, warps, stages)
 
