@@ -135,6 +135,9 @@ class DenseAttention:
 
     masks: dict[str, torch.Tensor]  # layer type -> [B, 1, S, T+S] (or [B, 1, S, S] without context)
 
+    def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """None: the new K/V are read where they are, never written to a cache."""
+
     def attend(
         self,
         q: torch.Tensor,

@@ -73,27 +73,24 @@ def qk_norm_rope_ref(
     sin: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    kv_write: KVWrite | None = None,
 ) -> torch.Tensor:
     """qkv [..., Hq + 2*Hkv, D] -> the same layout with the q and the k heads through
-    `norm_rope_ref` and the v heads as they are."""
+    `norm_rope_ref` and the v heads as they are; with `kv_write` = (k_cache, v_cache,
+    slot_mapping) the new k and v heads are also written to their cache slots (`write_kv`)."""
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=-2)
-    return torch.cat([norm_rope_ref(q, q_weight, eps, cos, sin), norm_rope_ref(k, k_weight, eps, cos, sin), v], -2)
+    k = norm_rope_ref(k, k_weight, eps, cos, sin)
+    if kv_write is not None:
+        write_kv(kv_write[0], kv_write[1], k, v, kv_write[2])
+    return torch.cat([norm_rope_ref(q, q_weight, eps, cos, sin), k, v], -2)
 
 
 norm_rope = cuda_compiled(norm_rope_ref)
 
 
 def qk_norm_rope(qkv: torch.Tensor, *args, kv_write: KVWrite | None = None) -> torch.Tensor:
-    """`qk_norm_rope_ref`, then with `kv_write` = (k_cache, v_cache, slot_mapping) the new k and v
-    heads written to their cache slots (`write_kv`). On CUDA without grad one Triton launch does
-    both, rewriting qkv in place (torch.compile makes three kernels of the reference: one per part
-    of its cat)."""
+    """`qk_norm_rope_ref`; on CUDA without grad one Triton launch that rewrites qkv in place and
+    writes the cache (torch.compile makes three kernels of the reference: one per part of its cat)."""
     kernels = fast_kernels(qkv, "qk_norm_rope")
-    if kernels is not None:
-        return kernels.qk_norm_rope_triton(qkv, *args, kv_write)
-    out = qk_norm_rope_ref(qkv, *args)
-    if kv_write is not None:
-        num_heads, num_kv_heads = args[-2:]
-        _, k, v = out.split([num_heads, num_kv_heads, num_kv_heads], dim=-2)
-        write_kv(kv_write[0], kv_write[1], k, v, kv_write[2])
-    return out
+    op = kernels.qk_norm_rope_triton if kernels is not None else qk_norm_rope_ref
+    return op(qkv, *args, kv_write=kv_write)

@@ -78,8 +78,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x, norm=norm).view(*x.shape[:-1], -1, self.head_dim)
         heads = (self.num_heads, self.num_kv_heads)
         norms = weight(self.q_norm), weight(self.k_norm)
-        kv_write = attn.kv_write(cache) if isinstance(attn, AttentionMetadata) else None  # dense: read in place
-        qkv = qk_norm_rope(qkv, *norms, self.eps, *rope, *heads, kv_write=kv_write)
+        qkv = qk_norm_rope(qkv, *norms, self.eps, *rope, *heads, kv_write=attn.kv_write(cache))
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=-2)
         out = attn.attend(q, k, v, cache, self.layer_type, self.head_dim**-0.5)
         return self.o_proj(out.flatten(-2), residual=x)

@@ -60,6 +60,8 @@ class FlexBlockAttention:
 
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
 
+    kv_write = DenseAttention.kv_write
+
     def attend(self, q, k, v, cache, layer_type: str, scale: float) -> torch.Tensor:
         k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
