@@ -55,15 +55,13 @@ def fused_linear(
     gated: bool,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The skinny kernel (triton needed) with the residual add fused in, and the prologue where it
-    was measured to pay (H200): always at one row (the GEMV); past one row, the MMA kernel takes
-    the RMSNorm on its weight tile (its register operand; q|k|v at 16 rows 17.0 µs against 17.9
-    apart), up to LINEAR_MAX_M rows and not in fp16 (the weight times a large norm weight could
-    overflow it), while SwiGLU runs apart: computed in registers, it would be stored back
-    to shared memory as the MMA's operand, which stalls the weight stream (down_proj at 4 and 16
-    rows: 58-59 µs fused against 31-32 apart)."""
-    rows = x.numel() // x.shape[-1]
-    if rows > 1 and (gated or rows > LINEAR_MAX_M or x.dtype == torch.float16):
+    """The skinny kernel (triton needed; at most LINEAR_MAX_M rows, as `linear` sends them) with
+    the residual add fused in, and the prologue where it was measured to pay (H200): always at one
+    row (the GEMV); past one row, the MMA kernel takes the RMSNorm on its weight tile (its register
+    operand; q|k|v at 16 rows 17.0 µs against 17.9 apart), while SwiGLU runs apart: computed in
+    registers, it would be stored back to shared memory as the MMA's operand, which stalls the
+    weight stream (down_proj at 4 and 16 rows: 58-59 µs fused against 31-32 apart)."""
+    if gated and x.numel() > x.shape[-1]:
         x, norm, gated = prologue(x, norm, gated), None, False
     norm_args = None if norm is None else (norm.weight, norm.eps)
     return kernel_module("skinny_linear").skinny_linear(x, weight, bias, None, norm_args, gated, residual)
