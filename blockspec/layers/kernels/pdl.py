@@ -6,7 +6,10 @@ previous kernel still reads; what it hides is part of the gap at each kernel bou
 
 Only the skinny GEMV launches with it, where it was measured to pay (H200, 36 layers of the four
 fused GEMMs at one row: 3,868 -> 3,770 µs); the MMA kernel at 16 rows lost by it (3,957 ->
-4,809 µs). BLOCKSPEC_PDL=0 launches plainly (for A/B runs)."""
+4,809 µs). Nor did it pay spread over the other hot kernels (MMA, rope, attention, combine,
+quantize_rows) with the next kernel let in after the main loop instead of at the top (H200, bench
+--simulate-tau 6.5: DFlash 5.68 -> 5.58 ms a step at batch 1, 10.55 -> 10.73 at batch 16; at the
+top, slower at both). BLOCKSPEC_PDL=0 launches plainly (for A/B runs)."""
 
 import functools
 import os
