@@ -60,7 +60,9 @@ def fused_linear(
     row (the GEMV); past one row, the MMA kernel takes the RMSNorm on its weight tile (its register
     operand; q|k|v at 16 rows 17.0 µs against 17.9 apart), while SwiGLU runs apart: computed in
     registers, it would be stored back to shared memory as the MMA's operand, which stalls the
-    weight stream (down_proj at 4 and 16 rows: 58-59 µs fused against 31-32 apart)."""
+    weight stream (down_proj at 4 and 16 rows: 58-59 µs fused against 31-32 apart). SwiGLU as
+    gate|up's epilogue instead (gate and up rows accumulated side by side) was slower at both row
+    counts: a plain decode step 4.45 -> 5.10 ms, a DFlash step 5.72 -> 5.99 (bench, batch 1)."""
     if gated and x.numel() > x.shape[-1]:
         x, norm, gated = prologue(x, norm, gated), None, False
     norm_args = None if norm is None else (norm.weight, norm.eps)
