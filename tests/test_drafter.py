@@ -7,14 +7,14 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
-from blockspec.loading.dflash import load_drafter
+from blockspec.loading.dflash import load_drafter, save_drafter
 from blockspec.loading.hf import load_target
-from blockspec.models.dflash import default_target_layer_ids
+from blockspec.models.dflash import DFlashDrafter, default_target_layer_ids
 from blockspec.sampling import SamplingParams
 
 EPS = 1e-6
@@ -101,3 +101,26 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(30, 1) == [15]
     assert default_target_layer_ids(4, 2) == [1]  # a tiny target: distinct ids in range
     assert default_target_layer_ids(1, 2) == [0]
+
+
+def test_save_and_load_keep_every_field(tmp_path):
+    """save_drafter writes every field the drafter reads: sliding layers and their window, the
+    embedding and logit scales, the softcap (not only what training sets)."""
+    tpath = make_target(tmp_path / "t", "qwen3")
+    target = load_target(tpath, torch.float32, torch.device("cpu")).model
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], block_size=8,
+        dflash_config={"mask_token_id": 127, "target_layer_ids": [1, 3], "input_embedding_scale": 2.0,
+                       "output_multiplier": 0.5, "final_logit_softcapping": 30.0},
+    )  # fmt: skip
+    saved = DFlashDrafter(config, 4, 64)
+    save_drafter(saved, target, tmp_path / "d", dtype=torch.float32)
+    loaded = load_drafter(tmp_path / "d", target, torch.float32, torch.device("cpu"))
+    fields = ("layer_types", "sliding_window", "block_size", "mask_token_id", "target_layer_ids")
+    fields += ("input_embedding_scale", "output_multiplier", "logit_softcap")
+    assert [getattr(loaded, f) for f in fields] == [getattr(saved, f) for f in fields]
+    assert loaded.sliding_window == 4 and loaded.logit_softcap == 30.0
+    for (name, a), b in zip(saved.named_parameters(), loaded.parameters()):
+        assert torch.equal(a, b), name

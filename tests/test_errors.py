@@ -84,8 +84,13 @@ def test_unsupported_architecture_and_rope(tmp_path, pair):
 def test_mismatched_drafters(tmp_path, pair):
     t, d = pair
     other = make_target(tmp_path / "other", "qwen3", vocab=128, layers=2)
-    with pytest.raises(CheckpointError, match="target_layer_ids .* must be in 0..1"):
+    with pytest.raises(CheckpointError, match="trained for a target of 4 layers, this target has 2"):
         LLM(str(other), {"model": str(d)}, device="cpu")
+    unsaid = copy(d, tmp_path / "no_num_target_layers")
+    cfg = json.loads((unsaid / "config.json").read_text())
+    (unsaid / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_target_layers"}))
+    with pytest.raises(CheckpointError, match="target_layer_ids .* must be in 0..1"):
+        LLM(str(other), {"model": str(unsaid)}, device="cpu")
     three = copy(d, tmp_path / "three_ids")
     cfg = json.loads((three / "config.json").read_text())
     cfg["dflash_config"]["target_layer_ids"] = [0, 1, 2]
@@ -102,6 +107,79 @@ def test_mismatched_drafters(tmp_path, pair):
         LLM(str(t), {"model": str(t)}, device="cpu")
     with pytest.raises(ValueError, match="speculative method 'eagle' is not supported"):
         LLM(str(t), {"method": "eagle", "model": str(d)}, device="cpu")
+
+
+def rewrite(src, dst, config=None, weights=None):
+    """A copy of checkpoint `src` with its config.json updated by `config` (None values delete
+    keys) and its single safetensors file replaced by `weights`."""
+    copy(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in (config or {}).items():
+        cfg.pop(key) if value is None else cfg.__setitem__(key, value)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if weights is not None:
+        save_file(weights, dst / "model.safetensors")
+    return dst
+
+
+def test_unsupported_weights_and_configs(tmp_path, pair):
+    t, _ = pair
+    weights = load_file(t / "model.safetensors")
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        LLM(str(rewrite(t, tmp_path / "gelu", {"hidden_act": "gelu"})), None, device="cpu")
+    for dtype, name in ((torch.int64, "int64"), (torch.float8_e4m3fn, "float8_e4m3fn")):
+        bad = {**weights, "model.norm.weight": weights["model.norm.weight"].to(dtype)}
+        with pytest.raises(CheckpointError, match=f"model.norm.weight is {name}: 16/32/64-bit float weights"):
+            LLM(str(rewrite(t, tmp_path / name, weights=bad)), None, device="cpu")
+    # q_proj 16 rows too many, k_proj 16 too few: the packed q|k|v has the right size
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    moved = torch.cat([weights[q], weights[k]])
+    bad = {**weights, q: moved[:80], k: moved[80:]}
+    with pytest.raises(CheckpointError, match=r"q_proj.weight has shape \(80, 64\), expected 64 rows"):
+        LLM(str(rewrite(t, tmp_path / "split", weights=bad)), None, device="cpu")
+    with pytest.raises(CheckpointError, match="config.json: not a usable model config"):
+        LLM(str(rewrite(t, tmp_path / "nolayers", {"num_hidden_layers": "four"})), None, device="cpu")
+    broken = copy(t, tmp_path / "tokenizer")
+    (broken / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="the tokenizer files do not load"):
+        LLM(str(broken), None, device="cpu")
+
+
+def test_malformed_shard_index(tmp_path, pair):
+    t, _ = pair
+    weights = load_file(t / "model.safetensors")
+    root = copy(t, tmp_path / "sharded")
+    (root / "model.safetensors").unlink()
+    names = sorted(weights)
+    save_file({n: weights[n] for n in names[:5]}, root / "a.safetensors")
+    save_file({n: weights[n] for n in names[4:]}, root / "b.safetensors")  # names[4] in both
+    index = root / "model.safetensors.index.json"
+    for bad in ([], {"weight_map": None}, {"weight_map": {"x": 3}}):
+        index.write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match="expected a 'weight_map' of tensor name -> file name"):
+            LLM(str(root), None, device="cpu")
+    index.write_text(
+        json.dumps({"weight_map": {n: "a.safetensors" if i < 5 else "b.safetensors" for i, n in enumerate(names)}})
+    )
+    with pytest.raises(CheckpointError, match=f"{names[4]} is in both a.safetensors and b.safetensors"):
+        LLM(str(root), None, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"block_size": None}, "block_size is missing"),
+        ({"dflash_config": {"mask_token_id": 12.5}}, "mask_token_id must be an integer, got 12.5"),
+        ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": 1}}, "target_layer_ids must be a list"),
+        ({"layer_types": ["chunked_attention"] * 2}, r"layer_types \['chunked_attention'\] are not supported"),
+        ({"layer_types": ["sliding_attention"] * 2}, "sliding_attention layers need a positive sliding_window"),
+        ({"dflash_config": {"mask_token_id": 1, "output_multiplier": "2"}}, "output_multiplier must be a number"),
+    ],
+)
+def test_malformed_drafter_configs(tmp_path, pair, change, message):
+    t, d = pair
+    with pytest.raises(CheckpointError, match="drafter config: .*" + message):
+        LLM(str(t), {"model": str(rewrite(d, tmp_path / "d", change))}, device="cpu")
 
 
 @pytest.mark.parametrize(

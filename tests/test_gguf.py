@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -121,6 +122,40 @@ def test_wrong_architecture(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match=r"gpt2\.gguf.*architecture 'gpt2'"):
         load_gguf(path)
+
+
+def tiny_gguf(path: Path, heads: int, rope_dims: int, q_type=gguf.GGMLQuantizationType.F32) -> Path:
+    """A one-layer llama GGUF (hidden 64, 4 q rows of 16 per head) with the given metadata."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    meta = {"block_count": 1, "context_length": 64, "embedding_length": 64, "feed_forward_length": 32}
+    meta |= {"attention.head_count": heads, "attention.head_count_kv": heads, "vocab_size": 8}
+    meta |= {"rope.dimension_count": rope_dims}
+    for key, value in meta.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    gen = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", gen.standard_normal((8, 64), dtype=np.float32))
+    q = gen.standard_normal((64, 64), dtype=np.float32)
+    if q_type == gguf.GGMLQuantizationType.I8:
+        writer.add_tensor("blk.0.attn_q.weight", (q * 10).astype(np.int8), raw_dtype=q_type)
+    else:
+        writer.add_tensor("blk.0.attn_q.weight", q)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unsupported_contents(tmp_path: Path) -> None:
+    """Each names the file and what is wrong, instead of a bare error from gguf or numpy."""
+    int8 = tiny_gguf(tmp_path / "int8.gguf", 4, 16, gguf.GGMLQuantizationType.I8)
+    with pytest.raises(ValueError, match=r"int8\.gguf: tensor blk\.0\.attn_q\.weight is of type I8"):
+        load_gguf(int8)
+    with pytest.raises(ValueError, match=r"heads\.gguf: blk\.0\.attn_q\.weight has 64 rows: .* for 3 heads"):
+        load_gguf(tiny_gguf(tmp_path / "heads.gguf", 3, 16))
+    with pytest.raises(ValueError, match=r"rope\.gguf: rope over 8 of 16 head dims is not supported"):
+        load_gguf(tiny_gguf(tmp_path / "rope.gguf", 4, 8))
 
 
 def test_incremental_detokenization_equals_full_decode(ckpt: loader.GGUFCheckpoint) -> None:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import make_target
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
@@ -66,3 +67,20 @@ def test_sharded_checkpoint_loads(tmp_path):
     b = load_target(tmp_path / "sharded", torch.float32, torch.device("cpu")).model
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(x, y), name
+
+
+def test_tied_config_with_its_own_lm_head(tmp_path):
+    """A tied config whose file still holds a different lm_head.weight: transformers keeps that
+    head (it does not tie), and so do we; an lm_head equal to the embedding stays tied."""
+    path = make_target(tmp_path / "t", "qwen3", tied=True)
+    weights = load_file(path / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    for head, tied in ((torch.randn_like(embed), False), (embed.clone(), True)):
+        save_file({**weights, "lm_head.weight": head}, path / "model.safetensors")
+        ours = load_target(path, torch.float32, torch.device("cpu")).model
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(paged_logits(ours, ids, split=10), expected[10:], atol=2e-5, rtol=1e-4)
+        assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied

@@ -11,15 +11,19 @@ import pytest
 import torch
 from conftest import make_target
 from safetensors.torch import load_file
+from transformers import Qwen3Config
 
 from blockspec.cli import main as cli_main
 from blockspec.layers.attention import DenseAttention
 from blockspec.llm import LLM
 from blockspec.loading.dflash import load_drafter, save_drafter
 from blockspec.loading.hf import load_target
+from blockspec.loading.weights import CheckpointError
+from blockspec.models.dflash import DFlashDrafter
 from blockspec.sampling import SamplingParams
 from blockspec.train import TrainConfig, train
 from blockspec.train.batches import Batch, collate
+from blockspec.train.checkpoint import load_checkpoint, save_checkpoint
 from blockspec.train.data import Example, append_examples, generate_examples, merge_parts, read_examples, token_prompts
 from blockspec.train.evaluate import acceptance_lengths
 from blockspec.train.loss import dflash_loss, row_weights, sample_anchors
@@ -150,6 +154,23 @@ def test_resume_is_exact(setup, tmp_path) -> None:
         for d in (tmp_path / "a", tmp_path / "b")
     ]
     assert logs[0] == logs[1] and len(logs[0]) == 2
+
+
+def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None:
+    def drafter(intermediate: int) -> DFlashDrafter:
+        geometry = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "block_size": 8}
+        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1,
+                          dflash_config={"mask_token_id": 1, "target_layer_ids": [0]}, **geometry)  # fmt: skip
+        return DFlashDrafter(cfg, 1, 64)
+
+    saved = drafter(96)
+    save_checkpoint(tmp_path / "ckpt", 3, saved, torch.optim.AdamW(saved.parameters()), {})
+    other = drafter(128)
+    with pytest.raises(CheckpointError, match=r"down_proj.weight has shape \(64, 96\), expected \(64, 128\)"):
+        load_checkpoint(tmp_path / "ckpt", other, torch.optim.AdamW(other.parameters()))
+    (tmp_path / "ckpt" / "state.json").write_text("{truncated")
+    with pytest.raises(CheckpointError, match="ckpt: not a complete training checkpoint"):
+        load_checkpoint(tmp_path / "ckpt", saved, torch.optim.AdamW(saved.parameters()))
 
 
 def test_training_raises_acceptance_length(setup, tmp_path) -> None:

@@ -9,10 +9,48 @@ import torch
 from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.hf import load_config
 from blockspec.loading.weights import CheckpointError, fill_module, load_weights, pack, save_sharded, unpack
-from blockspec.models.dflash import DFlashDrafter
-from blockspec.models.llama import CausalLM
+from blockspec.models.dflash import DFlashDrafter, dflash_value
+from blockspec.models.llama import CausalLM, packed_sizes
 
 ARCHITECTURE = "DFlashDraftModel"
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_fields(config, target: CausalLM, source: Path) -> None:
+    """The DFlash fields' presence and types, before a drafter is built from them."""
+    problems = []
+    ids, mask = dflash_value(config, "target_layer_ids"), dflash_value(config, "mask_token_id")
+    if ids is not None and not (isinstance(ids, list) and all(is_int(i) for i in ids)):
+        problems.append(f"target_layer_ids must be a list of integers, got {ids!r}")
+    if mask is not None and not is_int(mask):
+        problems.append(f"mask_token_id must be an integer, got {mask!r}")
+    block = dflash_value(config, "block_size")
+    if not is_int(block):
+        problems.append(
+            f"block_size must be an integer, got {block!r}" if block is not None else "block_size is missing"
+        )
+    n = dflash_value(config, "num_target_layers")
+    if n is not None and n != target.config.num_hidden_layers:
+        problems.append(f"trained for a target of {n} layers, this target has {target.config.num_hidden_layers}")
+    for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        value = dflash_value(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            problems.append(f"{name} must be a number, got {value!r}")
+    types = getattr(config, "layer_types", None) or []
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        problems.append(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in types and not (is_int(window) and window > 0):
+        problems.append(f"sliding_attention layers need a positive sliding_window, got {window!r}")
+    if problems:
+        raise CheckpointError(f"{source}: drafter config: " + "; ".join(problems))
 
 
 def validate(drafter: DFlashDrafter, target: CausalLM, source: Path) -> None:
@@ -48,6 +86,7 @@ def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device:
     if arch != ARCHITECTURE:
         raise CheckpointError(f"{path}: architecture {arch} is not a DFlash drafter ({ARCHITECTURE})")
     tc = target.config
+    check_fields(config, target, path)
     with torch.device("meta"):
         drafter = DFlashDrafter(config, tc.num_hidden_layers, tc.hidden_size)
     validate(drafter, target, path)
@@ -59,7 +98,7 @@ def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device:
             f"{path}: fc.weight takes {fc.shape[-1]} inputs but {len(drafter.target_layer_ids)} target layers "
             f"x hidden {tc.hidden_size} = {expected}: this drafter was trained for another target"
         )
-    fill_module(drafter, pack(weights, path), dtype, device, path)
+    fill_module(drafter, pack(weights, path, packed_sizes(drafter.spec)), dtype, device, path)
     drafter.rotary.to(device)
     drafter.fuse_kv()
     return drafter.eval()
@@ -68,6 +107,7 @@ def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device:
 def drafter_config(drafter: DFlashDrafter, target: CausalLM) -> dict:
     """config.json of the published layout."""
     s, rope = drafter.spec, rope_parameters(drafter.config)
+    sliding = "sliding_attention" in drafter.layer_types
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -87,9 +127,18 @@ def drafter_config(drafter: DFlashDrafter, target: CausalLM) -> dict:
         if rope["rope_type"] == "default"
         else {k: v for k, v in rope.items() if k != "rope_theta"},
         "tie_word_embeddings": False,
+        "layer_types": drafter.layer_types,
+        "use_sliding_window": sliding,  # transformers drops sliding_window without it
+        "sliding_window": drafter.sliding_window if sliding else None,
         "block_size": drafter.block_size,
         "num_target_layers": target.config.num_hidden_layers,
-        "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)},
+        "dflash_config": {
+            "mask_token_id": drafter.mask_token_id,
+            "target_layer_ids": list(drafter.target_layer_ids),
+            "input_embedding_scale": drafter.input_embedding_scale,
+            "output_multiplier": drafter.output_multiplier,
+            "final_logit_softcapping": drafter.logit_softcap,
+        },
     }
 
 
@@ -101,12 +150,8 @@ def save_drafter(
     max_shard_bytes: int = 15 * 2**20,
 ) -> None:
     path = Path(path)
-    s = drafter.spec
-    sizes = {
-        "qkv_proj": [s.num_heads * s.head_dim] + [s.num_kv_heads * s.head_dim] * 2,
-        "gate_up_proj": [s.intermediate_size] * 2,
-    }
-    weights = unpack({n: p.detach().to("cpu", dtype) for n, p in drafter.named_parameters()}, sizes)
+    weights = {n: p.detach().to("cpu", dtype) for n, p in drafter.named_parameters()}
+    weights = unpack(weights, packed_sizes(drafter.spec))
     save_sharded(weights, path, max_shard_bytes)
     config = {**drafter_config(drafter, target), "torch_dtype": str(dtype).removeprefix("torch.")}
     (path / "config.json").write_text(json.dumps(config, indent=2))

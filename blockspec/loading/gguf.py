@@ -105,13 +105,16 @@ def _state_dict(reader: gguf.GGUFReader, path: Path, dtype: torch.dtype) -> dict
     out = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
+        try:
+            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"{path}: tensor {tensor.name} is of type {tensor.tensor_type.name}: {e}") from e
         # GGUF lists dims innermost first; numpy/torch want them outermost first.
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         weight = weight.reshape(tuple(int(d) for d in reversed(tensor.shape)))
         if name.endswith("q_proj.weight"):
-            weight = _unpermute(weight, n_head)
+            weight = _unpermute(weight, n_head, f"{path}: {tensor.name}")
         elif name.endswith("k_proj.weight"):
-            weight = _unpermute(weight, n_kv)
+            weight = _unpermute(weight, n_kv, f"{path}: {tensor.name}")
         # np.array copies: F32 tensors are read-only views of the memory-mapped file.
         out[name] = torch.from_numpy(np.array(weight, dtype=np.float32)).to(dtype)
     return out
@@ -126,12 +129,14 @@ def _hf_name(name: str, path: Path) -> str:
     raise ValueError(f"{path}: unsupported tensor {name!r} for a llama GGUF")
 
 
-def _unpermute(weight: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute(weight: np.ndarray, n_head: int, where: str) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation.
 
     Its converter reorders each head's rows from HF's half-split rotary layout (first half, second
     half) to interleaved pairs; reshaping as (head, half, pair) and swapping puts them back."""
     rows = weight.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise ValueError(f"{where} has {rows} rows: not an even head_dim for {n_head} heads (metadata head counts)")
     w = weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
     return w.swapaxes(1, 2).reshape(weight.shape)
 
@@ -141,9 +146,12 @@ def _config(reader: gguf.GGUFReader, path: Path, tied: bool) -> transformers.Lla
         return _field(reader, path, f"llama.{key}", default)
 
     hidden, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // n_head))
     theta = float(get("rope.freq_base", 10000.0))
     if get("rope.scaling.type", "none") != "none":  # scaled rope would silently give wrong positions
         raise ValueError(f"{path}: rope scaling {get('rope.scaling.type')!r} is not supported")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:  # rope on part of each head
+        raise ValueError(f"{path}: rope over {get('rope.dimension_count')} of {head_dim} head dims is not supported")
     vocab = get("vocab_size", None) or len(_field(reader, path, "tokenizer.ggml.tokens"))
     return transformers.LlamaConfig(
         architectures=["LlamaForCausalLM"],
@@ -152,7 +160,7 @@ def _config(reader: gguf.GGUFReader, path: Path, tied: bool) -> transformers.Lla
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=n_head,
         num_key_value_heads=int(get("attention.head_count_kv", n_head)),
-        head_dim=int(get("attention.key_length", hidden // n_head)),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         # transformers 5 reads `rope_parameters`; 4.x (still allowed by pyproject) reads `rope_theta`.
         rope_parameters={"rope_type": "default", "rope_theta": theta},

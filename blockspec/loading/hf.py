@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, pack, read_json
-from blockspec.models.llama import CausalLM
+from blockspec.models.llama import CausalLM, packed_sizes
 
 TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -24,7 +24,7 @@ def load_config(path: Path):
     checkpoint_dir(path)
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, OSError, KeyError, TypeError) as e:
+    except Exception as e:  # transformers and huggingface_hub raise many kinds; all mean the same here
         raise CheckpointError(f"{path / 'config.json'}: not a usable model config ({e})") from e
 
 
@@ -44,17 +44,23 @@ def eos_token_ids(path: Path, config) -> list[int]:
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # as load_config: the tokenizers library raises its own kinds too
+        raise CheckpointError(f"{path}: the tokenizer files do not load ({type(e).__name__}: {e})") from e
 
 
 def build_target(
     config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, source: Path
 ) -> CausalLM:
+    head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and head is not None and not (embed is not None and torch.equal(head, embed)):
+        config.tie_word_embeddings = False  # as transformers does: the file's own LM head is kept, not tied
     with torch.device("meta"):
         model = CausalLM(config)
     tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
     weights = {n: t for n, t in weights.items() if n not in tied and "rotary_emb" not in n}
-    fill_module(model, pack(weights, source), dtype, device, source, optional=tied)
+    fill_module(model, pack(weights, source, packed_sizes(model.spec)), dtype, device, source, optional=tied)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary.to(device)
@@ -77,5 +83,6 @@ def load_target(path: str | Path | None, dtype: torch.dtype, device: torch.devic
         raise CheckpointError(
             f"{path}: architecture {arch} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})"
         )
+    tokenizer = load_tokenizer(path)  # before the weights: a broken tokenizer fails fast
     model = build_target(config, load_weights(path), dtype, device, path)
-    return Target(model, load_tokenizer(path), eos_token_ids(path, config), path.name)
+    return Target(model, tokenizer, eos_token_ids(path, config), path.name)

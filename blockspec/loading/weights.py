@@ -38,7 +38,11 @@ def read_json(path: Path) -> dict:
 
 def weight_files(path: Path) -> list[Path]:
     if (path / INDEX).is_file():
-        files = sorted(set(read_json(path / INDEX).get("weight_map", {}).values()))
+        index = read_json(path / INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{path / INDEX}: expected a 'weight_map' of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing or not files:
             raise CheckpointError(f"{path}: shards listed in {INDEX} are missing: {missing or 'none listed'}")
@@ -50,12 +54,17 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    weights = {}
+    weights, origin = {}, {}
     for file in weight_files(path):
         try:
-            weights.update(load_file(file))
+            shard = load_file(file)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: not a valid safetensors file ({e})") from e
+        twice = sorted(set(shard) & set(weights))
+        if twice:
+            raise CheckpointError(f"{path}: {twice[0]} is in both {origin[twice[0]].name} and {file.name}")
+        weights.update(shard)
+        origin.update(dict.fromkeys(shard, file))
     return weights
 
 
@@ -69,6 +78,16 @@ def fill_module(
 ) -> None:
     """Assign checkpoint tensors to a module built on the meta device; every parameter must
     come from the checkpoint (except `optional` ones) with exactly its shape."""
+    check_tensors(module, weights, source, optional)
+    state = {n: t.to(device=device, dtype=dtype) for n, t in weights.items()}
+    module.load_state_dict(state, strict=False, assign=True)
+
+
+def check_tensors(
+    module: nn.Module, weights: dict[str, torch.Tensor], source: Path, optional: tuple[str, ...] = ()
+) -> None:
+    """Raise CheckpointError unless `weights` are exactly the module's parameters (but `optional`
+    may be absent), each a float tensor of the parameter's shape."""
     params = dict(module.named_parameters(remove_duplicate=False))
     missing = [n for n in params if n not in weights and n not in optional]
     if missing:
@@ -77,12 +96,15 @@ def fill_module(
     if unexpected:
         raise CheckpointError(f"{source}: tensors the model does not have: {unexpected[:8]}")
     for name, tensor in weights.items():
+        if not tensor.dtype.is_floating_point or tensor.element_size() == 1:
+            raise CheckpointError(
+                f"{source}: {name} is {str(tensor.dtype).removeprefix('torch.')}: 16/32/64-bit float weights "
+                "expected (quantized checkpoints are not supported)"
+            )
         if tuple(tensor.shape) != tuple(params[name].shape):
             raise CheckpointError(
                 f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
             )
-    state = {n: t.to(device=device, dtype=dtype) for n, t in weights.items()}
-    module.load_state_dict(state, strict=False, assign=True)
 
 
 def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: int) -> None:
@@ -109,8 +131,9 @@ def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: 
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def pack(weights: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
-    """Concatenate q/k/v and gate/up tensors into the models' packed projections."""
+def pack(weights: dict[str, torch.Tensor], source: Path, sizes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Concatenate q/k/v and gate/up tensors into the models' packed projections; sizes: packed
+    name -> the row count each part must have (checked per part: a sum could hide a wrong split)."""
     out = dict(weights)
     for packed, parts in PACKED.items():
         first = f".{parts[0]}."
@@ -119,6 +142,11 @@ def pack(weights: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tens
             missing = [n for n in names if n not in weights]
             if missing:
                 raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing}")
+            for part, rows in zip(names, sizes[packed]):
+                if weights[part].dim() == 0 or weights[part].shape[0] != rows:
+                    raise CheckpointError(
+                        f"{source}: {part} has shape {tuple(weights[part].shape)}, expected {rows} rows"
+                    )
             widths = {weights[n].shape[1:] for n in names}
             if len(widths) > 1:
                 raise CheckpointError(

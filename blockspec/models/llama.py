@@ -31,10 +31,21 @@ class LayerSpec:
     qk_norm: bool
 
 
+def packed_sizes(s: LayerSpec) -> dict[str, list[int]]:
+    """Rows of each part of the packed projections (q|k|v, gate|up)."""
+    return {
+        "qkv_proj": [s.num_heads * s.head_dim] + [s.num_kv_heads * s.head_dim] * 2,
+        "gate_up_proj": [s.intermediate_size] * 2,
+    }
+
+
 def layer_spec(config) -> LayerSpec:
     family = config.model_type
     if family not in FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu only)")
     bias = bool(getattr(config, "attention_bias", False))
     return LayerSpec(
         hidden_size=config.hidden_size,

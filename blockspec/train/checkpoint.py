@@ -10,8 +10,11 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from blockspec.loading.weights import CheckpointError, check_tensors
 
 
 def save_checkpoint(path: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
@@ -32,10 +35,15 @@ def save_checkpoint(path: Path, step: int, model: nn.Module, optimizer: torch.op
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Restore model and optimizer in place; returns the step to continue from."""
-    meta = json.loads((path / "state.json").read_text())
-    model.load_state_dict(load_file(path / "model.safetensors"), strict=True)
+    try:
+        meta = json.loads((path / "state.json").read_text())
+        weights, optimizer_tensors = load_file(path / "model.safetensors"), load_file(path / "optimizer.safetensors")
+    except (OSError, ValueError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: not a complete training checkpoint ({e})") from e
+    check_tensors(model, weights, path)  # a drafter of another geometry: named, not torch's size mismatch
+    model.load_state_dict(weights, strict=True)
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, tensor in load_file(path / "optimizer.safetensors").items():
+    for name, tensor in optimizer_tensors.items():
         index, key = name.split(".", 1)
         state.setdefault(int(index), {})[key] = tensor
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
