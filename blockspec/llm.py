@@ -126,11 +126,16 @@ class LLM:
         return self.generate([self.chat_prompt(c) for c in conversations], sampling_params)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step that gave it tokens, until it finishes."""
+        """Yield the request's output whenever it has new tokens, until it finishes (the final
+        output always comes, also when another generate or stream on this LLM ran its steps)."""
         seq = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        sent = (0, False)
         try:
-            while not seq.finished:
-                if seq in self.engine.step():
+            while not sent[1]:
+                if not seq.finished:
+                    self.engine.step()
+                if (seq.num_generated, seq.finished) != sent:
+                    sent = (seq.num_generated, seq.finished)
                     yield self.engine.output(seq)
         finally:  # a consumer that stops early frees the request
             self.engine.abort(seq.request_id)

@@ -1,6 +1,7 @@
 """Sampling parameters, the target/drafter token distributions they define, and the
 acceptance rules of speculative decoding (greedy prefix match; rejection sampling)."""
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 <= self.temperature < math.inf, f"temperature must be >= 0 and finite, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
             (
@@ -36,7 +37,10 @@ class SamplingParams:
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be non-negative ints",
             ),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}"),
+            (
+                self.seed is None or isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64,
+                f"seed must be a 64-bit int, got {self.seed!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -50,7 +54,10 @@ class SamplingParams:
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from: softmax(logits / T), restricted to the top-k
     tokens and then to the smallest top set with mass >= top_p. logits: [..., V]."""
-    scores = logits.float() / params.temperature
+    logits = logits.float()
+    # Shifted so the top score is 0 before dividing: a tiny T sends the others to -inf (the
+    # argmax limit), where logits / T would overflow to inf and softmax to NaN.
+    scores = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

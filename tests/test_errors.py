@@ -186,6 +186,8 @@ def test_malformed_drafter_configs(tmp_path, pair, change, message):
     "kwargs,message",
     [
         ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": float("inf")}, "temperature must be >= 0 and finite"),
+        ({"seed": 2**70}, "seed must be a 64-bit int"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -2}, "top_k must be -1, 0 or positive"),

@@ -121,6 +121,14 @@ def test_token_probs_top_k_top_p():
     torch.testing.assert_close(p, torch.tensor([4 / 7, 3 / 7, 0, 0]))
 
 
+def test_tiny_temperatures_tend_to_greedy():
+    """T -> 0 is the argmax's point mass, also where logits / T would overflow fp32."""
+    logits = torch.tensor([[3.0, 5.0, -2.0, 4.9], [1e4, -1e4, 0.0, 9e3]])
+    for t in (1e-3, 1e-30, 1e-40, 1e-45):
+        probs = token_probs(logits, SamplingParams(temperature=t, top_p=0.9, top_k=3))
+        assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 4).float()), t
+
+
 def test_seeded_sampling_is_reproducible(pair):
     t, d = pair
     llm = LLM(str(t), {"model": str(d)}, device="cpu")

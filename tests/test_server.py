@@ -1,11 +1,13 @@
 """The OpenAI-compatible server, live on loopback, driven by the official openai client."""
 
+import itertools
 import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,19 +62,26 @@ def load(checkpoints: tuple[Path, Path]) -> LLM:
     return LLM(str(target), spec, "cpu", "float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
 
 
-@pytest.fixture(scope="module")
-def live(checkpoints) -> Iterator[Live]:
+@contextmanager
+def serve(llm: LLM) -> Iterator[str]:
+    """The server on `llm`, on a free loopback port: yields its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no race for the port
-    server = uvicorn.Server(uvicorn.Config(build_app(load(checkpoints), NAME, KEY), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, NAME, KEY), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
         assert thread.is_alive(), "the server did not start"
         time.sleep(0.01)
-    yield Live(f"http://127.0.0.1:{sock.getsockname()[1]}", load(checkpoints))
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     server.should_exit = True
     thread.join()
+
+
+@pytest.fixture(scope="module")
+def live(checkpoints) -> Iterator[Live]:
+    with serve(load(checkpoints)) as url:
+        yield Live(url, load(checkpoints))
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -190,6 +199,10 @@ BAD_COMPLETIONS = [
     ({"prompt": " ".join(["w9"] * MAX_MODEL_LEN)}, 400, "max_tokens"),
     ({"prompt": [5, 999]}, 400, "prompt"),  # token id outside the vocabulary
     ({"model": "gpt-4"}, 404, "model"),
+    ({"max_tokens": "3"}, 400, "max_tokens"),  # strict types: no strings for numbers,
+    ({"prompt": [True, False]}, 400, "prompt"),  # no booleans for token ids
+    ({"logprobs": 0}, 400, "logprobs"),  # 0 asks for the sampled tokens' logprobs: unsupported
+    ({"best_of": 3}, 400, "best_of"),
 ]
 
 
@@ -228,6 +241,40 @@ def test_error_shape_and_auth(live: Live) -> None:
         live.client(key="wrong").models.list()
     assert httpx.get(f"{live.url}/v1/models").status_code == 401  # no key at all
     assert httpx.get(f"{live.url}/health").status_code == 200  # the server is still up
+
+
+def test_malformed_json_and_union_errors(live: Live) -> None:
+    r = httpx.post(f"{live.url}/v1/completions", content=b"{", headers=auth() | {"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    assert r.json()["error"]["message"].startswith("the request body is not valid JSON")
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": NAME, "prompt": 5}, headers=auth())
+    assert r.json()["error"]["param"] == "prompt" and r.json()["error"]["message"].startswith("prompt: ")
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": NAME, "prompt": "w7", "logprobs": None}, headers=auth())
+    assert r.status_code == 200  # off is fine
+
+
+def test_engine_failure_ends_streams_and_is_counted(checkpoints) -> None:
+    """A failing engine step fails the requests in flight with an error event, then [DONE];
+    they count as finished with reason "error"; the server serves the next request."""
+    llm = load(checkpoints)
+    step, calls = llm.engine.step, itertools.count()
+
+    def faulty_step():
+        if next(calls) == 3:  # the request's third step
+            raise RuntimeError("injected")
+        return step()
+
+    llm.engine.step = faulty_step
+    body = {"model": NAME, "prompt": "w7", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with serve(llm) as url, httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{url}/v1/completions", json=body, headers=auth()) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["type"] == "server_error"
+        assert len(lines) > 3  # tokens came before the failure
+        live = Live(url, llm)
+        assert live.metrics()["blockspec_requests_total{finish_reason=error}"] == 1
+        body = body | {"stream": False, "max_tokens": 3}
+        assert client.post(f"{url}/v1/completions", json=body, headers=auth()).status_code == 200
 
 
 def auth() -> dict[str, str]:

@@ -119,3 +119,18 @@ def test_stream_yields_growing_outputs_that_end_as_generate(tmp_path, async_step
     final = llm.generate("w5 w9 w11", params)[0]
     assert parts[-1].outputs[0].token_ids == final.outputs[0].token_ids
     assert parts[-1].outputs[0].text == final.outputs[0].text
+
+
+def test_streams_end_complete_when_others_drive_the_engine(tmp_path):
+    """A generate (or another stream) run between two reads of a stream finishes its request:
+    the stream still yields that final output."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    llm = LLM(str(t), {"model": str(make_drafter(tmp_path / "d", t, block_size=8))}, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = llm.generate([[5, 9, 11]], params)[0].outputs[0].token_ids
+    first, second = llm.stream([5, 9, 11], params), llm.stream([5, 9, 11], params)
+    assert not next(first).finished and not next(second).finished
+    llm.generate([[7, 8]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))  # finishes both
+    for stream in (first, second):
+        last = list(stream)[-1]
+        assert last.finished and last.outputs[0].token_ids == expected

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import re
 import secrets
 from contextlib import asynccontextmanager
 
@@ -26,6 +27,8 @@ from blockspec.server.protocol import (
 )
 from blockspec.server.serving import OpenAIServing, as_api_error
 
+UNION_TAG = re.compile(r"str|int|float|bool|list\[.*\]")  # pydantic's name for a union's branch
+
 
 def api_key_check(api_key: str | None):
     """A dependency that wants `Authorization: Bearer <api_key>` (nothing when no key is set)."""
@@ -41,12 +44,15 @@ def api_key_check(api_key: str | None):
 
 
 def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """Pydantic's first complaint, as a 400 naming the offending parameter."""
+    """Pydantic's first complaint, as a 400 naming the offending top-level parameter (the message
+    has its path inside it, without pydantic's union branch tags such as `str` or `list[int]`)."""
     err = exc.errors()[0]
+    if err["type"] == "json_invalid":  # its location is a character offset, not a parameter
+        return bad_request(f"the request body is not valid JSON ({err['msg']})").response()
     loc = [str(p) for p in err["loc"] if p != "body"]
+    path = ".".join(p for p in loc if not UNION_TAG.fullmatch(p))
     message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
-    param = ".".join(loc) or None
-    return bad_request(f"{param}: {message}" if param else message, param).response()
+    return bad_request(f"{path}: {message}" if path else message, loc[0] if loc else None).response()
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -121,6 +121,7 @@ class AsyncEngine:
     def fail_all(self, message: str) -> None:
         for request_id, outputs in self.streams.items():
             self.engine.abort(request_id)
+            self.metrics.request_finished("error")
             self.push(outputs, EngineError(message, bad_request=False))
         self.streams.clear()
 

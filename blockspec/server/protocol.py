@@ -17,6 +17,7 @@ UNSUPPORTED = (
     "frequency_penalty",
     "tools",
     "functions",
+    "best_of",
 )
 
 
@@ -46,7 +47,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
+    # Unknown fields are ignored, as OpenAI does; strict: no "3" for 3, no true for a token id 1.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(OpenAIModel):

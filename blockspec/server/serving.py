@@ -185,8 +185,14 @@ class OpenAIServing:
         """What pydantic cannot say: unsupported features, then the model name."""
         if req.n not in (None, 1):
             raise bad_request(f"n={req.n} is not supported: one choice per request (send n requests)", "n")
-        for name in UNSUPPORTED:
-            if (req.model_extra or {}).get(name):
+        for name, value in (req.model_extra or {}).items():
+            # Only off (null, false) passes: logprobs 0 still asks for the sampled tokens' logprobs.
+            if (
+                name in UNSUPPORTED
+                and value is not None
+                and value is not False
+                and not (name == "best_of" and value == 1)
+            ):
                 raise bad_request(f"{name} is not supported by this server", name)
         if req.model != self.model_name:
             raise APIError(
@@ -267,7 +273,7 @@ class OpenAIServing:
                         sent = text
             except EngineError as e:
                 yield sse(as_api_error(e).body())
-                return
-            if include_usage:
-                yield sse(fmt.usage_chunk(out))
-            yield "data: [DONE]\n\n"
+            else:
+                if include_usage:
+                    yield sse(fmt.usage_chunk(out))
+            yield "data: [DONE]\n\n"  # also after an error event, as clients wait for it
