@@ -31,6 +31,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=None)
 
@@ -50,6 +51,7 @@ def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         max_tokens=args.max_tokens,
         seed=args.seed,
         **extra,

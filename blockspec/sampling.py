@@ -12,7 +12,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
-    max_tokens: int = 16
+    min_p: float = 0.0  # 0: off
+    max_tokens: int | None = 16  # None: until the context is full
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -28,9 +29,10 @@ class SamplingParams:
             (0 <= self.temperature < math.inf, f"temperature must be >= 0 and finite, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                f"max_tokens must be >= 1, got {self.max_tokens}",
+                self.max_tokens is None or isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                f"max_tokens must be >= 1 or None, got {self.max_tokens}",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (
@@ -53,7 +55,8 @@ class SamplingParams:
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from: softmax(logits / T), restricted to the top-k
-    tokens and then to the smallest top set with mass >= top_p. logits: [..., V]."""
+    tokens, then to the smallest top set with mass >= top_p, then to the tokens with at least
+    min_p times the top probability (transformers' order). logits: [..., V]."""
     logits = logits.float()
     # Shifted so the top score is 0 before dividing: a tiny T sends the others to -inf (the
     # argmax limit), where logits / T would overflow to inf and softmax to NaN.
@@ -66,6 +69,9 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

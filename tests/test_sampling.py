@@ -16,7 +16,7 @@ from blockspec.engine import speculative
 from blockspec.sampling import rejection_sample, sample, token_probs
 
 VOCAB, PROMPT, N = 6, [1, 4, 3], 3000
-CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)]
+CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.2)]
 
 
 def exact_distribution(path, params: SamplingParams, prompt: list[int] = PROMPT) -> dict[tuple, float]:
@@ -58,7 +58,7 @@ def pair(tmp_path_factory):
     return t, make_drafter(root / "d", t, block_size=4, seed=5)
 
 
-@pytest.mark.parametrize("params", CASES, ids=["T1", "T0.8-topk4-topp0.9"])
+@pytest.mark.parametrize("params", CASES, ids=["T1", "T0.8-topk4-topp0.9-minp0.2"])
 def test_speculative_sampling_matches_target_distribution(pair, params):
     t, d = pair
     llm = LLM(
@@ -113,11 +113,15 @@ def test_wrong_acceptance_rule_is_detected(pair, monkeypatch):
     assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) < 1e-6
 
 
-def test_token_probs_top_k_top_p():
+def test_token_probs_top_k_top_p_min_p():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     p = token_probs(logits, SamplingParams(temperature=1.0, top_k=3))
     torch.testing.assert_close(p, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]))
     p = token_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))  # smallest set with mass >= 0.7
+    torch.testing.assert_close(p, torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    p = token_probs(logits, SamplingParams(temperature=1.0, min_p=0.45))  # >= 0.45 x the top one
+    torch.testing.assert_close(p, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]))
+    p = token_probs(logits, SamplingParams(temperature=1.0, top_p=0.95, min_p=0.6))  # min_p after top_p
     torch.testing.assert_close(p, torch.tensor([4 / 7, 3 / 7, 0, 0]))
 
 

@@ -134,3 +134,12 @@ def test_streams_end_complete_when_others_drive_the_engine(tmp_path):
     for stream in (first, second):
         last = list(stream)[-1]
         assert last.finished and last.outputs[0].token_ids == expected
+
+
+def test_max_tokens_none_runs_to_the_context_limit(tmp_path):
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    llm = LLM(str(t), {"model": str(make_drafter(tmp_path / "d", t))}, device="cpu", max_model_len=40)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    out = llm.generate([[5, 9, 11], [7]], params)
+    assert [len(o.outputs[0].token_ids) for o in out] == [37, 39]
+    assert {o.outputs[0].finish_reason for o in out} == {"length"} and params.max_tokens is None

@@ -2,7 +2,7 @@
 facade and the HTTP server both drive it through add_request / step / abort."""
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -158,6 +158,8 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
                 "(prompt and at least one generated token)"
             )
+        if params.max_tokens is None:  # as vLLM: until the context is full
+            params = replace(params, max_tokens=self.max_model_len - len(ids))
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
         seq = Sequence(text, ids, params, generator, request_id)

@@ -67,7 +67,8 @@ class SamplingRequest(OpenAIModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    top_k: int = Field(0, ge=-1)  # vLLM's extension, like ignore_eos
+    top_k: int = Field(0, ge=-1)  # vLLM's extensions, like ignore_eos
+    min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
 
 

@@ -226,6 +226,7 @@ class OpenAIServing:
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k,
+                min_p=req.min_p,
                 max_tokens=max_tokens,
                 stop=req.stop,
                 seed=req.seed,
