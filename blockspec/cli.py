@@ -15,7 +15,10 @@ GREEN, RESET = "\033[42m\033[30m", "\033[0m"
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
     p.add_argument(
-        "--draft", default=AUTO, help="DFlash drafter directory, 'ngram' (prompt lookup) or 'none' (plain decoding)"
+        "--draft",
+        default=AUTO,
+        help="DFlash drafter directory, 'ngram' (prompt lookup) or 'none' (plain decoding); default 'auto': the "
+        "shipped drafter with the embedded default model, plain decoding with any other --model",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (block width - 1)")
     p.add_argument("--block-size", type=int, default=None, help="block width (num_speculative_tokens + 1)")
@@ -38,6 +41,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def build_llm(args: argparse.Namespace) -> LLM:
     spec = resolve_speculative_config(None if args.draft == "none" else args.draft, args.model)
+    if args.num_speculative_tokens is not None and args.block_size is not None:
+        raise ValueError("pass --num-speculative-tokens or --block-size, not both (block size = drafts + 1)")
     n = args.num_speculative_tokens if args.block_size is None else args.block_size - 1
     if spec is not None and n is not None:
         spec = dataclasses.replace(spec, num_speculative_tokens=n)  # validated again
@@ -59,16 +64,22 @@ def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
 
 
 def marked_text(llm: LLM, out: RequestOutput) -> str:
-    """The output with each step's accepted drafts highlighted (the bonus token is plain)."""
-    ids, pieces, end, text = out.outputs[0].token_ids, [], 0, ""
-    for n in out.metrics.acceptance_lengths:  # two decodes a step: after the drafts, after the bonus
-        drafted = llm.tokenizer.decode(ids[: end + n - 1], skip_special_tokens=True)
+    """The output with each step's accepted drafts highlighted (the bonus token is plain). The
+    text is decoded once; a step's boundary is the length of its prefix's decode, less a partial
+    character at its end (a token can end inside one), so the marks never change the text."""
+    ids = out.outputs[0].token_ids
+    text = llm.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def boundary(num_tokens: int) -> int:
+        return len(llm.tokenizer.decode(ids[:num_tokens], skip_special_tokens=True).rstrip("\ufffd"))
+
+    pieces, start, end = [], 0, 0
+    for n in out.metrics.acceptance_lengths:  # after the step's drafts, then after its bonus token
+        drafted = max(start, boundary(end + n - 1))
         end += n
-        new_text = llm.tokenizer.decode(ids[:end], skip_special_tokens=True)
-        pieces.append(GREEN + drafted[len(text) :] + RESET if len(drafted) > len(text) else "")
-        pieces.append(new_text[len(drafted) :])  # the bonus token
-        text = new_text
-    return "".join(pieces)
+        pieces += [GREEN + text[start:drafted] + RESET if drafted > start else "", text[drafted : boundary(end)]]
+        start = max(drafted, boundary(end))
+    return "".join(pieces) + text[start:]
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -141,7 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_arguments(bn)
     bn.set_defaults(func=bench.run)
     args = parser.parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input (checkpoints, flags, prompts): no traceback
+        parser.exit(2, f"blockspec: error: {e}\n")
 
 
 if __name__ == "__main__":

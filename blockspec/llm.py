@@ -24,6 +24,20 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:  # a name torch does not know
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported (cpu or cuda)")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but this torch sees no CUDA GPU")
+    return resolved
+
+
 def native_cpu_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 decoding is
     ~1.7x faster than fp32 (measured on an AVX512-BF16 EPYC, README)."""
@@ -77,7 +91,7 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         **engine_args,
     ) -> None:
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
         if unknown:

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import blockspec.llm as llm_module
 from blockspec import LLM, SamplingParams
+from blockspec.cli import main as cli_main
 from blockspec.llm import resolve_dtype
 from blockspec.loading.weights import CheckpointError
 
@@ -226,6 +227,25 @@ def test_bad_prompts(pair):
     )
     # a rejected request leaves the engine clean: the next one runs
     assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--model", "/no/such/model"], "/no/such/model: no such model directory"),
+        (["--num-speculative-tokens", "3", "--block-size", "4"], "not both"),
+        (["--device", "tpu"], "device 'tpu' is not supported"),
+        (["--dtype", "int8"], "dtype 'int8' is not supported"),
+    ],
+)
+def test_cli_bad_input_is_one_line(pair, capsys, flags, message):
+    t, d = pair
+    args = ["generate", "w", "--model", str(t), "--draft", str(d), "--device", "cpu", *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("blockspec: error: ") and message in err
+    assert "Traceback" not in err
 
 
 def test_dtype_choice(monkeypatch):

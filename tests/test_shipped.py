@@ -9,6 +9,7 @@ from blockspec import LLM, SamplingParams
 from blockspec.cli import GREEN, RESET, marked_text
 from blockspec.llm import DEFAULT_DRAFTER
 from blockspec.loading.gguf import default_gguf_path
+from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -55,6 +56,18 @@ def test_marked_text_highlights_accepted_drafts(pair: tuple[LLM, LLM]) -> None:
     marked = marked_text(spec, out)
     assert marked.replace(GREEN, "").replace(RESET, "") == out.outputs[0].text
     assert marked.count(GREEN) == sum(n > 1 for n in out.metrics.acceptance_lengths) > 0
+
+
+def test_marked_text_keeps_characters_split_across_tokens(pair: tuple[LLM, LLM]) -> None:
+    """Steps that end inside a multi-byte character: the marks must not change the text."""
+    spec, _ = pair
+    text = "time complexity of O(√n) and é is 日本"
+    ids = spec.tokenizer.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        steps = RequestMetrics([cut, len(ids) - cut])
+        out = RequestOutput("r", None, [], [CompletionOutput(0, text, ids, "stop")], True, steps)
+        marked = marked_text(spec, out)
+        assert marked.replace(GREEN, "").replace(RESET, "") == text, cut
 
 
 def test_steps_launched_ahead_change_nothing(pair: tuple[LLM, LLM]) -> None:

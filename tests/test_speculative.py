@@ -36,11 +36,13 @@ def test_greedy_speculative_equals_plain_and_transformers(tmp_path, family, tied
     expected = [hf_greedy(t, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     plain = [o.outputs[0].token_ids for o in run(LLM(str(t), None, device="cpu"))]
     assert plain == expected
-    for n in (1, 3, 7, 20):  # 20: clamped to the block size
+    for n in (1, 3, 7):
         spec = LLM(str(t), {"model": str(d), "num_speculative_tokens": n}, device="cpu", page_size=4)
         outs = run(spec)
         assert [o.outputs[0].token_ids for o in outs] == expected
-        assert all(1 <= a <= min(n + 1, 8) for o in outs for a in o.metrics.acceptance_lengths)
+        assert all(1 <= a <= n + 1 for o in outs for a in o.metrics.acceptance_lengths)
+    with pytest.raises(ValueError, match="num_speculative_tokens 8 is more than the drafter proposes: .* at most 7"):
+        LLM(str(t), {"model": str(d), "num_speculative_tokens": 8}, device="cpu")
 
 
 def test_ngram_greedy_equals_plain(tmp_path):

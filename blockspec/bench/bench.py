@@ -241,7 +241,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lock-step", action="store_true", help="read each step before launching the next (no launch ahead)"
     )
-    p.add_argument("--fp8", default="auto", help="FP8 drafter: on, off, auto (the engine's default: on for Hopper+)")
+    p.add_argument(
+        "--fp8",
+        default="auto",
+        help="FP8 drafter: on, off, auto (the engine's default: on for Hopper+ and drafters of hidden size >= 2048)",
+    )
     p.add_argument(
         "--adaptive-width", action="store_true", help="let steps narrow the block (default: every step at full width)"
     )

@@ -56,7 +56,10 @@ async def run(args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.clients)
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits) as client:
         if args.model is None:
-            args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            models = await client.get("/v1/models")
+            if models.status_code != 200:  # e.g. 401: the server wants an --api-key
+                raise SystemExit(f"GET /v1/models: {models.status_code} {models.text[:200]}")
+            args.model = models.json()["data"][0]["id"]
         tally, next_index = Tally(), iter(range(args.requests))
 
         async def worker() -> None:  # one client: its requests back to back

@@ -91,7 +91,12 @@ class LLMEngine:
             if resolve_fp8(spec.fp8, self.device, drafter.spec.hidden_size) and drafter.fused_kv_fp8 is None:
                 quantize_drafter(drafter, self.target.model.lm_head if spec.fp8_lm_head else None)
             n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else drafter.block_size - 1
-            return min(n + 1, drafter.block_size), dflash_draft
+            if n + 1 > drafter.block_size:
+                raise ValueError(
+                    f"num_speculative_tokens {n} is more than the drafter proposes: its block_size is "
+                    f"{drafter.block_size}, so at most {drafter.block_size - 1} drafts a step"
+                )
+            return n + 1, dflash_draft
         if spec is not None and spec.method == "ngram":
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, self.vocab_size)
             n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else NGRAM_DRAFTS
