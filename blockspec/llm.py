@@ -16,6 +16,14 @@ from blockspec.sampling import SamplingParams
 DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "SmolLM2-135M-Instruct-DFlash"
 AUTO = "auto"  # speculative_config default: the shipped drafter for the default target, else plain decoding
 
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
 
@@ -54,17 +62,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" or native_cpu_bf16() else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in names:
-        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(names)})")
-    return names[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
 
 
 def resolve_speculative_config(

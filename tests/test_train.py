@@ -2,6 +2,7 @@
 training forward against the engine's proposals, resume, the CLI, and a real training run
 whose drafter raises the engine's mean acceptance length on held-out prompts."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -24,7 +25,15 @@ from blockspec.sampling import SamplingParams
 from blockspec.train import TrainConfig, train
 from blockspec.train.batches import Batch, collate
 from blockspec.train.checkpoint import load_checkpoint, save_checkpoint
-from blockspec.train.data import Example, append_examples, generate_examples, merge_parts, read_examples, token_prompts
+from blockspec.train.data import (
+    Example,
+    append_examples,
+    generate_dataset,
+    generate_examples,
+    merge_parts,
+    read_examples,
+    token_prompts,
+)
 from blockspec.train.evaluate import acceptance_lengths
 from blockspec.train.loss import dflash_loss, row_weights, sample_anchors
 from blockspec.train.masks import FlexBlockAttention, block_mask, flex_block_mask
@@ -163,14 +172,58 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
                           dflash_config={"mask_token_id": 1, "target_layer_ids": [0]}, **geometry)  # fmt: skip
         return DFlashDrafter(cfg, 1, 64)
 
-    saved = drafter(96)
-    save_checkpoint(tmp_path / "ckpt", 3, saved, torch.optim.AdamW(saved.parameters()), {})
+    saved, identity = drafter(96), {"block_size": 8, "target_layer_ids": [0]}
+    save_checkpoint(tmp_path / "ckpt", 3, saved, torch.optim.AdamW(saved.parameters()), {"identity": identity})
+    assert load_checkpoint(tmp_path / "ckpt", saved, torch.optim.AdamW(saved.parameters()), identity) == 3
     other = drafter(128)
     with pytest.raises(CheckpointError, match=r"down_proj.weight has shape \(64, 96\), expected \(64, 128\)"):
-        load_checkpoint(tmp_path / "ckpt", other, torch.optim.AdamW(other.parameters()))
+        load_checkpoint(tmp_path / "ckpt", other, torch.optim.AdamW(other.parameters()), identity)
+    moved = identity | {"target_layer_ids": [1]}  # the same shapes, reading another target layer
+    with pytest.raises(CheckpointError, match=r"another run: target_layer_ids \[0\] -> \[1\]"):
+        load_checkpoint(tmp_path / "ckpt", saved, torch.optim.AdamW(saved.parameters()), moved)
     (tmp_path / "ckpt" / "state.json").write_text("{truncated")
     with pytest.raises(CheckpointError, match="ckpt: not a complete training checkpoint"):
-        load_checkpoint(tmp_path / "ckpt", saved, torch.optim.AdamW(saved.parameters()))
+        load_checkpoint(tmp_path / "ckpt", saved, torch.optim.AdamW(saved.parameters()), identity)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"save_dtype": "bf15"}, "save_dtype must be one of"),
+        ({"log_every": 0}, "save_every and log_every must be >= 1"),
+        ({"eval_prompts": -3}, "eval_prompts must be >= 0"),
+    ],
+)
+def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        config("t", tmp_path / "data.jsonl", tmp_path / "out", **change)
+
+
+def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU).model
+    with pytest.raises(ValueError, match=f"mask_token_id {VOCAB} is outside the vocabulary {VOCAB}"):
+        build_drafter(target, config(target_dir, data, tmp_path), VOCAB)
+    with pytest.raises(ValueError, match="num_heads 3 is not a multiple of num_kv_heads 2"):
+        build_drafter(target, config(target_dir, data, tmp_path, num_heads=3, num_kv_heads=2), VOCAB - 1)
+    cfg = config(target_dir, data, tmp_path, attention="flex")
+    with pytest.raises(ValueError, match="attention=flex needs CUDA"):
+        Trainer(cfg, target, build_drafter(target, cfg, VOCAB - 1)[0], read_examples(data), CPU)
+    with pytest.raises(ValueError, match="eval_prompts 512 would hold out all 512 examples"):
+        train(config(target_dir, data, tmp_path / "all", eval_prompts=TRAIN))
+
+
+def test_generated_data_is_not_reused_under_other_settings(setup, tmp_path) -> None:
+    target_dir, _, _ = setup
+    cfg = config(target_dir, None, tmp_path, num_prompts=3, max_new_tokens=4, gen_batch_size=3)
+    path = tmp_path / "data.jsonl"
+    assert len(generate_dataset(cfg, path, CPU)) == 3
+    assert len(generate_dataset(dataclasses.replace(cfg, num_prompts=5), path, CPU)) == 5  # extended
+    with pytest.raises(ValueError, match=r"other settings \(temperature 0.0 -> 0.5\)"):
+        generate_dataset(dataclasses.replace(cfg, temperature=0.5), path, CPU)
+    path.with_suffix(".settings.json").unlink()
+    with pytest.raises(ValueError, match="has no record of its settings"):
+        generate_dataset(cfg, path, CPU)
 
 
 def test_training_raises_acceptance_length(setup, tmp_path) -> None:
@@ -264,3 +317,4 @@ def test_prompts_come_from_offline_text() -> None:
     assert len(prompts) == 40 and len(set(prompts)) == 40
     assert all(isinstance(p, str) and len(p) > 20 for p in prompts)
     assert build_prompts(40, seed=0) == prompts != build_prompts(40, seed=1)  # deterministic per seed
+    assert build_prompts(400, seed=0)[:40] == prompts  # more prompts extend the list: none is asked twice

@@ -33,13 +33,18 @@ def save_checkpoint(path: Path, step: int, model: nn.Module, optimizer: torch.op
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore model and optimizer in place; returns the step to continue from."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, identity: dict) -> int:
+    """Restore model and optimizer in place; returns the step to continue from. `identity`: what
+    the checkpoint's run must have had (saved as extra["identity"])."""
     try:
         meta = json.loads((path / "state.json").read_text())
         weights, optimizer_tensors = load_file(path / "model.safetensors"), load_file(path / "optimizer.safetensors")
     except (OSError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{path}: not a complete training checkpoint ({e})") from e
+    saved = meta.get("identity", {})
+    differ = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in identity.items() if saved.get(k) != v]
+    if differ:
+        raise CheckpointError(f"{path}: the checkpoint is of another run: {'; '.join(differ)}")
     check_tensors(model, weights, path)  # a drafter of another geometry: named, not torch's size mismatch
     model.load_state_dict(weights, strict=True)
     state: dict[int, dict[str, torch.Tensor]] = {}

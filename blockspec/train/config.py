@@ -5,6 +5,8 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 
+from blockspec.llm import DTYPES
+
 
 def knob(default, doc: str):
     return field(default=default, metadata={"help": doc})
@@ -65,6 +67,9 @@ class TrainConfig:
             (self.attention in ("auto", "dense", "flex"), f"attention must be auto/dense/flex, got {self.attention!r}"),
             (self.gamma is None or self.gamma > 0, "gamma must be > 0"),
             (0 <= self.warmup < 1, "warmup is a fraction of steps in [0, 1)"),
+            (self.save_every >= 1 and self.log_every >= 1, "save_every and log_every must be >= 1"),
+            (self.eval_prompts >= 0, f"eval_prompts must be >= 0, got {self.eval_prompts}"),
+            (self.save_dtype in DTYPES, f"save_dtype must be one of {', '.join(DTYPES)}, got {self.save_dtype!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -98,6 +98,7 @@ def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device, world: 
     rank 0 appends the parts to `path` in prompt order once all are done."""
     parts = [part_path(path, World(r, world.size)) for r in range(world.size)] if world.size > 1 else []
     if world.main:
+        check_settings(cfg, path)
         # Parts that an interrupted run with another number of ranks left: merged first (its ranks
         # may have stopped at different prompts; those between are skipped, not redone).
         leftovers = sorted(path.parent.glob(f"{path.stem}.rank*-of-*{path.suffix}"))
@@ -118,6 +119,27 @@ def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device, world: 
             merge_parts(path, parts)
         world.barrier()
     return read_examples(path) if todo or world.size > 1 else done
+
+
+def check_settings(cfg: TrainConfig, path: Path) -> None:
+    """Keep the settings a data file is generated with beside it (data.settings.json): a file
+    made with other ones (another target, temperature, ...) is refused, not silently reused
+    (only num_prompts may grow: the data is then extended)."""
+    settings = {"model": cfg.model, "prompts": cfg.prompts, "seed": cfg.seed, "temperature": cfg.temperature}
+    settings |= {"max_new_tokens": cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens}
+    record = path.with_suffix(".settings.json")
+    if record.is_file():
+        saved = json.loads(record.read_text())
+        differ = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in settings.items() if saved.get(k) != v]
+        if differ:
+            raise ValueError(
+                f"{path} was generated with other settings ({'; '.join(differ)}): use another --output, "
+                "or pass the file as --data to train on it as it is"
+            )
+    elif path.is_file() and path.stat().st_size:
+        raise ValueError(f"{path} has no record of its settings: delete it, or pass it as --data to train on it")
+    else:
+        record.write_text(json.dumps(settings))
 
 
 def generate_into(cfg: TrainConfig, path: Path, device: torch.device, todo: list[int], progress: bool) -> None:

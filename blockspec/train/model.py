@@ -34,17 +34,28 @@ def default_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size:
 def drafter_config(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> Qwen3Config:
     tc, s = target.config, target.spec
     ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, cfg.layers)
-    if not all(0 <= i < tc.num_hidden_layers for i in ids):
-        raise ValueError(
-            f"target_layer_ids {list(ids)} must be in 0..{tc.num_hidden_layers - 1}: pass --target-layer-ids"
-        )
+    heads, kv_heads = cfg.num_heads or s.num_heads, cfg.num_kv_heads or s.num_kv_heads
+    checks = [
+        (
+            all(0 <= i < tc.num_hidden_layers for i in ids),
+            f"target_layer_ids {list(ids)} must be in 0..{tc.num_hidden_layers - 1}: pass --target-layer-ids",
+        ),
+        (
+            0 <= mask_token_id < tc.vocab_size,
+            f"mask_token_id {mask_token_id} is outside the vocabulary {tc.vocab_size}",
+        ),
+        (heads % kv_heads == 0, f"num_heads {heads} is not a multiple of num_kv_heads {kv_heads}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
     return Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=s.hidden_size,  # the drafter reads the target's embedding and LM head
         intermediate_size=cfg.intermediate_size or s.intermediate_size,
         num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.num_heads or s.num_heads,
-        num_key_value_heads=cfg.num_kv_heads or s.num_kv_heads,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=cfg.head_dim or s.head_dim,
         rms_norm_eps=s.eps,
         max_position_embeddings=tc.max_position_embeddings,

@@ -8,7 +8,6 @@ lacks these sources, where `blockspec train --prompts FILE` reads them."""
 
 import ast
 import gzip
-import itertools
 import json
 import random
 import re
@@ -218,25 +217,33 @@ def from_files(
 
 def build_prompts(n: int, seed: int = 0) -> list[str]:
     """n distinct instructions: 35% from code, 20% from docs, 25% general tasks, 10% each from
-    man pages and word problems (a source that runs dry leaves its share to the others).
-    Deterministic for a seed."""
+    man pages and word problems (a source that runs dry leaves its share to the others; the
+    templated word problems never pass a tenth of the prompts so far). Deterministic for a seed,
+    and prompt i does not depend on n: a longer list extends a shorter one, so data generated
+    for fewer prompts is extended, not answered again."""
     rng = random.Random(seed)
+    words = word_problems(rng)
     sources = [
         [3.5, from_files(stdlib_files(), code_prompts, rng)],
         [2.0, from_files(doc_files(), doc_prompts, rng)],
         [2.5, from_files(man_files(), topic_prompts, rng)],
         [1.0, from_files(man_files(), man_prompts, rng)],
-        [1.0, itertools.islice(word_problems(rng), n // 10)],  # templated: capped at their share
+        [1.0, words],
     ]
-    prompts, seen = [], set()
+    prompts, seen, num_words = [], set(), 0
     while len(prompts) < n and sources:
         source = rng.choices(sources, weights=[w for w, _ in sources])[0]
+        if source[1] is words and num_words > len(prompts) // 10:
+            if len(sources) == 1:
+                break  # only word problems are left
+            continue
         prompt = next(source[1], None)
         if prompt is None:
             sources.remove(source)
         elif prompt not in seen:
             seen.add(prompt)
             prompts.append(prompt)
+            num_words += source[1] is words
     return prompts
 
 

@@ -35,10 +35,10 @@ def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     examples = read_examples(cfg.data) if cfg.data else generate_dataset(cfg, out / "data.jsonl", device, world)
+    if cfg.eval_prompts >= len(examples):
+        raise ValueError(f"eval_prompts {cfg.eval_prompts} would hold out all {len(examples)} examples")
     held_out = examples[len(examples) - cfg.eval_prompts :] if cfg.eval_prompts else []
     examples = examples[: len(examples) - len(held_out)]
-    if not examples:
-        raise ValueError("no training examples")
     say = print if world.main else lambda *_: None
     say(f"{len(examples)} training sequences, {sum(e.length for e in examples)} tokens; {len(held_out)} held out")
 

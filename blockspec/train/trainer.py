@@ -82,12 +82,21 @@ class Trainer:
         if self.order.batch_size < world.size:
             raise ValueError(f"batch_size {self.order.batch_size} is smaller than the {world.size} ranks sharing it")
         self.weights = row_weights(drafter.block_size, cfg.loss_gamma, device)
+        if cfg.attention == "flex" and not cuda:
+            raise ValueError("attention=flex needs CUDA (FlexAttention has no backward on the CPU): use dense")
         self.flex = cfg.attention == "flex" or (cfg.attention == "auto" and cuda)
         self.pad_multiple = 128 if self.flex else 1  # few distinct shapes for the compiled kernel
         self.out = Path(cfg.output)
         ckpt = self.out / "checkpoint"
         resume = cfg.resume and (ckpt / "state.json").is_file()  # so a repeated --resume command also starts
-        self.step = load_checkpoint(ckpt, drafter, self.optimizer) if resume else 0
+        self.step = load_checkpoint(ckpt, drafter, self.optimizer, self.identity()) if resume else 0
+
+    def identity(self) -> dict:
+        """What a checkpoint must match to be resumed: the target and what the drafter's weights
+        mean (same shapes can read other layers or another mask token)."""
+        d = self.drafter
+        return {"model": self.cfg.model, "block_size": d.block_size, "target_layer_ids": list(d.target_layer_ids),
+                "mask_token_id": d.mask_token_id}  # fmt: skip
 
     def lr_at(self, step: int) -> float:
         cfg, warmup = self.cfg, int(self.cfg.warmup * self.cfg.steps)
@@ -125,7 +134,11 @@ class Trainer:
     def save(self) -> None:
         if self.world.main:
             save_checkpoint(
-                self.out / "checkpoint", self.step, self.drafter, self.optimizer, {"config": asdict(self.cfg)}
+                self.out / "checkpoint",
+                self.step,
+                self.drafter,
+                self.optimizer,
+                {"config": asdict(self.cfg), "identity": self.identity()},
             )
 
     def log(self, meter: Meter, bar: tqdm) -> None:
