@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+class InvalidSamplingParam(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param  # the field at fault (the server's error names it)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -25,28 +31,28 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        checks = [
-            (0 <= self.temperature < math.inf, f"temperature must be >= 0 and finite, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (
+        checks = {
+            "temperature": (0 <= self.temperature < math.inf, f"must be >= 0 and finite, got {self.temperature}"),
+            "top_p": (0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
+            "top_k": (isinstance(self.top_k, int) and self.top_k >= -1, f"must be -1, 0 or positive, got {self.top_k}"),
+            "min_p": (0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p}"),
+            "max_tokens": (
                 self.max_tokens is None or isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                f"max_tokens must be >= 1 or None, got {self.max_tokens}",
+                f"must be >= 1 or None, got {self.max_tokens}",
             ),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (
+            "stop": (all(isinstance(s, str) and s for s in self.stop), "strings must be non-empty strings"),
+            "stop_token_ids": (
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                "stop_token_ids must be non-negative ints",
+                "must be non-negative ints",
             ),
-            (
+            "seed": (
                 self.seed is None or isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64,
-                f"seed must be a 64-bit int, got {self.seed!r}",
+                f"must be a 64-bit int, got {self.seed!r}",
             ),
-        ]
-        for ok, message in checks:
+        }
+        for name, (ok, message) in checks.items():
             if not ok:
-                raise ValueError(message)
+                raise InvalidSamplingParam(name, f"{name} {message}")
 
     @property
     def greedy(self) -> bool:

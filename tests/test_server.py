@@ -203,6 +203,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [True, False]}, 400, "prompt"),  # no booleans for token ids
     ({"logprobs": 0}, 400, "logprobs"),  # 0 asks for the sampled tokens' logprobs: unsupported
     ({"best_of": 3}, 400, "best_of"),
+    ({"seed": 2**70}, 400, "seed"),  # SamplingParams' own checks name their field too
+    ({"stop": [""]}, 400, "stop"),
 ]
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from blockspec.llm import LLM
 from blockspec.outputs import RequestOutput
-from blockspec.sampling import SamplingParams
+from blockspec.sampling import InvalidSamplingParam, SamplingParams
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.protocol import (
     UNSUPPORTED,
@@ -233,8 +233,8 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 return_drafts=True,  # the metrics count the drafts each step verified
             )
-        except ValueError as e:
-            raise bad_request(str(e)) from e
+        except InvalidSamplingParam as e:
+            raise bad_request(str(e), e.param) from e
 
     async def generate(
         self, req: SamplingRequest, raw: Request, ids: list[int], max_tokens: int, fmt: Format
