@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+def is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 class InvalidSamplingParam(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -32,10 +36,13 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = {
-            "temperature": (0 <= self.temperature < math.inf, f"must be >= 0 and finite, got {self.temperature}"),
-            "top_p": (0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
+            "temperature": (
+                is_number(self.temperature) and 0 <= self.temperature < math.inf,
+                f"must be >= 0 and finite, got {self.temperature}",
+            ),
+            "top_p": (is_number(self.top_p) and 0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
             "top_k": (isinstance(self.top_k, int) and self.top_k >= -1, f"must be -1, 0 or positive, got {self.top_k}"),
-            "min_p": (0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p}"),
+            "min_p": (is_number(self.min_p) and 0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p}"),
             "max_tokens": (
                 self.max_tokens is None or isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                 f"must be >= 1 or None, got {self.max_tokens}",

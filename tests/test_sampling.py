@@ -121,8 +121,8 @@ def test_token_probs_top_k_top_p_min_p():
     torch.testing.assert_close(p, torch.tensor([4 / 7, 3 / 7, 0, 0]))
     p = token_probs(logits, SamplingParams(temperature=1.0, min_p=0.45))  # >= 0.45 x the top one
     torch.testing.assert_close(p, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]))
-    p = token_probs(logits, SamplingParams(temperature=1.0, top_p=0.95, min_p=0.6))  # min_p after top_p
-    torch.testing.assert_close(p, torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    p = token_probs(logits, SamplingParams(temperature=1.0, top_p=0.75, min_p=0.45))  # min_p after top_p
+    torch.testing.assert_close(p, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]))  # before: [4 / 7, 3 / 7, 0, 0]
 
 
 def test_tiny_temperatures_tend_to_greedy():

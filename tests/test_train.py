@@ -175,6 +175,8 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
     saved, identity = drafter(96), {"block_size": 8, "target_layer_ids": [0]}
     save_checkpoint(tmp_path / "ckpt", 3, saved, torch.optim.AdamW(saved.parameters()), {"identity": identity})
     assert load_checkpoint(tmp_path / "ckpt", saved, torch.optim.AdamW(saved.parameters()), identity) == 3
+    save_checkpoint(tmp_path / "old", 2, saved, torch.optim.AdamW(saved.parameters()), {})  # before identities
+    assert load_checkpoint(tmp_path / "old", saved, torch.optim.AdamW(saved.parameters()), identity) == 2
     other = drafter(128)
     with pytest.raises(CheckpointError, match=r"down_proj.weight has shape \(64, 96\), expected \(64, 128\)"):
         load_checkpoint(tmp_path / "ckpt", other, torch.optim.AdamW(other.parameters()), identity)
@@ -211,13 +213,18 @@ def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
         Trainer(cfg, target, build_drafter(target, cfg, VOCAB - 1)[0], read_examples(data), CPU)
     with pytest.raises(ValueError, match="eval_prompts 512 would hold out all 512 examples"):
         train(config(target_dir, data, tmp_path / "all", eval_prompts=TRAIN))
+    (tmp_path / "empty.jsonl").touch()
+    with pytest.raises(ValueError, match="no training examples"):
+        train(config(target_dir, tmp_path / "empty.jsonl", tmp_path / "none"))
 
 
 def test_generated_data_is_not_reused_under_other_settings(setup, tmp_path) -> None:
     target_dir, _, _ = setup
     cfg = config(target_dir, None, tmp_path, num_prompts=3, max_new_tokens=4, gen_batch_size=3)
     path = tmp_path / "data.jsonl"
-    assert len(generate_dataset(cfg, path, CPU)) == 3
+    with pytest.raises(CheckpointError, match="no such model directory"):  # a typo: nothing generated ...
+        generate_dataset(dataclasses.replace(cfg, model=str(tmp_path / "typo")), path, CPU)
+    assert len(generate_dataset(cfg, path, CPU)) == 3  # ... so the corrected run starts afresh
     assert len(generate_dataset(dataclasses.replace(cfg, num_prompts=5), path, CPU)) == 5  # extended
     with pytest.raises(ValueError, match=r"other settings \(temperature 0.0 -> 0.5\)"):
         generate_dataset(dataclasses.replace(cfg, temperature=0.5), path, CPU)

@@ -17,7 +17,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.runner import ModelRunner
-from blockspec.llm import default_device, resolve_dtype
+from blockspec.llm import resolve_device, resolve_dtype
 from blockspec.loading.dflash import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams
@@ -253,7 +253,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    device = torch.device(args.device) if args.device else default_device()
+    device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     args.draft = None if args.draft == "none" else args.draft
     target, drafter = load(args, device, dtype)

@@ -4,7 +4,7 @@ import time
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # Accepted by OpenAI but not implemented here: rejected with 400 rather than silently ignored.
 UNSUPPORTED = (
@@ -47,8 +47,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI does; strict: no "3" for 3, no true for a token id 1.
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
 
 
 class StreamOptions(OpenAIModel):
@@ -73,7 +72,7 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: true is no token id
 
 
 class ChatMessage(OpenAIModel):

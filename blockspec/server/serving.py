@@ -87,6 +87,14 @@ async def final_output(first: RequestOutput, outputs: AsyncIterator[RequestOutpu
     return out
 
 
+def feature_off(name: str, value) -> bool:
+    """Whether an unsupported field asks for nothing: null, false, 0, "", [] or {} (clients send
+    frequency_penalty 0, logit_bias {}), best_of 1; but logprobs 0 asks for the sampled tokens'."""
+    if name == "logprobs":
+        return value is None or value is False
+    return not value or (name == "best_of" and value == 1)
+
+
 def as_api_error(e: EngineError) -> APIError:
     return bad_request(str(e)) if e.bad_request else APIError(500, str(e), "server_error")
 
@@ -186,13 +194,7 @@ class OpenAIServing:
         if req.n not in (None, 1):
             raise bad_request(f"n={req.n} is not supported: one choice per request (send n requests)", "n")
         for name, value in (req.model_extra or {}).items():
-            # Only off (null, false) passes: logprobs 0 still asks for the sampled tokens' logprobs.
-            if (
-                name in UNSUPPORTED
-                and value is not None
-                and value is not False
-                and not (name == "best_of" and value == 1)
-            ):
+            if name in UNSUPPORTED and not feature_off(name, value):
                 raise bad_request(f"{name} is not supported by this server", name)
         if req.model != self.model_name:
             raise APIError(

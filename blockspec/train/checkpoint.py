@@ -17,6 +17,11 @@ from torch import nn
 from blockspec.loading.weights import CheckpointError, check_tensors
 
 
+def mismatches(saved: dict, wanted: dict) -> str:
+    """The keys of `wanted` whose value `saved` does not have, as "key saved -> wanted; ..."."""
+    return "; ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in wanted.items() if saved.get(k) != v)
+
+
 def save_checkpoint(path: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -41,10 +46,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         weights, optimizer_tensors = load_file(path / "model.safetensors"), load_file(path / "optimizer.safetensors")
     except (OSError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{path}: not a complete training checkpoint ({e})") from e
-    saved = meta.get("identity", {})
-    differ = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in identity.items() if saved.get(k) != v]
+    differ = mismatches(meta.get("identity", identity), identity)  # saved before identities: not compared
     if differ:
-        raise CheckpointError(f"{path}: the checkpoint is of another run: {'; '.join(differ)}")
+        raise CheckpointError(f"{path}: the checkpoint is of another run: {differ}")
     check_tensors(model, weights, path)  # a drafter of another geometry: named, not torch's size mismatch
     model.load_state_dict(weights, strict=True)
     state: dict[int, dict[str, torch.Tensor]] = {}

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
+from blockspec.train.checkpoint import mismatches
 from blockspec.train.config import TrainConfig
 from blockspec.train.distributed import SINGLE, World
 from blockspec.train.prompts import build_prompts, read_prompts
@@ -128,18 +129,15 @@ def check_settings(cfg: TrainConfig, path: Path) -> None:
     settings = {"model": cfg.model, "prompts": cfg.prompts, "seed": cfg.seed, "temperature": cfg.temperature}
     settings |= {"max_new_tokens": cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens}
     record = path.with_suffix(".settings.json")
-    if record.is_file():
-        saved = json.loads(record.read_text())
-        differ = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in settings.items() if saved.get(k) != v]
-        if differ:
-            raise ValueError(
-                f"{path} was generated with other settings ({'; '.join(differ)}): use another --output, "
-                "or pass the file as --data to train on it as it is"
-            )
-    elif path.is_file() and path.stat().st_size:
-        raise ValueError(f"{path} has no record of its settings: delete it, or pass it as --data to train on it")
-    else:
+    if not (path.is_file() and path.stat().st_size):  # no data yet: whatever a failed start recorded goes
         record.write_text(json.dumps(settings))
+    elif not record.is_file():
+        raise ValueError(f"{path} has no record of its settings: delete it, or pass it as --data to train on it")
+    elif differ := mismatches(json.loads(record.read_text()), settings):
+        raise ValueError(
+            f"{path} was generated with other settings ({differ}): use another --output, "
+            "or pass the file as --data to train on it as it is"
+        )
 
 
 def generate_into(cfg: TrainConfig, path: Path, device: torch.device, todo: list[int], progress: bool) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.llm import default_device, resolve_dtype
+from blockspec.llm import resolve_device, resolve_dtype
 from blockspec.loading.dflash import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.train.config import TrainConfig, config_from_args
@@ -24,7 +24,7 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.write_prompts:
         write_prompts(build_prompts(cfg.num_prompts, cfg.seed), cfg.write_prompts)
         return Path(cfg.write_prompts)
-    world, device = init_world(torch.device(cfg.device) if cfg.device else default_device())
+    world, device = init_world(resolve_device(cfg.device))
     try:
         return train_on(cfg, world, device)
     finally:
@@ -35,6 +35,8 @@ def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     examples = read_examples(cfg.data) if cfg.data else generate_dataset(cfg, out / "data.jsonl", device, world)
+    if not examples:
+        raise ValueError("no training examples")
     if cfg.eval_prompts >= len(examples):
         raise ValueError(f"eval_prompts {cfg.eval_prompts} would hold out all {len(examples)} examples")
     held_out = examples[len(examples) - cfg.eval_prompts :] if cfg.eval_prompts else []
