@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.engine.detokenizer import streamable_text
 from blockspec.engine.engine import LLMEngine
 from blockspec.loading.dflash import load_drafter
 from blockspec.loading.hf import load_target
@@ -141,7 +142,9 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output whenever it has new tokens, until it finishes (the final
-        output always comes, also when another generate or stream on this LLM ran its steps)."""
+        output always comes, also when another generate or stream on this LLM ran its steps).
+        Each text extends the one before: while running, a tail that may still grow into a stop
+        string (and a partial character) is held back."""
         seq = self.engine.add_request(prompt, sampling_params or SamplingParams())
         sent = (0, False)
         try:
@@ -150,6 +153,8 @@ class LLM:
                     self.engine.step()
                 if (seq.num_generated, seq.finished) != sent:
                     sent = (seq.num_generated, seq.finished)
-                    yield self.engine.output(seq)
+                    out = self.engine.output(seq)
+                    out.outputs[0].text = streamable_text(out.outputs[0].text, seq.finished, seq.params.stop)
+                    yield out
         finally:  # a consumer that stops early frees the request
             self.engine.abort(seq.request_id)

@@ -145,3 +145,17 @@ def test_max_tokens_none_runs_to_the_context_limit(tmp_path):
     out = llm.generate([[5, 9, 11], [7]], params)
     assert [len(o.outputs[0].token_ids) for o in out] == [37, 39]
     assert {o.outputs[0].finish_reason for o in out} == {"length"} and params.max_tokens is None
+
+
+def test_stream_texts_extend_each_other_up_to_a_stop_string(tmp_path):
+    """One token a step (plain decoding): the step that ends inside a stop string must not show
+    the part of it that the next step cuts off."""
+    t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
+    llm = LLM(str(t), None, device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    words = llm.generate("w5 w9 w11", greedy)[0].outputs[0].text.split()
+    stop = f"{words[5][-1]} {words[6]}"  # from the end of one token into the next
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+    texts = [p.outputs[0].text for p in llm.stream("w5 w9 w11", params)]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts)), texts
+    assert texts[-1] == llm.generate("w5 w9 w11", params)[0].outputs[0].text and stop not in texts[-1]

@@ -27,6 +27,16 @@ def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool =
     return added
 
 
+def streamable_text(text: str, finished: bool, stops: list[str]) -> str:
+    """The text later steps cannot change: while running, hold back a trailing incomplete
+    UTF-8 character and the tail that may still grow into a stop string (which is cut off)."""
+    if finished:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = max((len(s) for s in stops), default=1) - 1
+    return text[: max(0, len(text) - hold)]
+
+
 def find_stop(text: str, added: str, stops: list[str]) -> int:
     """Index in text of the first stop string that the newly added text completes, or -1."""
     start = max(0, len(text) - len(added) - max(len(s) for s in stops) + 1)

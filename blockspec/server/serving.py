@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
+from blockspec.engine.detokenizer import streamable_text
 from blockspec.llm import LLM
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import InvalidSamplingParam, SamplingParams
@@ -56,17 +57,6 @@ def spec_stats(out: RequestOutput) -> SpecDecodingStats:
         num_draft_tokens=sum(len(d) for d in out.metrics.draft_token_ids or []),
         num_accepted_tokens=sum(lengths) - len(lengths),  # every step commits one bonus token
     )
-
-
-def streamable_text(out: RequestOutput, stop: list[str]) -> str:
-    """The text later steps cannot change: while running, hold back a trailing incomplete
-    UTF-8 character and the tail that may still grow into a stop string (which is cut off)."""
-    text = out.outputs[0].text
-    if out.finished:
-        return text
-    text = text.rstrip("\ufffd")
-    hold = max((len(s) for s in stop), default=1) - 1
-    return text[: max(0, len(text) - hold)]
 
 
 def sse(chunk: BaseModel | dict) -> str:
@@ -270,7 +260,7 @@ class OpenAIServing:
             sent = ""
             try:
                 async for out in prepend(first, outputs):
-                    text = streamable_text(out, stop)
+                    text = streamable_text(out.outputs[0].text, out.finished, stop)
                     if len(text) > len(sent) or out.finished:
                         yield sse(fmt.chunk(text[len(sent) :], out))
                         sent = text
