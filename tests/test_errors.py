@@ -140,6 +140,8 @@ def test_unsupported_weights_and_configs(tmp_path, pair):
         LLM(str(rewrite(t, tmp_path / "split", weights=bad)), None, device="cpu")
     with pytest.raises(CheckpointError, match="config.json: not a usable model config"):
         LLM(str(rewrite(t, tmp_path / "nolayers", {"num_hidden_layers": "four"})), None, device="cpu")
+    with pytest.raises(CheckpointError, match="config.json: fields missing: hidden_size, vocab_size"):
+        LLM(str(rewrite(t, tmp_path / "nowidth", {"hidden_size": None, "vocab_size": None})), None, device="cpu")
     broken = copy(t, tmp_path / "tokenizer")
     (broken / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="the tokenizer files do not load"):

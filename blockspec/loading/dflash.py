@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from blockspec.layers.rotary import rope_parameters
-from blockspec.loading.hf import load_config
+from blockspec.loading.hf import GEOMETRY_FIELDS, load_config
 from blockspec.loading.weights import CheckpointError, fill_module, load_weights, pack, save_sharded, unpack
 from blockspec.models.dflash import DFlashDrafter, dflash_value
 from blockspec.models.llama import CausalLM, packed_sizes
@@ -81,7 +81,7 @@ def validate(drafter: DFlashDrafter, target: CausalLM, source: Path) -> None:
 
 def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
     path = Path(path)
-    config = load_config(path)
+    config = load_config(path, GEOMETRY_FIELDS)
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     if arch != ARCHITECTURE:
         raise CheckpointError(f"{path}: architecture {arch} is not a DFlash drafter ({ARCHITECTURE})")

@@ -20,8 +20,19 @@ class Target:
     name: str = ""
 
 
-def load_config(path: Path):
+# Fields without which transformers would fill in its defaults (Llama-7B's widths) and the
+# checkpoint would fail later with a shape error that does not name the missing field.
+GEOMETRY_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def load_config(path: Path, required: tuple[str, ...] = (*GEOMETRY_FIELDS, "vocab_size")):
+    """The model config of a directory; `required` fields must be in its config.json (a drafter
+    has no vocabulary of its own: it needs only the geometry)."""
     checkpoint_dir(path)
+    raw = read_json(path / "config.json")
+    missing = [f for f in required if f not in raw] if isinstance(raw, dict) else list(required)
+    if missing:
+        raise CheckpointError(f"{path / 'config.json'}: fields missing: {', '.join(missing)}")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers and huggingface_hub raise many kinds; all mean the same here
