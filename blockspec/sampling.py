@@ -7,8 +7,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+def is_int(value) -> bool:
+    """An integer, not a bool (which Python counts as one): for checks of parsed JSON too."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return is_int(value) or isinstance(value, float)
 
 
 class InvalidSamplingParam(ValueError):

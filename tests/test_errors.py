@@ -173,15 +173,19 @@ def test_malformed_shard_index(tmp_path, pair):
     [
         ({"block_size": None}, "block_size is missing"),
         ({"dflash_config": {"mask_token_id": 12.5}}, "mask_token_id must be an integer, got 12.5"),
-        ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": 1}}, "target_layer_ids must be a list"),
+        (
+            {"dflash_config": {"mask_token_id": 1, "target_layer_ids": 1}},
+            "target_layer_ids must be a non-empty list of integers",
+        ),
         ({"layer_types": ["chunked_attention"] * 2}, r"layer_types \['chunked_attention'\] are not supported"),
         ({"layer_types": ["sliding_attention"] * 2}, "sliding_attention layers need a positive sliding_window"),
         ({"dflash_config": {"mask_token_id": 1, "output_multiplier": "2"}}, "output_multiplier must be a number"),
+        ({"num_attention_heads": 3}, "num_attention_heads 3 is not a multiple of num_key_value_heads 2"),
     ],
 )
 def test_malformed_drafter_configs(tmp_path, pair, change, message):
     t, d = pair
-    with pytest.raises(CheckpointError, match="drafter config: .*" + message):
+    with pytest.raises(CheckpointError, match="drafter config does not fit the target: .*" + message):
         LLM(str(t), {"model": str(rewrite(d, tmp_path / "d", change))}, device="cpu")
 
 

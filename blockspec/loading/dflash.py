@@ -11,6 +11,7 @@ from blockspec.loading.hf import GEOMETRY_FIELDS, load_config
 from blockspec.loading.weights import CheckpointError, fill_module, load_weights, pack, save_sharded, unpack
 from blockspec.models.dflash import DFlashDrafter, dflash_value
 from blockspec.models.llama import CausalLM, packed_sizes
+from blockspec.sampling import is_int, is_number
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -18,29 +19,43 @@ ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_fields(config, target: CausalLM, source: Path) -> None:
-    """The DFlash fields' presence and types, before a drafter is built from them."""
-    problems = []
+def validate(config, target: CausalLM, source: Path | str) -> None:
+    """A drafter config against its target, before a drafter is built from it (loading, and
+    training's own config): the DFlash fields' presence and types, then their fit."""
+    tc, problems = target.config, []
     ids, mask = dflash_value(config, "target_layer_ids"), dflash_value(config, "mask_token_id")
-    if ids is not None and not (isinstance(ids, list) and all(is_int(i) for i in ids)):
-        problems.append(f"target_layer_ids must be a list of integers, got {ids!r}")
-    if mask is not None and not is_int(mask):
+    if ids is not None and not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)):
+        problems.append(f"target_layer_ids must be a non-empty list of integers, got {ids!r}")
+    elif ids is not None and not all(0 <= i < tc.num_hidden_layers for i in ids):
+        problems.append(f"target_layer_ids {ids} must be in 0..{tc.num_hidden_layers - 1}")
+    if mask is None:
+        problems.append("dflash_config.mask_token_id is missing")
+    elif not is_int(mask):
         problems.append(f"mask_token_id must be an integer, got {mask!r}")
+    elif not 0 <= mask < tc.vocab_size:
+        problems.append(f"mask_token_id {mask} is outside the target vocabulary (size {tc.vocab_size})")
     block = dflash_value(config, "block_size")
-    if not is_int(block):
+    if not (is_int(block) and block >= 2):
         problems.append(
-            f"block_size must be an integer, got {block!r}" if block is not None else "block_size is missing"
+            "block_size is missing" if block is None else f"block_size must be an integer >= 2, got {block!r}"
         )
     n = dflash_value(config, "num_target_layers")
-    if n is not None and n != target.config.num_hidden_layers:
-        problems.append(f"trained for a target of {n} layers, this target has {target.config.num_hidden_layers}")
+    if n is not None and n != tc.num_hidden_layers:
+        problems.append(f"trained for a target of {n} layers, this target has {tc.num_hidden_layers}")
+    if config.hidden_size != tc.hidden_size:
+        problems.append(
+            f"drafter hidden_size {config.hidden_size} != target hidden_size {tc.hidden_size} "
+            "(the drafter reads the target's embedding and LM head)"
+        )
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab != tc.vocab_size:
+        problems.append(f"drafter vocab_size {vocab} != target vocab_size {tc.vocab_size}")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    if heads % kv_heads:
+        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
         value = dflash_value(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if value is not None and not is_number(value):
             problems.append(f"{name} must be a number, got {value!r}")
     types = getattr(config, "layer_types", None) or []
     unknown = sorted({t for t in types if t not in LAYER_TYPES})
@@ -50,33 +65,7 @@ def check_fields(config, target: CausalLM, source: Path) -> None:
     if "sliding_attention" in types and not (is_int(window) and window > 0):
         problems.append(f"sliding_attention layers need a positive sliding_window, got {window!r}")
     if problems:
-        raise CheckpointError(f"{source}: drafter config: " + "; ".join(problems))
-
-
-def validate(drafter: DFlashDrafter, target: CausalLM, source: Path) -> None:
-    tc = target.config
-    problems = []
-    if drafter.mask_token_id is None:
-        problems.append("dflash_config.mask_token_id is missing")
-    elif not 0 <= drafter.mask_token_id < tc.vocab_size:
-        problems.append(
-            f"mask_token_id {drafter.mask_token_id} is outside the target vocabulary (size {tc.vocab_size})"
-        )
-    bad = [i for i in drafter.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
-    if bad or not drafter.target_layer_ids:
-        problems.append(f"target_layer_ids {list(drafter.target_layer_ids)} must be in 0..{tc.num_hidden_layers - 1}")
-    if drafter.spec.hidden_size != tc.hidden_size:
-        problems.append(
-            f"drafter hidden_size {drafter.spec.hidden_size} != target hidden_size {tc.hidden_size} "
-            "(the drafter reads the target's embedding and LM head)"
-        )
-    vocab = getattr(drafter.config, "vocab_size", None)
-    if vocab is not None and vocab != tc.vocab_size:
-        problems.append(f"drafter vocab_size {vocab} != target vocab_size {tc.vocab_size}")
-    if drafter.block_size < 2:
-        problems.append(f"block_size must be >= 2, got {drafter.block_size}")
-    if problems:
-        raise CheckpointError(f"{source}: drafter does not fit the target: " + "; ".join(problems))
+        raise CheckpointError(f"{source}: drafter config does not fit the target: " + "; ".join(problems))
 
 
 def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
@@ -86,10 +75,9 @@ def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device:
     if arch != ARCHITECTURE:
         raise CheckpointError(f"{path}: architecture {arch} is not a DFlash drafter ({ARCHITECTURE})")
     tc = target.config
-    check_fields(config, target, path)
+    validate(config, target, path)
     with torch.device("meta"):
         drafter = DFlashDrafter(config, tc.num_hidden_layers, tc.hidden_size)
-    validate(drafter, target, path)
     weights = load_weights(path)
     fc = weights.get("fc.weight")
     expected = len(drafter.target_layer_ids) * tc.hidden_size

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase, Qwen3Config
 
 from blockspec.layers.rotary import rope_parameters
+from blockspec.loading.dflash import validate
 from blockspec.models.dflash import DFlashDrafter, default_target_layer_ids
 from blockspec.models.llama import CausalLM
 from blockspec.train.config import TrainConfig
@@ -34,28 +35,13 @@ def default_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size:
 def drafter_config(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> Qwen3Config:
     tc, s = target.config, target.spec
     ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, cfg.layers)
-    heads, kv_heads = cfg.num_heads or s.num_heads, cfg.num_kv_heads or s.num_kv_heads
-    checks = [
-        (
-            all(0 <= i < tc.num_hidden_layers for i in ids),
-            f"target_layer_ids {list(ids)} must be in 0..{tc.num_hidden_layers - 1}: pass --target-layer-ids",
-        ),
-        (
-            0 <= mask_token_id < tc.vocab_size,
-            f"mask_token_id {mask_token_id} is outside the vocabulary {tc.vocab_size}",
-        ),
-        (heads % kv_heads == 0, f"num_heads {heads} is not a multiple of num_kv_heads {kv_heads}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    return Qwen3Config(
+    config = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=s.hidden_size,  # the drafter reads the target's embedding and LM head
         intermediate_size=cfg.intermediate_size or s.intermediate_size,
         num_hidden_layers=cfg.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+        num_attention_heads=cfg.num_heads or s.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or s.num_kv_heads,
         head_dim=cfg.head_dim or s.head_dim,
         rms_norm_eps=s.eps,
         max_position_embeddings=tc.max_position_embeddings,
@@ -63,6 +49,8 @@ def drafter_config(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> Qw
         block_size=cfg.block_size,
         dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(ids)},
     )
+    validate(config, target, "the training settings")  # what loading the saved drafter will check
+    return config
 
 
 def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
