@@ -77,8 +77,9 @@ def marked_text(llm: LLM, out: RequestOutput) -> str:
     for n in out.metrics.acceptance_lengths:  # after the step's drafts, then after its bonus token
         drafted = max(start, boundary(end + n - 1))
         end += n
-        pieces += [GREEN + text[start:drafted] + RESET if drafted > start else "", text[drafted : boundary(end)]]
-        start = max(drafted, boundary(end))
+        stepped = max(drafted, boundary(end))
+        pieces += [GREEN + text[start:drafted] + RESET if drafted > start else "", text[drafted:stepped]]
+        start = stepped
     return "".join(pieces) + text[start:]
 
 

@@ -146,15 +146,18 @@ class LLM:
         Each text extends the one before: while running, a tail that may still grow into a stop
         string (and a partial character) is held back."""
         seq = self.engine.add_request(prompt, sampling_params or SamplingParams())
-        sent = (0, False)
+        sent = 0  # tokens in the last output yielded
         try:
-            while not sent[1]:
+            while True:
                 if not seq.finished:
                     self.engine.step()
-                if (seq.num_generated, seq.finished) != sent:
-                    sent = (seq.num_generated, seq.finished)
+                finished = seq.finished  # as yielded: another caller may finish it while we are suspended
+                if finished or seq.num_generated > sent:
+                    sent = seq.num_generated
                     out = self.engine.output(seq)
-                    out.outputs[0].text = streamable_text(out.outputs[0].text, seq.finished, seq.params.stop)
+                    out.outputs[0].text = streamable_text(out.outputs[0].text, finished, seq.params.stop)
                     yield out
+                if finished:
+                    return
         finally:  # a consumer that stops early frees the request
             self.engine.abort(seq.request_id)
