@@ -124,8 +124,11 @@ def test_wrong_architecture(tmp_path: Path) -> None:
         load_gguf(path)
 
 
-def tiny_gguf(path: Path, heads: int, rope_dims: int, q_type=gguf.GGMLQuantizationType.F32) -> Path:
-    """A one-layer llama GGUF (hidden 64, 4 q rows of 16 per head) with the given metadata."""
+def tiny_gguf(
+    path: Path, heads: int, rope_dims: int, q_type=gguf.GGMLQuantizationType.F32, **extra: str | float | list
+) -> Path:
+    """A one-layer llama GGUF (hidden 64, 4 q rows of 16 per head) with the given metadata; `extra`:
+    more `llama.` keys (dots as double underscores), strings, floats or per-layer arrays."""
     writer = gguf.GGUFWriter(str(path), "llama")
     meta = {"block_count": 1, "context_length": 64, "embedding_length": 64, "feed_forward_length": 32}
     meta |= {"attention.head_count": heads, "attention.head_count_kv": heads, "vocab_size": 8}
@@ -133,6 +136,9 @@ def tiny_gguf(path: Path, heads: int, rope_dims: int, q_type=gguf.GGMLQuantizati
     for key, value in meta.items():
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, value in extra.items():
+        add = {str: writer.add_string, float: writer.add_float32, list: writer.add_array}[type(value)]
+        add(f"llama.{key.replace('__', '.')}", value)
     gen = np.random.default_rng(0)
     writer.add_tensor("token_embd.weight", gen.standard_normal((8, 64), dtype=np.float32))
     q = gen.standard_normal((64, 64), dtype=np.float32)
@@ -156,6 +162,33 @@ def test_unsupported_contents(tmp_path: Path) -> None:
         load_gguf(tiny_gguf(tmp_path / "heads.gguf", 3, 16))
     with pytest.raises(ValueError, match=r"rope\.gguf: rope over 8 of 16 head dims is not supported"):
         load_gguf(tiny_gguf(tmp_path / "rope.gguf", 4, 8))
+    with pytest.raises(ValueError, match=r"kv\.gguf: per-layer llama\.attention\.head_count_kv \(\[4, 2\]\)"):
+        load_gguf(tiny_gguf(tmp_path / "kv.gguf", 4, 16, attention__head_count_kv=[4, 2]))
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"rope__scaling__type": "linear", "rope__scaling__factor": 4.0},
+        {"rope__scaling__factor": 4.0},  # llama.cpp: a factor without a type is linear scaling
+        {"rope__scale_linear": 2.0},  # the older key for it
+        {"rope__scaling__type": "yarn", "rope__scaling__factor": 1.0},
+        {"rope__scaling__attn_factor": 0.5},
+    ],
+)
+def test_scaled_rope_is_refused(tmp_path: Path, meta: dict) -> None:
+    """Scaled positions would load as plain rope and give wrong logits without a word."""
+    with pytest.raises(ValueError, match=r"scaled\.gguf: rope (scaling|attn_factor) .* is not supported"):
+        load_gguf(tiny_gguf(tmp_path / "scaled.gguf", 4, 16, **meta))
+
+
+def test_rope_scaling_type_none_keeps_plain_rope(tmp_path: Path) -> None:
+    """An explicit "none" turns scaling off whatever the factor says (as llama.cpp reads it): the
+    load gets past the config and stops at this tiny file's missing tensors."""
+    with pytest.raises(
+        ValueError, match=r"none\.gguf: tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape None"
+    ):
+        load_gguf(tiny_gguf(tmp_path / "none.gguf", 4, 16, rope__scaling__type="none", rope__scaling__factor=4.0))
 
 
 def test_incremental_detokenization_equals_full_decode(ckpt: loader.GGUFCheckpoint) -> None:

@@ -99,9 +99,18 @@ def _field(reader: gguf.GGUFReader, path: Path, key: str, default: object = _MIS
     return field.contents()
 
 
+def _count(reader: gguf.GGUFReader, path: Path, key: str, default: object = _MISSING) -> int:
+    """An integer metadata field; per-layer arrays (e.g. head counts that vary by layer) are refused."""
+    value = _field(reader, path, key, default)
+    try:
+        return int(value)
+    except TypeError:
+        raise ValueError(f"{path}: per-layer {key} ({value}) is not supported") from None
+
+
 def _state_dict(reader: gguf.GGUFReader, path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    n_head = _field(reader, path, "llama.attention.head_count")
-    n_kv = _field(reader, path, "llama.attention.head_count_kv", n_head)
+    n_head = _count(reader, path, "llama.attention.head_count")
+    n_kv = _count(reader, path, "llama.attention.head_count_kv", n_head)
     out = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, path)
@@ -145,26 +154,32 @@ def _config(reader: gguf.GGUFReader, path: Path, tied: bool) -> transformers.Lla
     def get(key: str, default: object = _MISSING):
         return _field(reader, path, f"llama.{key}", default)
 
-    hidden, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // n_head))
+    def count(key: str, default: object = _MISSING) -> int:
+        return _count(reader, path, f"llama.{key}", default)
+
+    hidden, n_head = count("embedding_length"), count("attention.head_count")
+    head_dim = count("attention.key_length", hidden // n_head)
     theta = float(get("rope.freq_base", 10000.0))
-    if get("rope.scaling.type", "none") != "none":  # scaled rope would silently give wrong positions
-        raise ValueError(f"{path}: rope scaling {get('rope.scaling.type')!r} is not supported")
-    if int(get("rope.dimension_count", head_dim)) != head_dim:  # rope on part of each head
+    # llama.cpp scales rope linearly when a factor is given without a type; only "none" turns it off.
+    scaling = get("rope.scaling.type", None)
+    factor = float(get("rope.scaling.factor", get("rope.scale_linear", 1.0)))
+    if scaling != "none" and (scaling is not None or factor != 1.0):  # would silently give wrong positions
+        raise ValueError(f"{path}: rope scaling {scaling or 'linear'!r} (factor {factor}) is not supported")
+    if float(get("rope.scaling.attn_factor", 1.0)) != 1.0:
+        raise ValueError(f"{path}: rope attn_factor {get('rope.scaling.attn_factor')} is not supported")
+    if count("rope.dimension_count", head_dim) != head_dim:  # rope on part of each head
         raise ValueError(f"{path}: rope over {get('rope.dimension_count')} of {head_dim} head dims is not supported")
     vocab = get("vocab_size", None) or len(_field(reader, path, "tokenizer.ggml.tokens"))
     return transformers.LlamaConfig(
         architectures=["LlamaForCausalLM"],
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        intermediate_size=count("feed_forward_length"),
+        num_hidden_layers=count("block_count"),
         num_attention_heads=n_head,
-        num_key_value_heads=int(get("attention.head_count_kv", n_head)),
+        num_key_value_heads=count("attention.head_count_kv", n_head),
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        # transformers 5 reads `rope_parameters`; 4.x (still allowed by pyproject) reads `rope_theta`.
         rope_parameters={"rope_type": "default", "rope_theta": theta},
-        rope_theta=theta,
         max_position_embeddings=int(get("context_length")),
         vocab_size=int(vocab),
         tie_word_embeddings=tied,
