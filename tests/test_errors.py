@@ -236,6 +236,18 @@ def test_bad_prompts(pair):
     assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
 
 
+def test_request_ids(pair):
+    """A caller's id in use is refused; numbers that callers chose are skipped by automatic ids."""
+    llm = LLM(str(pair[0]), None, device="cpu")
+    last = int(llm.engine.add_request([5], SamplingParams()).request_id)
+    taken = [str(last + i) for i in range(1, 4)]  # the next automatic ids
+    for request_id in taken:
+        llm.engine.add_request([5, 6], SamplingParams(max_tokens=2), request_id=request_id)
+    with pytest.raises(ValueError, match=f"request id '{taken[0]}' is already in use"):
+        llm.engine.add_request([5], SamplingParams(), request_id=taken[0])
+    assert llm.engine.add_request([7, 8], SamplingParams()).request_id not in taken
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [

@@ -12,7 +12,7 @@ from blockspec.engine.sequence import Sequence
 
 def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool = False) -> str:
     """Extend seq.text with its undecoded output tokens; returns the text added."""
-    ids = seq.output_token_ids
+    ids = seq.text_token_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=True)
     if full.endswith("\ufffd"):

@@ -14,7 +14,7 @@ from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
 from blockspec.engine.ngram import NgramProposer
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
-from blockspec.engine.sequence import Sequence
+from blockspec.engine.sequence import Sequence, fresh_request_id
 from blockspec.engine.speculative import (
     LaunchedStep,
     Proposer,
@@ -167,6 +167,7 @@ class LLMEngine:
             params = replace(params, max_tokens=self.max_model_len - len(ids))
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+        request_id = request_id if request_id is not None else fresh_request_id(self.requests)
         seq = Sequence(text, ids, params, generator, request_id)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
@@ -280,6 +281,7 @@ class LLMEngine:
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if (not p.ignore_eos and token in self.target.eos_token_ids) or token in p.stop_token_ids:
+            seq.stopped_on_token = True
             return "stop"
         if p.stop and self.tokenizer is not None:
             added = append_text(self.tokenizer, seq)

@@ -6,12 +6,18 @@ newest token, which the next step verifies at position num_cached."""
 
 import enum
 import itertools
+from collections.abc import Container
 
 import torch
 
 from blockspec.sampling import SamplingParams
 
 _ids = itertools.count()
+
+
+def fresh_request_id(taken: Container[str] = ()) -> str:
+    """The next number, as a string, that is not `taken` (callers may choose numbers as ids)."""
+    return next(i for i in map(str, _ids) if i not in taken)
 
 
 class Status(enum.Enum):
@@ -29,7 +35,7 @@ class Sequence:
         generator: torch.Generator,
         request_id: str | None = None,
     ) -> None:
-        self.request_id = request_id if request_id is not None else str(next(_ids))
+        self.request_id = request_id if request_id is not None else fresh_request_id()
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -39,6 +45,7 @@ class Sequence:
         self.num_cached = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.stopped_on_token = False  # by eos or a stop token id: its text is left out, as vLLM does
         self.text = ""  # detokenized output
         self.prefix_offset = self.read_offset = 0  # incremental detokenization (detokenizer.py)
         self.acceptance_lengths: list[int] = []
@@ -47,6 +54,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The output tokens whose text is the output text."""
+        return self.output_token_ids[: -1 if self.stopped_on_token else None]
 
     @property
     def num_generated(self) -> int:
