@@ -79,9 +79,10 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in (13, 6)]
     widths = [6, 4]  # different context lengths and widths in one batch: padding must not leak
+    # A width-4 block is drafted as the whole block (6 rows, as trained), cut to its first drafts.
     seqs = [Sequence(None, p, SamplingParams(), torch.Generator()) for p in prompts]
     for s, g in zip(seqs, widths):
-        alloc.allocate(s.block_table, len(s.token_ids) + g)
+        alloc.allocate(s.block_table, len(s.token_ids) + drafter.block_size)
     runner.prefill(seqs)
     anchors = torch.tensor([[s.anchor] for s in seqs])
     logits = runner.propose(anchors, runner.step_inputs(seqs, widths), max(widths))
@@ -89,11 +90,11 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
         with torch.no_grad():
             hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
             feats = torch.cat([hs[j + 1][0, :-1] for j in layer_ids], dim=-1)  # context: all but the anchor
-            block = torch.tensor([ids[-1]] + [drafter.mask_token_id] * (g - 1))
+            block = torch.tensor([ids[-1]] + [drafter.mask_token_id] * (drafter.block_size - 1))
             expected = dense_block_logits(
                 w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1, hf.lm_head.weight, window
             )
-        torch.testing.assert_close(logits[i, : g - 1], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[i, : g - 1], expected[: g - 1], atol=1e-4, rtol=1e-4)
 
 
 def test_default_target_layer_ids():

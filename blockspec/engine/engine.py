@@ -73,9 +73,9 @@ class LLMEngine:
             else None
         )
         window = spec.window if spec else None
-        self.runner = ModelRunner(model, drafter, *caches, config.page_size, window, graphs)
+        self.runner = ModelRunner(model, drafter, *caches, config.page_size, window, graphs, self.max_model_len)
         self.simulated = SimulatedAcceptance(config.simulate_tau, self.max_width - 1) if config.simulate_tau else None
-        self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.width)
+        self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the
         # device: true of the drafter and plain decoding, not of the n-gram proposer (host tokens).
@@ -129,6 +129,13 @@ class LLMEngine:
         remaining = seq.params.max_tokens - seq.num_generated - ahead
         room = self.max_model_len - len(seq.token_ids) - ahead
         return min(self.max_width, remaining, room)
+
+    def span(self, seq: Sequence, ahead: int = 0) -> int:
+        """Positions the next step writes from its anchor on: the rows it verifies, and with a
+        drafter its whole block (`ModelRunner.propose`), up to the end of the context."""
+        if self.drafter is None:
+            return self.width(seq, ahead)
+        return min(self.drafter.block_size, self.max_model_len - len(seq.token_ids) - ahead + 1)
 
     def step_widths(self, seqs: list[Sequence], full: list[int]) -> tuple[list[int], int | None]:
         """Each sequence's rows this step (at most `full`), and the width the adaptive policy chose
@@ -236,7 +243,8 @@ class LLMEngine:
         # A seeded sample keeps the widths a step from the committed state would give it.
         if any(b < (self.max_width if s.seeded_sample else 1) for s, b in zip(seqs, bound)):
             return None
-        if not self.scheduler.allocate_ahead(seqs, [s.num_cached + w + b for s, w, b in zip(seqs, widths, bound)]):
+        ends = [s.num_cached + w + self.span(s, ahead=w) for s, w in zip(seqs, widths)]
+        if not self.scheduler.allocate_ahead(seqs, ends):
             return None
         widths_next, chosen = self.step_widths(seqs, bound)
         step = prev.step

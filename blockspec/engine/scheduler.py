@@ -12,10 +12,10 @@ from blockspec.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator, width: Callable[[Sequence], int]) -> None:
+    def __init__(self, config: EngineConfig, allocator: PageAllocator, span: Callable[[Sequence], int]) -> None:
         self.config = config
         self.allocator = allocator
-        self.width = width  # rows the sequence's next step verifies
+        self.span = span  # positions the sequence's next step writes, from its anchor on
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -60,11 +60,11 @@ class Scheduler:
 
     def reserved_pages(self) -> int:
         """Pages the running sequences need for their next step: not free for newcomers."""
-        return sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.width(s)) for s in self.running)
+        return sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.span(s)) for s in self.running)
 
     def first_step_tokens(self, seq: Sequence) -> int:
         """Positions a newcomer's prefill and first step write."""
-        return len(seq.token_ids) - 1 + self.width(seq)
+        return len(seq.token_ids) - 1 + self.span(seq)
 
     def fits(self, seq: Sequence, reserved: int) -> bool:
         """Whether the pool holds a newcomer's prefill and first step beside the reserved pages."""
@@ -90,7 +90,7 @@ class Scheduler:
         pending, scheduled = list(self.running), []
         while pending:
             seq = pending.pop(0)
-            needed = seq.num_cached + self.width(seq)
+            needed = seq.num_cached + self.span(seq)
             while not self.allocator.can_allocate(seq.block_table, needed) and pending:
                 self.preempt(pending.pop())
             if self.allocator.can_allocate(seq.block_table, needed):
