@@ -46,19 +46,19 @@ class SamplingParams:
                 f"must be >= 0 and finite, got {self.temperature}",
             ),
             "top_p": (is_number(self.top_p) and 0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
-            "top_k": (isinstance(self.top_k, int) and self.top_k >= -1, f"must be -1, 0 or positive, got {self.top_k}"),
+            "top_k": (is_int(self.top_k) and self.top_k >= -1, f"must be -1, 0 or positive, got {self.top_k}"),
             "min_p": (is_number(self.min_p) and 0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p}"),
             "max_tokens": (
-                self.max_tokens is None or isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                self.max_tokens is None or is_int(self.max_tokens) and self.max_tokens >= 1,
                 f"must be >= 1 or None, got {self.max_tokens}",
             ),
             "stop": (all(isinstance(s, str) and s for s in self.stop), "strings must be non-empty strings"),
             "stop_token_ids": (
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "must be non-negative ints",
             ),
             "seed": (
-                self.seed is None or isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64,
+                self.seed is None or is_int(self.seed) and -(2**63) <= self.seed < 2**64,
                 f"must be a 64-bit int, got {self.seed!r}",
             ),
         }

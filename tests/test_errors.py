@@ -198,6 +198,10 @@ def test_malformed_drafter_configs(tmp_path, pair, change, message):
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -2}, "top_k must be -1, 0 or positive"),
+        ({"top_k": True}, "top_k must be -1, 0 or positive"),  # a bool is no count
+        ({"seed": True}, "seed must be a 64-bit int"),
+        ({"max_tokens": True}, "max_tokens must be >= 1"),
+        ({"stop_token_ids": [False]}, "stop_token_ids must be non-negative ints"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
         ({"min_p": None}, r"min_p must be in \[0, 1\], got None"),
