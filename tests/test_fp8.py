@@ -25,6 +25,7 @@ from blockspec.layers.quantization import (
     quantize_weight,
     resolve_fp8,
 )
+from blockspec.loading.dflash import save_drafter
 from blockspec.models.dflash import DFlashDrafter
 
 CUDA = torch.cuda.is_available()
@@ -235,7 +236,7 @@ def test_quantize_drafter_fuses_kv_in_fp8(bias):
     assert (k - k_ref).norm() / k_ref.norm() < REL_STEP and (v - v_ref).norm() / v_ref.norm() < REL_STEP
 
 
-def test_fp8_drafter_keeps_greedy_output_lossless(llama_pair):
+def test_fp8_drafter_keeps_greedy_output_lossless(llama_pair, tmp_path):
     target, drafter = llama_pair
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, return_drafts=True)
     prompts = [[5, 9, 17, 3], [40, 41, 42, 43, 44, 45, 46]]
@@ -247,6 +248,8 @@ def test_fp8_drafter_keeps_greedy_output_lossless(llama_pair):
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     names = quantize_drafter(model)
     assert [n for n in names if n != "fused_kv_fp8"] == linears  # every projection of the drafter
+    with pytest.raises(ValueError, match="quantized to FP8 for inference"):  # it would lose its projections
+        save_drafter(model, llm.engine.target.model, tmp_path / "saved")
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     # The FP8 drafter still drafts what the unquantized one drafts (first block: same context).

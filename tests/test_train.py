@@ -121,6 +121,21 @@ def test_flex_mask_matches_dense() -> None:
     torch.testing.assert_close(flex, dense, atol=2e-3, rtol=2e-3)
 
 
+def test_copy_init_is_the_identity_on_the_deepest_feature(setup, tmp_path) -> None:
+    """fc passes the deepest captured layer's stream through, wherever it sits in the id list."""
+    _, data, _ = setup
+    target_dir = make_target(tmp_path / "t", "qwen3", vocab=VOCAB, layers=4)
+    target = load_target(str(target_dir), torch.float32, CPU).model
+    h = target.config.hidden_size
+    for ids, deepest in (((1, 3), 1), ((3, 1), 0)):
+        cfg = config(target_dir, data, tmp_path, init="copy", target_layer_ids=ids)
+        drafter, copied = build_drafter(target, cfg, VOCAB - 1)
+        assert copied
+        expected = torch.zeros(h, len(ids) * h)
+        expected[:, deepest * h : (deepest + 1) * h] = torch.eye(h)
+        assert torch.equal(drafter.fc.weight, expected)
+
+
 def test_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
     """A block trained at anchor a predicts exactly what the engine drafts when a is the anchor."""
     target_dir, data, _ = setup

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from blockspec.layers.quantization import Fp8Linear
 from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.hf import GEOMETRY_FIELDS, load_config
 from blockspec.loading.weights import CheckpointError, fill_module, load_weights, pack, save_sharded, unpack
@@ -137,6 +138,10 @@ def save_drafter(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 15 * 2**20,
 ) -> None:
+    if any(isinstance(m, Fp8Linear) for m in drafter.modules()):  # its projections are buffers now
+        raise ValueError(
+            "this drafter was quantized to FP8 for inference (fp8='on'/'auto'): save it before, or load it with fp8='off'"
+        )
     path = Path(path)
     weights = {n: p.detach().to("cpu", dtype) for n, p in drafter.named_parameters()}
     weights = unpack(weights, packed_sizes(drafter.spec))

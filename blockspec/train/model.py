@@ -70,9 +70,10 @@ def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
             p.copy_(q)
         drafter.norm.weight.copy_(target.model.norm.weight)
         drafter.hidden_norm.weight.copy_(sources[0].input_layernorm.weight)
-        h = drafter.spec.hidden_size
+        h, ids = drafter.spec.hidden_size, drafter.target_layer_ids
+        deepest = ids.index(max(ids))  # features are concatenated in the order of the ids
         drafter.fc.weight.zero_()
-        drafter.fc.weight[:, -h:] = torch.eye(h)
+        drafter.fc.weight[:, deepest * h : (deepest + 1) * h] = torch.eye(h)
     return True
 
 
