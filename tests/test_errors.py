@@ -75,6 +75,8 @@ def test_unsupported_architecture_and_rope(tmp_path, pair):
     (broken / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(CheckpointError, match="GPT2LMHeadModel is not supported"):
         LLM(str(broken), None, device="cpu")
+    (broken / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "architectures"}))
+    assert LLM(str(broken), None, device="cpu").generate([[5, 6]])[0].outputs[0].token_ids  # by model_type, as HF
     broken = copy(t, tmp_path / "rope")
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     (broken / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
@@ -104,8 +106,13 @@ def test_mismatched_drafters(tmp_path, pair):
     small_vocab = make_target(tmp_path / "sv", "qwen3", vocab=64)
     with pytest.raises(CheckpointError, match="mask_token_id 127 is outside the target vocabulary"):
         LLM(str(small_vocab), {"model": str(d)}, device="cpu")
-    with pytest.raises(CheckpointError, match="not a DFlash drafter"):
+    with pytest.raises(CheckpointError, match="architecture Qwen3ForCausalLM is not a DFlash drafter"):
         LLM(str(t), {"model": str(t)}, device="cpu")
+    unnamed = copy(d, tmp_path / "unnamed")
+    cfg = json.loads((unnamed / "config.json").read_text())
+    (unnamed / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "architectures"}))
+    with pytest.raises(CheckpointError, match="config.json names no architecture, so it is not a DFlash drafter"):
+        LLM(str(t), {"model": str(unnamed)}, device="cpu")
     with pytest.raises(ValueError, match="speculative method 'eagle' is not supported"):
         LLM(str(t), {"method": "eagle", "model": str(d)}, device="cpu")
 

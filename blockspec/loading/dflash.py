@@ -8,7 +8,7 @@ import torch
 
 from blockspec.layers.quantization import Fp8Linear
 from blockspec.layers.rotary import rope_parameters
-from blockspec.loading.hf import GEOMETRY_FIELDS, load_config
+from blockspec.loading.hf import GEOMETRY_FIELDS, architecture, load_config
 from blockspec.loading.weights import CheckpointError, fill_module, load_weights, pack, save_sharded, unpack
 from blockspec.models.dflash import DFlashDrafter, dflash_value
 from blockspec.models.llama import CausalLM, packed_sizes
@@ -72,9 +72,10 @@ def validate(config, target: CausalLM, source: Path | str) -> None:
 def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
     path = Path(path)
     config = load_config(path, GEOMETRY_FIELDS)
-    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    arch = architecture(config)
     if arch != ARCHITECTURE:
-        raise CheckpointError(f"{path}: architecture {arch} is not a DFlash drafter ({ARCHITECTURE})")
+        named = f"architecture {arch}" if arch else "config.json names no architecture, so it"
+        raise CheckpointError(f"{path}: {named} is not a DFlash drafter ({ARCHITECTURE})")
     tc = target.config
     validate(config, target, path)
     with torch.device("meta"):

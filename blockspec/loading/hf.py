@@ -78,6 +78,11 @@ def build_target(
     return model.eval()
 
 
+def architecture(config) -> str | None:
+    """The class config.json names, or None where it names none (transformers then goes by model_type)."""
+    return (getattr(config, "architectures", None) or [None])[0]
+
+
 def load_target(path: str | Path | None, dtype: torch.dtype, device: torch.device) -> Target:
     """A Hugging Face model directory, a .gguf file, or None: the embedded default (SmolLM2)."""
     if path is None or str(path).endswith(".gguf"):
@@ -89,8 +94,8 @@ def load_target(path: str | Path | None, dtype: torch.dtype, device: torch.devic
         return Target(model, ckpt.tokenizer, ckpt.eos_token_ids, path.stem)
     path = Path(path)
     config = load_config(path)
-    arch = (getattr(config, "architectures", None) or ["?"])[0]
-    if arch not in TARGET_ARCHITECTURES:
+    arch = architecture(config)
+    if arch is not None and arch not in TARGET_ARCHITECTURES:  # None: model_type decides (layer_spec)
         raise CheckpointError(
             f"{path}: architecture {arch} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})"
         )
