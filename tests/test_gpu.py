@@ -23,8 +23,9 @@ def outputs(llm, prompts=PROMPTS, n=24):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def test_fp32_fast_path_equals_cpu_reference(tmp_path):
-    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+@pytest.mark.parametrize("sliding", [{}, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}])
+def test_fp32_fast_path_equals_cpu_reference(tmp_path, sliding):
+    t = make_target(tmp_path / "t", "qwen3", vocab=128, **sliding)
     d = make_drafter(tmp_path / "d", t, block_size=8)
     for spec in (None, {"model": str(d)}):
         cpu = outputs(LLM(str(t), spec, device="cpu"))

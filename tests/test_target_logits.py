@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from conftest import make_target
+from conftest import make_drafter, make_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from blockspec import LLM
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
@@ -44,6 +45,9 @@ def paged_logits(model, ids: list[int], split: int, page_size: int = 4) -> torch
     + [
         ("llama", False, "none", {"attention_bias": True, "mlp_bias": True}),
         ("qwen3", False, "none", {"attention_bias": True, "num_key_value_heads": 4}),  # biased, no GQA
+        # sliding window (layers from max_window_layers on) shorter than the 90 tokens
+        ("qwen2", False, "none", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+        ("qwen3", True, "yarn", {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 2}),
     ],
 )
 def test_logits_match_transformers(tmp_path, family, tied, rope, extra):
@@ -56,6 +60,19 @@ def test_logits_match_transformers(tmp_path, family, tied, rope, extra):
     got = paged_logits(ours, ids, split=70)  # positions past original_max_position_embeddings (64)
     torch.testing.assert_close(got, expected[70:], atol=2e-5, rtol=1e-4)
     assert ours.lm_head.weight is ours.model.embed_tokens.weight if tied else True
+
+
+def test_sliding_window_target_decodes_as_transformers(tmp_path):
+    """Greedy decoding past the window, plain and speculative, equals transformers' generate."""
+    t = make_target(tmp_path / "t", "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=2)
+    d = make_drafter(tmp_path / "d", t, block_size=4)
+    ref = AutoModelForCausalLM.from_pretrained(t, dtype=torch.float32).eval()
+    prompt = [5, 9, 17, 3, 40, 41, 42]
+    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for spec in (None, {"model": str(d)}):
+        out = LLM(str(t), spec, device="cpu", page_size=4).generate([prompt], params)[0].outputs[0].token_ids
+        assert out == expected[0, len(prompt) :].tolist()
 
 
 def test_sharded_checkpoint_loads(tmp_path):

@@ -11,13 +11,10 @@ from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.hf import GEOMETRY_FIELDS, architecture, load_config
 from blockspec.loading.weights import CheckpointError, fill_module, load_weights, pack, save_sharded, unpack
 from blockspec.models.dflash import DFlashDrafter, dflash_value
-from blockspec.models.llama import CausalLM, packed_sizes
+from blockspec.models.llama import CausalLM, layer_type_problems, packed_sizes
 from blockspec.sampling import is_int, is_number
 
 ARCHITECTURE = "DFlashDraftModel"
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def validate(config, target: CausalLM, source: Path | str) -> None:
@@ -58,13 +55,7 @@ def validate(config, target: CausalLM, source: Path | str) -> None:
         value = dflash_value(config, name)
         if value is not None and not is_number(value):
             problems.append(f"{name} must be a number, got {value!r}")
-    types = getattr(config, "layer_types", None) or []
-    unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    if unknown:
-        problems.append(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
-    window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in types and not (is_int(window) and window > 0):
-        problems.append(f"sliding_attention layers need a positive sliding_window, got {window!r}")
+    problems += layer_type_problems(config)
     if problems:
         raise CheckpointError(f"{source}: drafter config does not fit the target: " + "; ".join(problems))
 

@@ -12,9 +12,11 @@ from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, qk_norm_rope
+from blockspec.sampling import is_int
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 FAMILIES = ("llama", "qwen2", "qwen3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,23 @@ def layer_spec(config) -> LayerSpec:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=family == "qwen3",
     )
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's attention, as transformers lays them out (`layer_types`; Qwen2/Qwen3 with
+    use_sliding_window slide from max_window_layers on): full causal, or over the last
+    `sliding_window` positions."""
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
+def layer_type_problems(config) -> list[str]:
+    types = layer_types(config)
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    problems = [f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})"] if unknown else []
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in types and not (is_int(window) and window > 0):
+        problems.append(f"sliding_attention layers need a positive sliding_window, got {window!r}")
+    return problems
 
 
 def weight(norm: RMSNorm | None) -> torch.Tensor | None:
@@ -146,7 +165,7 @@ class Backbone(nn.Module):
     def __init__(self, config, s: LayerSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(s, t) for t in layer_types(config))
         self.norm = RMSNorm(s.hidden_size, s.eps)
 
 
@@ -156,9 +175,12 @@ class CausalLM(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("sliding-window attention in the target is not supported")
+        problems = layer_type_problems(config)
+        if problems:
+            raise ValueError("; ".join(problems))
         self.config = config
+        sliding = "sliding_attention" in layer_types(config)
+        self.sliding_window = config.sliding_window if sliding else None
         self.spec = layer_spec(config)
         self.model = Backbone(config, self.spec)
         self.lm_head = Linear(self.spec.hidden_size, config.vocab_size, bias=False)
