@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_target
 from safetensors.torch import load_file
-from transformers import Qwen3Config
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from blockspec.cli import main as cli_main
 from blockspec.layers.attention import DenseAttention
@@ -35,7 +35,7 @@ from blockspec.train.data import (
     token_prompts,
 )
 from blockspec.train.evaluate import acceptance_lengths
-from blockspec.train.loss import dflash_loss, row_weights, sample_anchors
+from blockspec.train.loss import context_features, dflash_loss, row_weights, sample_anchors
 from blockspec.train.masks import FlexBlockAttention, block_mask, flex_block_mask
 from blockspec.train.model import build_drafter
 from blockspec.train.prompts import build_prompts
@@ -134,6 +134,23 @@ def test_copy_init_is_the_identity_on_the_deepest_feature(setup, tmp_path) -> No
         expected = torch.zeros(h, len(ids) * h)
         expected[:, deepest * h : (deepest + 1) * h] = torch.eye(h)
         assert torch.equal(drafter.fc.weight, expected)
+
+
+def test_context_features_of_a_sliding_window_target(tmp_path) -> None:
+    """Training's frozen-target pass captures what transformers' layers output, sliding layers too."""
+    path = make_target(
+        tmp_path / "t", "qwen2", vocab=VOCAB, use_sliding_window=True, sliding_window=6, max_window_layers=2
+    )
+    target = load_target(str(path), torch.float32, CPU).model
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids, torch.tensor([20, 15]), torch.tensor([4, 4]))
+    features = context_features(target, batch, (1, 3))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for row, n in enumerate((20, 15)):
+            hs = hf(ids[row : row + 1, :n], output_hidden_states=True).hidden_states
+            expected = torch.cat([hs[2][0], hs[4][0]], dim=-1)
+            torch.testing.assert_close(features[row, :n], expected, atol=1e-5, rtol=1e-4)
 
 
 def test_training_forward_matches_engine_proposal(setup, tmp_path) -> None:

@@ -52,8 +52,12 @@ def context_features(target: CausalLM, batch: Batch, capture: tuple[int, ...]) -
     """The frozen target's captured layer outputs for every position: [B, T, n*H_t]."""
     b, t = batch.input_ids.shape
     positions = torch.arange(t, device=batch.input_ids.device).expand(b, t)
-    causal = visibility(positions, positions, positions < batch.lengths[:, None], causal=True, window=None)
-    attn = DenseAttention({"full_attention": causal})
+    valid = positions < batch.lengths[:, None]
+    masks = {
+        "full_attention": visibility(positions, positions, valid, causal=True, window=None),
+        "sliding_attention": visibility(positions, positions, valid, causal=True, window=target.sliding_window),
+    }
+    attn = DenseAttention(masks)
     _, features = target(batch.input_ids, positions, attn, [None] * len(target.model.layers), capture)
     return features
 
