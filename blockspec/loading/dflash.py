@@ -88,7 +88,6 @@ def load_drafter(path: str | Path, target: CausalLM, dtype: torch.dtype, device:
 def drafter_config(drafter: DFlashDrafter, target: CausalLM) -> dict:
     """config.json of the published layout."""
     s, rope = drafter.spec, rope_parameters(drafter.config)
-    sliding = "sliding_attention" in drafter.layer_types
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -109,8 +108,8 @@ def drafter_config(drafter: DFlashDrafter, target: CausalLM) -> dict:
         else {k: v for k, v in rope.items() if k != "rope_theta"},
         "tie_word_embeddings": False,
         "layer_types": drafter.layer_types,
-        "use_sliding_window": sliding,  # transformers drops sliding_window without it
-        "sliding_window": drafter.sliding_window if sliding else None,
+        "use_sliding_window": drafter.sliding_window is not None,  # transformers drops sliding_window without it
+        "sliding_window": drafter.sliding_window,
         "block_size": drafter.block_size,
         "num_target_layers": target.config.num_hidden_layers,
         "dflash_config": {

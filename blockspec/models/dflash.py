@@ -15,7 +15,7 @@ from blockspec.layers.attention import AttentionMetadata, write_kv
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, norm_rope
-from blockspec.models.llama import DecoderLayer, KVCache, decoder_stack, layer_spec, layer_types
+from blockspec.models.llama import DecoderLayer, KVCache, decoder_stack, layer_spec, layer_types, sliding_window
 
 
 def dflash_value(config, name: str, default=None):
@@ -41,7 +41,7 @@ class DFlashDrafter(nn.Module):
         self.spec = dataclasses.replace(layer_spec(config), qk_norm=True)
         n = config.num_hidden_layers
         self.layer_types = layer_types(config)
-        self.sliding_window = getattr(config, "sliding_window", None)
+        self.sliding_window = sliding_window(config)
         self.layers = nn.ModuleList(DecoderLayer(self.spec, t) for t in self.layer_types)
         ids = dflash_value(config, "target_layer_ids")
         self.target_layer_ids = tuple(ids if ids is not None else default_target_layer_ids(num_target_layers, n))

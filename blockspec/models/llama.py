@@ -70,6 +70,11 @@ def layer_types(config) -> list[str]:
     return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
 
 
+def sliding_window(config) -> int | None:
+    """The window of the sliding layers; None where no layer slides."""
+    return config.sliding_window if "sliding_attention" in layer_types(config) else None
+
+
 def layer_type_problems(config) -> list[str]:
     types = layer_types(config)
     unknown = sorted({t for t in types if t not in LAYER_TYPES})
@@ -179,8 +184,7 @@ class CausalLM(nn.Module):
         if problems:
             raise ValueError("; ".join(problems))
         self.config = config
-        sliding = "sliding_attention" in layer_types(config)
-        self.sliding_window = config.sliding_window if sliding else None
+        self.sliding_window = sliding_window(config)
         self.spec = layer_spec(config)
         self.model = Backbone(config, self.spec)
         self.lm_head = Linear(self.spec.hidden_size, config.vocab_size, bias=False)
