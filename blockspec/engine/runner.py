@@ -111,15 +111,16 @@ class ModelRunner:
         hidden, features = self.target_forward(block_ids, starts, lengths, block_tables)
         return self.target.compute_logits(hidden), features
 
-    def propose_forward(self, block_ids, starts, lengths, block_tables):
-        """Drafter logits [B, w-1, V] of rows 1..w-1 of blocks whose first w rows are `block_ids`
-        [B, w] (anchor, then MASK). The drafter runs its whole block (`lengths` rows, the block
-        size where the context has room), the layout it was trained on: cut to w rows, the same
-        drafts come out less accurate (the shipped SmolLM2 drafter's first draft: 36% right at
-        w = 2 against 48% at 16, fp32)."""
+    def propose_forward(self, anchors, starts, lengths, block_tables):
+        """Drafter logits [B, w-1, V] of block rows 1..w-1; `anchors` [B, w]: each block's anchor,
+        repeated w times (the width sets the rows kept, and the CUDA graph's row class). The
+        drafter runs its whole block, [anchor, MASK, ...] over `lengths` rows (the block size where
+        the context has room), the layout it was trained on: cut to w rows, the same drafts come
+        out less accurate (the shipped SmolLM2 drafter's first draft: 36% right at w = 2 against
+        48% at 16, fp32)."""
         d = self.drafter
-        width = block_ids.shape[1]
-        full = F.pad(block_ids[:, :1], (0, d.block_size - 1), value=d.mask_token_id)
+        width = anchors.shape[1]
+        full = F.pad(anchors[:, :1], (0, d.block_size - 1), value=d.mask_token_id)
         b = make_batch(starts, lengths, block_tables, d.block_size, self.page_size)
         ctx_start = (b.starts - self.window).clamp_min(0) if self.window is not None else torch.zeros_like(b.starts)
         block_range = (ctx_start[:, None].expand_as(b.positions), b.ends[:, None].expand_as(b.positions))
@@ -168,9 +169,7 @@ class ModelRunner:
         runs its whole block, up to the context's end (the engine holds pages for it)."""
         starts, _, tables = inputs
         lengths = (self.max_model_len - starts).clamp_max(self.drafter.block_size)
-        block_ids = torch.full((len(anchors), width), self.drafter.mask_token_id, device=self.device)
-        block_ids[:, :1] = anchors
-        return self.run("propose", self.propose_forward, block_ids, starts, lengths, tables)
+        return self.run("propose", self.propose_forward, anchors.expand(-1, width), starts, lengths, tables)
 
     @torch.inference_mode()
     def verify(self, block_ids: torch.Tensor, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
