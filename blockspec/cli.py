@@ -64,11 +64,11 @@ def sampling_params(args: argparse.Namespace, **extra) -> SamplingParams:
 
 
 def marked_text(llm: LLM, out: RequestOutput) -> str:
-    """The output with each step's accepted drafts highlighted (the bonus token is plain). The
-    text is decoded once; a step's boundary is the length of its prefix's decode, less a partial
-    character at its end (a token can end inside one), so the marks never change the text."""
-    ids = out.outputs[0].token_ids
-    text = llm.tokenizer.decode(ids, skip_special_tokens=True)
+    """The output's text with each step's accepted drafts highlighted (the bonus token is plain).
+    A step's boundary is the length of its prefix's decode, less a partial character at its end
+    (a token can end inside one), so the marks never change the text (nor a stop token's text,
+    left out of it, come back)."""
+    ids, text = out.outputs[0].token_ids, out.outputs[0].text
 
     def boundary(num_tokens: int) -> int:
         return len(llm.tokenizer.decode(ids[:num_tokens], skip_special_tokens=True).rstrip("\ufffd"))

@@ -68,6 +68,10 @@ def test_marked_text_keeps_characters_split_across_tokens(pair: tuple[LLM, LLM])
         out = RequestOutput("r", None, [], [CompletionOutput(0, text, ids, "stop")], True, steps)
         marked = marked_text(spec, out)
         assert marked.replace(GREEN, "").replace(RESET, "") == text, cut
+    # stopped on a (non-special) stop token: its text is not in the output, nor in the marked text
+    stopped = spec.tokenizer.decode(ids[:-1])
+    out = RequestOutput("r", None, [], [CompletionOutput(0, stopped, ids, "stop")], True, RequestMetrics([len(ids)]))
+    assert marked_text(spec, out).replace(GREEN, "").replace(RESET, "") == stopped
 
 
 def test_steps_launched_ahead_change_nothing(pair: tuple[LLM, LLM]) -> None:
