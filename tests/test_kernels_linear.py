@@ -139,8 +139,10 @@ def test_dequant_kernel_is_the_reference_bit_for_bit(dtype):
 def test_choose_config_for_model_shapes():
     shapes = [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (4096, 12288)]
     shapes += [(10240, 4096), (4096, 20480), (151936, 4096)]  # fused K/V, fc, LM head
-    for M, (N, K), elem_bytes in itertools.product((1, 16, 37, 256, 1024), shapes, (1, 2, 4)):
-        c = kernel.choose_config(M, N, K, 132, elem_bytes)
+    for M, (N, K), elem_bytes, prologue in itertools.product(
+        (1, 16, 37, 256, 1024), shapes, (1, 2, 4), (None, "norm", "gated")
+    ):
+        c = kernel.choose_config(M, N, K, 132, elem_bytes, prologue)
         if M == 1 and elem_bytes > 1:  # the GEMV kernel: no split, no MMA tile
             assert c.block_m == 1 and c.split_k == 1 and c.block_k <= K, (N, K, c)
             continue

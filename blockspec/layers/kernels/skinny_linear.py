@@ -250,17 +250,28 @@ def _split_k(tiles: int, k_iters: int, M: int, K: int, min_programs: int) -> int
     return split
 
 
-def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2) -> SkinnyConfig:
-    """Tile sizes by M and the bytes of an x or weight element (1: W8A8), then split-K. The M = 1
-    and M <= 16 tiles are the H200's best (or within 3% of it) over the Qwen3-8B target's shapes in
-    bf16 and the drafter's in W8A8: wide weights stream best in long K steps, bf16 ones without
-    split-K, FP8 ones split until half the SMs have a program (down_proj, o_proj); larger M are
-    first guesses, split until about two programs per SM. K steps are shortened where the tiles in
-    flight would not fit in shared memory (fp32). `python -m blockspec.bench.fp8_bench --sweep`
-    times alternatives for W8A8."""
+# The GEMV's (block_n, block_k, num_warps, num_stages) by its prologue, for weights narrower than
+# WIDE_N. H200, Qwen3-8B's shapes at one row, 36 distinct weights each (read from HBM), fused as a
+# layer runs them, µs per call against one tile for all (16, 512, 8, 3): q|k|v with the norm 13.7
+# against 17.4, o_proj with the residual 9.6 against 12.1, down_proj with SwiGLU and the residual
+# 26.0 against 32.8 (Llama's K = 14336: 29.9 against 37.9). The best tile moves with the prologue
+# (its registers and loads), e.g. o_proj's would take down_proj to 32.1 and q|k|v's 33.1.
+GEMV_TILES = {"norm": (16, 512, 4, 3), "gated": (8, 1024, 4, 2), None: (16, 1024, 8, 2)}
+WIDE_N = 16384  # LM heads, gate|up: (32, 256, 8, 3) whatever the prologue (46.7 µs for gate|up)
+
+
+def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologue: str | None = None) -> SkinnyConfig:
+    """Tile sizes by M and the bytes of an x or weight element (1: W8A8), then split-K; at one row
+    (the GEMV) also by the `prologue` fused in ("norm", "gated" or None). The M = 1 and M <= 16
+    tiles are the H200's best (or within 3% of it) over the Qwen3-8B target's shapes in bf16 and
+    the drafter's in W8A8: wide weights stream best in long K steps, bf16 ones without split-K, FP8
+    ones split until half the SMs have a program (down_proj, o_proj); larger M are first guesses,
+    split until about two programs per SM. K steps are shortened where the tiles in flight would
+    not fit in shared memory (fp32). `python -m blockspec.bench.fp8_bench --sweep` times
+    alternatives for W8A8."""
     if M == 1 and elem_bytes > 1:  # W8A8 runs on the MMA kernel at any M
-        wide = N >= 16384  # LM heads, gate|up: longer rows per program, fewer programs
-        return SkinnyConfig(1, 32 if wide else 16, min(256 if wide else 512, _pow2_at_least(K)), 1, 8, 3)
+        bn, bk, warps, stages = (32, 256, 8, 3) if N >= WIDE_N else GEMV_TILES[prologue]
+        return SkinnyConfig(1, bn, min(bk, _pow2_at_least(K)), 1, warps, stages)
     if M <= 16:
         wide = N >= 16384
         bm, bn, bk, warps, stages = 16, 64, 128 if wide and elem_bytes > 1 else 256, 4, 3 if wide else 4
@@ -353,7 +364,8 @@ def _launch(
         assert residual.dtype == out_dtype, f"a {residual.dtype} residual for a {out_dtype} output"
         residual = residual.contiguous()
     sms = num_sms(x.device, interpreted=8)  # interpreter: few SMs, so that split-K is exercised
-    cfg = config or choose_config(M, N, K, sms, x.element_size())
+    prologue = "norm" if norm is not None else "gated" if gated else None
+    cfg = config or choose_config(M, N, K, sms, x.element_size(), prologue)
     assert not gated or cfg.block_m == 1, "the SwiGLU prologue is the GEMV's only (see layers.linear.fused_linear)"
     assert not (scales is not None and cfg.block_m == 1), "W8A8 runs on the MMA kernel"
     # Pointers that a flag leaves unread are given some valid tensor.
