@@ -88,13 +88,19 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 def test_tied_config_with_its_own_lm_head(tmp_path):
     """A tied config whose file still holds a different lm_head.weight: transformers keeps that
-    head (it does not tie), and so do we; an lm_head equal to the embedding stays tied."""
+    head (it does not tie), and so do we; an lm_head equal to the embedding stays tied, and so does
+    one stored instead of the embedding (it serves both)."""
     path = make_target(tmp_path / "t", "qwen3", tied=True)
     weights = load_file(path / "model.safetensors")
     embed = weights["model.embed_tokens.weight"]
+    no_embed = {n: t for n, t in weights.items() if n != "model.embed_tokens.weight"}
     ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    for head, tied in ((torch.randn_like(embed), False), (embed.clone(), True)):
-        save_file({**weights, "lm_head.weight": head}, path / "model.safetensors")
+    for base, head, tied in (
+        (weights, torch.randn_like(embed), False),
+        (weights, embed.clone(), True),
+        (no_embed, embed, True),
+    ):
+        save_file({**base, "lm_head.weight": head}, path / "model.safetensors")
         ours = load_target(path, torch.float32, torch.device("cpu")).model
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():

@@ -65,6 +65,9 @@ def build_target(
     config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, source: Path
 ) -> CausalLM:
     head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and embed is None and head is not None:  # as transformers: it serves both
+        weights = {**weights, "model.embed_tokens.weight": head}
+        embed = head
     if config.tie_word_embeddings and head is not None and not (embed is not None and torch.equal(head, embed)):
         config.tie_word_embeddings = False  # as transformers does: the file's own LM head is kept, not tied
     with torch.device("meta"):
