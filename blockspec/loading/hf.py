@@ -65,11 +65,11 @@ def build_target(
     config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, source: Path
 ) -> CausalLM:
     head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
-    if config.tie_word_embeddings and embed is None and head is not None:  # as transformers: it serves both
-        weights = {**weights, "model.embed_tokens.weight": head}
-        embed = head
-    if config.tie_word_embeddings and head is not None and not (embed is not None and torch.equal(head, embed)):
-        config.tie_word_embeddings = False  # as transformers does: the file's own LM head is kept, not tied
+    if config.tie_word_embeddings and head is not None:  # as transformers loads a tied config:
+        if embed is None:  # the head stored alone serves both
+            weights = {**weights, "model.embed_tokens.weight": head}
+        elif not torch.equal(head, embed):  # the file's own, different head is kept, not tied
+            config.tie_word_embeddings = False
     with torch.device("meta"):
         model = CausalLM(config)
     tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
