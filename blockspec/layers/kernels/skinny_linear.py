@@ -257,7 +257,8 @@ def _split_k(tiles: int, k_iters: int, M: int, K: int, min_programs: int) -> int
 # 26.0 against 32.8 (Llama's K = 14336: 29.9 against 37.9). The best tile moves with the prologue
 # (its registers and loads), e.g. o_proj's would take down_proj to 32.1 and q|k|v's 33.1.
 GEMV_TILES = {"norm": (16, 512, 4, 3), "gated": (8, 1024, 4, 2), None: (16, 1024, 8, 2)}
-WIDE_N = 16384  # LM heads, gate|up: (32, 256, 8, 3) whatever the prologue (46.7 µs for gate|up)
+GEMV_WIDE_TILE = (32, 256, 8, 3)  # whatever the prologue (gate|up with the norm: 46.7 µs)
+WIDE_N = 16384  # LM heads, gate|up: longer rows per program, fewer programs (GEMV and MMA tiles)
 
 
 def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologue: str | None = None) -> SkinnyConfig:
@@ -270,10 +271,10 @@ def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologu
     not fit in shared memory (fp32). `python -m blockspec.bench.fp8_bench --sweep` times
     alternatives for W8A8."""
     if M == 1 and elem_bytes > 1:  # W8A8 runs on the MMA kernel at any M
-        bn, bk, warps, stages = (32, 256, 8, 3) if N >= WIDE_N else GEMV_TILES[prologue]
+        bn, bk, warps, stages = GEMV_WIDE_TILE if N >= WIDE_N else GEMV_TILES[prologue]
         return SkinnyConfig(1, bn, min(bk, _pow2_at_least(K)), 1, warps, stages)
     if M <= 16:
-        wide = N >= 16384
+        wide = N >= WIDE_N
         bm, bn, bk, warps, stages = 16, 64, 128 if wide and elem_bytes > 1 else 256, 4, 3 if wide else 4
         min_programs = sms // 2 if elem_bytes == 1 else 1
     elif M <= 32:
