@@ -5,6 +5,7 @@ whose drafter raises the engine's mean acceptance length on held-out prompts."""
 import dataclasses
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from blockspec.loading.weights import CheckpointError
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.sampling import SamplingParams
 from blockspec.train import TrainConfig, train
+from blockspec.train import prompts as prompts_module
 from blockspec.train.batches import Batch, collate
 from blockspec.train.checkpoint import load_checkpoint, save_checkpoint
 from blockspec.train.data import (
@@ -70,8 +72,8 @@ def setup(tmp_path_factory) -> tuple[Path, Path, list[list[int]]]:
     return target, root / "data.jsonl", [e.prompt_ids for e in examples[TRAIN:]]
 
 
-def config(target: Path, data: Path, out: Path, **overrides) -> TrainConfig:
-    base = {"model": str(target), "output": str(out), "device": "cpu", "data": str(data), "layers": 1}
+def config(target: Path, data: Path | None, out: Path, **overrides) -> TrainConfig:
+    base = {"model": str(target), "output": str(out), "device": "cpu", "data": data and str(data), "layers": 1}
     base |= {"block_size": 8, "steps": 300, "batch_size": 16, "blocks_per_seq": 16, "lr": 3e-3, "log_every": 50}
     return TrainConfig(**(base | {"save_dtype": "float32"} | overrides))
 
@@ -177,14 +179,16 @@ def test_resume_is_exact(setup, tmp_path) -> None:
     target = load_target(str(target_dir), torch.float32, CPU).model.requires_grad_(False)
     examples = read_examples(data)
 
-    def trainer(out: Path, resume: bool = False) -> Trainer:
+    def trainer(out: Path, resume: bool = False, mask: int = VOCAB - 1) -> Trainer:
         cfg = config(target_dir, data, out, steps=8, log_every=4, save_every=100, resume=resume)
-        return Trainer(cfg, target, build_drafter(target, cfg, VOCAB - 1)[0], examples, CPU)
+        return Trainer(cfg, target, build_drafter(target, cfg, mask)[0], examples, CPU)
 
     whole = trainer(tmp_path / "a")
     whole.run()
     half = trainer(tmp_path / "b")
     half.run(until=4)
+    with pytest.raises(CheckpointError, match=f"another run: mask_token_id {VOCAB - 1} -> {VOCAB - 2}"):
+        trainer(tmp_path / "b", resume=True, mask=VOCAB - 2)  # same shapes, weights that mean other things
     resumed = trainer(tmp_path / "b", resume=True)
     assert resumed.step == 4
     resumed.run()
@@ -223,7 +227,7 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"save_dtype": "bf15"}, "save_dtype must be one of"),
+        ({"save_dtype": "bf15"}, "save_dtype: dtype 'bf15' is not supported"),
         ({"log_every": 0}, "save_every and log_every must be >= 1"),
         ({"eval_prompts": -3}, "eval_prompts must be >= 0"),
     ],
@@ -231,6 +235,9 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
 def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -> None:
     with pytest.raises(ValueError, match=message):
         config("t", tmp_path / "data.jsonl", tmp_path / "out", **change)
+    assert (
+        config("t", tmp_path / "data.jsonl", tmp_path / "out", save_dtype="auto").save_dtype == "auto"
+    )  # as run.py reads it
 
 
 def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
@@ -242,9 +249,9 @@ def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
         build_drafter(target, config(target_dir, data, tmp_path), VOCAB)
     with pytest.raises(ValueError, match="num_attention_heads 3 is not a multiple of num_key_value_heads 2"):
         build_drafter(target, config(target_dir, data, tmp_path, num_heads=3, num_kv_heads=2), VOCAB - 1)
-    cfg = config(target_dir, data, tmp_path, attention="flex")
-    with pytest.raises(ValueError, match="attention=flex needs CUDA"):
-        Trainer(cfg, target, build_drafter(target, cfg, VOCAB - 1)[0], read_examples(data), CPU)
+    with pytest.raises(ValueError, match="attention=flex needs CUDA"):  # before any data is generated
+        train(config(target_dir, None, tmp_path / "flex", attention="flex"))
+    assert not (tmp_path / "flex" / "data.jsonl").exists()
     with pytest.raises(ValueError, match="eval_prompts 512 would hold out all 512 examples"):
         train(config(target_dir, data, tmp_path / "all", eval_prompts=TRAIN))
     (tmp_path / "empty.jsonl").touch()
@@ -260,8 +267,15 @@ def test_generated_data_is_not_reused_under_other_settings(setup, tmp_path) -> N
         generate_dataset(dataclasses.replace(cfg, model=str(tmp_path / "typo")), path, CPU)
     assert len(generate_dataset(cfg, path, CPU)) == 3  # ... so the corrected run starts afresh
     assert len(generate_dataset(dataclasses.replace(cfg, num_prompts=5), path, CPU)) == 5  # extended
-    with pytest.raises(ValueError, match=r"other settings \(temperature 0.0 -> 0.5\)"):
+    changes = [({"temperature": 0.5}, "temperature 0.0 -> 0.5"), ({"max_new_tokens": 6}, "max_new_tokens 4 -> 6")]
+    changes += [({"model": "other"}, f"model {cfg.model!r} -> 'other'")]
+    for change, differ in changes:
+        with pytest.raises(ValueError, match=re.escape(f"other settings ({differ})")):
+            generate_dataset(dataclasses.replace(cfg, **change), path, CPU)
+    part = path.rename(path.with_name("data.rank0-of-2.jsonl"))  # all an interrupted 2-rank run left
+    with pytest.raises(ValueError, match=re.escape("other settings (temperature 0.0 -> 0.5)")):
         generate_dataset(dataclasses.replace(cfg, temperature=0.5), path, CPU)
+    part.rename(path)
     path.with_suffix(".settings.json").unlink()
     with pytest.raises(ValueError, match="has no record of its settings"):
         generate_dataset(cfg, path, CPU)
@@ -359,3 +373,9 @@ def test_prompts_come_from_offline_text() -> None:
     assert all(isinstance(p, str) and len(p) > 20 for p in prompts)
     assert build_prompts(40, seed=0) == prompts != build_prompts(40, seed=1)  # deterministic per seed
     assert build_prompts(400, seed=0)[:40] == prompts  # more prompts extend the list: none is asked twice
+    assert build_prompts(400, seed=0)[:5] == build_prompts(5, seed=0)  # also where a tenth rounds to 0
+
+
+def test_word_problems_stay_within_a_tenth(monkeypatch) -> None:
+    monkeypatch.setattr(prompts_module, "from_files", lambda *args: iter(()))  # every other source dry
+    assert len(build_prompts(50, seed=0)) == 1  # the first; a second would pass a tenth of two

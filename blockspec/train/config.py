@@ -5,7 +5,9 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 
-from blockspec.llm import DTYPES
+import torch
+
+from blockspec.llm import resolve_dtype
 
 
 def knob(default, doc: str):
@@ -69,11 +71,14 @@ class TrainConfig:
             (0 <= self.warmup < 1, "warmup is a fraction of steps in [0, 1)"),
             (self.save_every >= 1 and self.log_every >= 1, "save_every and log_every must be >= 1"),
             (self.eval_prompts >= 0, f"eval_prompts must be >= 0, got {self.eval_prompts}"),
-            (self.save_dtype in DTYPES, f"save_dtype must be one of {', '.join(DTYPES)}, got {self.save_dtype!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        try:  # the dtype names run.py resolves it by, "auto" included
+            resolve_dtype(self.save_dtype, torch.device("cpu"))
+        except ValueError as e:
+            raise ValueError(f"save_dtype: {e}") from None
 
     @property
     def loss_gamma(self) -> float:

@@ -75,6 +75,11 @@ def part_path(path: Path, world: World) -> Path:
     return path if world.size == 1 else path.with_name(f"{path.stem}.rank{world.rank}-of-{world.size}{path.suffix}")
 
 
+def part_files(path: Path) -> list[Path]:
+    """The part files beside `path` that some run's ranks left (of any number of ranks)."""
+    return sorted(path.parent.glob(f"{path.stem}.rank*-of-*{path.suffix}"))
+
+
 def merge_parts(path: Path, parts: list[Path]) -> None:
     """Append the parts' examples to `path` in prompt order, each prompt once, then delete the
     parts. `path` is replaced whole, so a crash leaves the parts or the merge, never half of one."""
@@ -102,8 +107,7 @@ def generate_dataset(cfg: TrainConfig, path: Path, device: torch.device, world: 
         check_settings(cfg, path)
         # Parts that an interrupted run with another number of ranks left: merged first (its ranks
         # may have stopped at different prompts; those between are skipped, not redone).
-        leftovers = sorted(path.parent.glob(f"{path.stem}.rank*-of-*{path.suffix}"))
-        merge_parts(path, [p for p in leftovers if p not in parts])
+        merge_parts(path, [p for p in part_files(path) if p not in parts])
     world.barrier()
     done = read_examples(path) if path.is_file() else []
     part = part_path(path, world)
@@ -129,7 +133,8 @@ def check_settings(cfg: TrainConfig, path: Path) -> None:
     settings = {"model": cfg.model, "prompts": cfg.prompts, "seed": cfg.seed, "temperature": cfg.temperature}
     settings |= {"max_new_tokens": cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens}
     record = path.with_suffix(".settings.json")
-    if not (path.is_file() and path.stat().st_size):  # no data yet: whatever a failed start recorded goes
+    if not any(f.is_file() and f.stat().st_size for f in (path, *part_files(path))):
+        # No data yet (merged or in parts): whatever a failed start recorded goes.
         record.write_text(json.dumps(settings))
     elif not record.is_file():
         raise ValueError(f"{path} has no record of its settings: delete it, or pass it as --data to train on it")

@@ -32,6 +32,8 @@ def train(cfg: TrainConfig) -> Path:
 
 
 def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
+    if cfg.attention == "flex" and device.type != "cuda":  # before hours of data generation
+        raise ValueError("attention=flex needs CUDA (FlexAttention has no backward on the CPU): use dense")
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     examples = read_examples(cfg.data) if cfg.data else generate_dataset(cfg, out / "data.jsonl", device, world)
