@@ -145,6 +145,8 @@ def test_unsupported_weights_and_configs(tmp_path, pair):
     bad = {**weights, q: moved[:80], k: moved[80:]}
     with pytest.raises(CheckpointError, match=r"q_proj.weight has shape \(80, 64\), expected 64 rows"):
         LLM(str(rewrite(t, tmp_path / "split", weights=bad)), None, device="cpu")
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
+        LLM(str(rewrite(t, tmp_path / "heads", {"num_key_value_heads": 3})), None, device="cpu")
     with pytest.raises(CheckpointError, match="config.json: not a usable model config"):
         LLM(str(rewrite(t, tmp_path / "nolayers", {"num_hidden_layers": "four"})), None, device="cpu")
     with pytest.raises(CheckpointError, match="config.json: fields missing: hidden_size, vocab_size"):

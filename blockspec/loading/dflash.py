@@ -11,7 +11,7 @@ from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.hf import GEOMETRY_FIELDS, architecture, load_config
 from blockspec.loading.weights import CheckpointError, fill_module, load_weights, pack, save_sharded, unpack
 from blockspec.models.dflash import DFlashDrafter, dflash_value
-from blockspec.models.llama import CausalLM, layer_type_problems, packed_sizes
+from blockspec.models.llama import CausalLM, config_problems, packed_sizes
 from blockspec.sampling import is_int, is_number
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -48,14 +48,11 @@ def validate(config, target: CausalLM, source: Path | str) -> None:
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and vocab != tc.vocab_size:
         problems.append(f"drafter vocab_size {vocab} != target vocab_size {tc.vocab_size}")
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    if heads % kv_heads:
-        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
         value = dflash_value(config, name)
         if value is not None and not is_number(value):
             problems.append(f"{name} must be a number, got {value!r}")
-    problems += layer_type_problems(config)
+    problems += config_problems(config)
     if problems:
         raise CheckpointError(f"{source}: drafter config does not fit the target: " + "; ".join(problems))
 

@@ -52,7 +52,7 @@ def layer_spec(config) -> LayerSpec:
     return LayerSpec(
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        num_kv_heads=num_kv_heads(config),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         intermediate_size=config.intermediate_size,
         eps=config.rms_norm_eps,
@@ -61,6 +61,10 @@ def layer_spec(config) -> LayerSpec:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=family == "qwen3",
     )
+
+
+def num_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def layer_types(config) -> list[str]:
@@ -75,10 +79,16 @@ def sliding_window(config) -> int | None:
     return config.sliding_window if "sliding_attention" in layer_types(config) else None
 
 
-def layer_type_problems(config) -> list[str]:
+def config_problems(config) -> list[str]:
+    """What a target's or drafter's config asks for that its layers cannot do: query heads that
+    do not share the K/V heads evenly, unknown layer types, sliding layers without a window."""
+    heads, kv_heads, problems = config.num_attention_heads, num_kv_heads(config), []
+    if heads % kv_heads:
+        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     types = layer_types(config)
     unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    problems = [f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})"] if unknown else []
+    if unknown:
+        problems.append(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
     window = getattr(config, "sliding_window", None)
     if "sliding_attention" in types and not (is_int(window) and window > 0):
         problems.append(f"sliding_attention layers need a positive sliding_window, got {window!r}")
@@ -180,7 +190,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        problems = layer_type_problems(config)
+        problems = config_problems(config)
         if problems:
             raise ValueError("; ".join(problems))
         self.config = config
