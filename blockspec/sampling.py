@@ -2,18 +2,19 @@
 acceptance rules of speculative decoding (greedy prefix match; rejection sampling)."""
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 
 def is_int(value) -> bool:
-    """An integer, not a bool (which Python counts as one): for checks of parsed JSON too."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too), not a bool (which Python counts as one): for checks of parsed JSON too."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value) -> bool:
-    return is_int(value) or isinstance(value, float)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class InvalidSamplingParam(ValueError):

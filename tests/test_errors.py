@@ -4,6 +4,7 @@ impossible sampling parameters."""
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_drafter, make_target
@@ -221,6 +222,11 @@ def test_malformed_drafter_configs(tmp_path, pair, change, message):
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_numpy_sampling_params_pass():  # numbers as numpy gives them are numbers, bools are not
+    p = SamplingParams(temperature=np.float32(0.7), top_p=np.float64(0.9), top_k=np.int64(5), seed=np.int32(3))
+    assert (p.temperature, p.top_k) == (np.float32(0.7), 5)
 
 
 def test_bad_prompts(pair):
