@@ -102,7 +102,8 @@ class ModelRunner:
 
     def target_forward(self, input_ids, starts, lengths, block_tables):
         b = make_batch(starts, lengths, block_tables, input_ids.shape[1], self.page_size)
-        ranges = {"full_attention": causal_range(b), "sliding_attention": causal_range(b, self.target.sliding_window)}
+        full, window = causal_range(b), self.target.sliding_window
+        ranges = {"full_attention": full, "sliding_attention": full if window is None else causal_range(b, window)}
         attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size)
         hidden, features = self.target(input_ids, b.positions, attn, self.target_cache, self.capture)
         return hidden, features
