@@ -52,12 +52,10 @@ def context_features(target: CausalLM, batch: Batch, capture: tuple[int, ...]) -
     """The frozen target's captured layer outputs for every position: [B, T, n*H_t]."""
     b, t = batch.input_ids.shape
     positions = torch.arange(t, device=batch.input_ids.device).expand(b, t)
-    valid = positions < batch.lengths[:, None]
-    masks = {
-        "full_attention": visibility(positions, positions, valid, causal=True, window=None),
-        "sliding_attention": visibility(positions, positions, valid, causal=True, window=target.sliding_window),
-    }
-    attn = DenseAttention(masks)
+    valid, window = positions < batch.lengths[:, None], target.sliding_window
+    full = visibility(positions, positions, valid, causal=True, window=None)
+    sliding = full if window is None else visibility(positions, positions, valid, causal=True, window=window)
+    attn = DenseAttention({"full_attention": full, "sliding_attention": sliding})
     _, features = target(batch.input_ids, positions, attn, [None] * len(target.model.layers), capture)
     return features
 
