@@ -93,6 +93,8 @@ def resolve_config(spec):
         return kernel.SkinnyConfig(16, 32, 32, split_k=2)
     if spec == "odd-split":  # block_k 32: FP8 MMAs take K in steps of 32
         return kernel.SkinnyConfig(32, 16, 32, split_k=3)
+    if spec == "gemv-steps":  # several K steps, whatever K the tuned one-row tiles take at once
+        return kernel.SkinnyConfig(1, 16, 64)
     return None
 
 
@@ -120,6 +122,22 @@ FUSED_CASES = [  # M, N, K, dtype, config, prologue, residual
 def test_fused_prologue_and_residual_small(M, N, K, dtype, config, prologue, residual):
     check_kernel(M, N, K, dtype, True, resolve_config(config), False, prologue=prologue, residual=residual)
     check_kernel(M, N, K, dtype, True, resolve_config(config), True, residual=residual)  # W8A8: no prologue
+
+
+@runs_kernel
+@pytest.mark.parametrize("K", [256, 300])
+@pytest.mark.parametrize("prologue", [None, "norm", "gated"])
+def test_gemv_over_several_k_steps(K, prologue):
+    check_kernel(1, 40, K, torch.float32, True, resolve_config("gemv-steps"), False, prologue=prologue, residual=True)
+
+
+@runs_kernel
+def test_gemv_tile_follows_its_prologue(monkeypatch):
+    chosen, choose = [], kernel.choose_config
+    monkeypatch.setattr(kernel, "choose_config", lambda *args: chosen.append(args[-1]) or choose(*args))
+    for prologue in (None, "norm", "gated"):
+        check_kernel(1, 40, 96, torch.float32, False, None, False, prologue=prologue)
+    assert chosen == [None, "norm", "gated"]
 
 
 @runs_kernel
