@@ -45,6 +45,12 @@ def causal_range(b: Batch, window: int | None = None) -> KeyRange:
     return start, b.positions + 1
 
 
+def key_ranges(b: Batch, full: KeyRange, window: int | None) -> dict[str, KeyRange]:
+    """Each layer type's visible keys: `full` for full attention, and for sliding layers, where
+    the model has them (`window` not None), the causal window."""
+    return {"full_attention": full} | ({"sliding_attention": causal_range(b, window)} if window is not None else {})
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -102,8 +108,7 @@ class ModelRunner:
 
     def target_forward(self, input_ids, starts, lengths, block_tables):
         b = make_batch(starts, lengths, block_tables, input_ids.shape[1], self.page_size)
-        full, window = causal_range(b), self.target.sliding_window
-        ranges = {"full_attention": full, "sliding_attention": full if window is None else causal_range(b, window)}
+        ranges = key_ranges(b, causal_range(b), self.target.sliding_window)
         attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size)
         hidden, features = self.target(input_ids, b.positions, attn, self.target_cache, self.capture)
         return hidden, features
@@ -125,8 +130,9 @@ class ModelRunner:
         b = make_batch(starts, lengths, block_tables, d.block_size, self.page_size)
         ctx_start = (b.starts - self.window).clamp_min(0) if self.window is not None else torch.zeros_like(b.starts)
         block_range = (ctx_start[:, None].expand_as(b.positions), b.ends[:, None].expand_as(b.positions))
-        ranges = {"full_attention": block_range, "sliding_attention": causal_range(b, d.sliding_window)}
-        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size)
+        attn = AttentionMetadata(
+            b.block_tables, b.slot_mapping, key_ranges(b, block_range, d.sliding_window), self.page_size
+        )
         hidden = d(self.target.embed(full), b.positions, attn, self.drafter_cache)
         return d.compute_logits(hidden[:, 1:width], self.target)
 

@@ -53,9 +53,10 @@ def context_features(target: CausalLM, batch: Batch, capture: tuple[int, ...]) -
     b, t = batch.input_ids.shape
     positions = torch.arange(t, device=batch.input_ids.device).expand(b, t)
     valid, window = positions < batch.lengths[:, None], target.sliding_window
-    full = visibility(positions, positions, valid, causal=True, window=None)
-    sliding = full if window is None else visibility(positions, positions, valid, causal=True, window=window)
-    attn = DenseAttention({"full_attention": full, "sliding_attention": sliding})
+    masks = {"full_attention": visibility(positions, positions, valid, causal=True, window=None)}
+    if window is not None:  # a target with sliding layers
+        masks["sliding_attention"] = visibility(positions, positions, valid, causal=True, window=window)
+    attn = DenseAttention(masks)
     _, features = target(batch.input_ids, positions, attn, [None] * len(target.model.layers), capture)
     return features
 
