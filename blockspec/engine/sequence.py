@@ -58,7 +58,7 @@ class Sequence:
     @property
     def text_token_ids(self) -> list[int]:
         """The output tokens whose text is the output text."""
-        return self.output_token_ids[: -1 if self.stopped_on_token else None]
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.stopped_on_token]
 
     @property
     def num_generated(self) -> int:
