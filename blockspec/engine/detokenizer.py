@@ -28,11 +28,11 @@ def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool =
 
 
 def streamable_text(text: str, finished: bool, stops: list[str]) -> str:
-    """The text later steps cannot change: while running, hold back a trailing incomplete
-    UTF-8 character and the tail that may still grow into a stop string (which is cut off)."""
+    """The text later steps cannot change: while running, hold back the tail that may still grow
+    into a stop string (which is cut off). A partial character never reaches the text while
+    running (`append_text` holds it back)."""
     if finished:
         return text
-    text = text.rstrip("\ufffd")
     hold = max((len(s) for s in stops), default=1) - 1
     return text[: max(0, len(text) - hold)]
 
