@@ -78,8 +78,8 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
     alloc = PageAllocator(32, page)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in (13, 6)]
-    widths = [6, 4]  # different context lengths and widths in one batch: padding must not leak
-    # A width-4 block is drafted as the whole block (6 rows, as trained), cut to its first drafts.
+    widths = [4, 2]  # different context lengths and widths in one batch, both narrower than the block
+    # Each is drafted as the whole block (6 rows, as trained), cut to its first drafts.
     seqs = [Sequence(None, p, SamplingParams(), torch.Generator()) for p in prompts]
     for s, g in zip(seqs, widths):
         alloc.allocate(s.block_table, len(s.token_ids) + drafter.block_size)

@@ -33,3 +33,19 @@ def test_small_pool_preempts_without_changing_outputs(tmp_path, async_steps):
         ref = alone.generate([p], sp)[0]
         assert o.outputs[0].token_ids == ref.outputs[0].token_ids
         assert o.outputs[0].finish_reason == ref.outputs[0].finish_reason
+
+
+def test_narrow_steps_near_the_context_end_fit_one_sequences_pages(tmp_path):
+    """A step holds pages for the drafter's whole block, cut at max_model_len as the drafter's
+    rows are: a pool of exactly one sequence's pages (10 of 4 tokens, plus the trash page) runs a
+    request to its context's end, also with a step far narrower than the block."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    spec = {"model": str(d), "num_speculative_tokens": 1}
+    llm = LLM(str(t), spec, device="cpu", page_size=4, max_model_len=40, num_pages=11)
+    seq = llm.engine.add_request([5, 9, 11], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    for _ in range(40):  # at least one token a step: bounded, where pages that never fit would loop
+        if seq.finished:
+            break
+        llm.engine.step()
+    assert (seq.finish_reason, seq.num_generated) == ("length", 37)
