@@ -203,6 +203,8 @@ BAD_COMPLETIONS = [
     ({"logprobs": 0}, 400, "logprobs"),  # 0 asks for the sampled tokens' logprobs: unsupported
     ({"best_of": 3}, 400, "best_of"),
     ({"seed": 2**70}, 400, "seed"),  # SamplingParams' own checks name their field too
+    ({"extra_body": {"top_k": True}}, 400, "top_k"),  # a boolean is no count (lax pydantic: top_k 1)
+    ({"seed": True}, 400, "seed"),
     ({"stop": [""]}, 400, "stop"),
 ]
 

@@ -4,7 +4,7 @@ import time
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 # Accepted by OpenAI but not implemented here: rejected with 400 rather than silently ignored.
 UNSUPPORTED = (
@@ -69,6 +69,13 @@ class SamplingRequest(OpenAIModel):
     top_k: int = Field(0, ge=-1)  # vLLM's extensions, like ignore_eos
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
+
+    @field_validator("max_tokens", "temperature", "top_p", "n", "seed", "top_k", "min_p", mode="before")
+    @classmethod
+    def no_booleans(cls, value):  # pydantic's lax mode would read true as 1 (3.0 as 3 may pass)
+        if isinstance(value, bool):
+            raise ValueError("a number is expected, not a boolean")  # noqa: TRY004 (pydantic reports ValueErrors)
+        return value
 
 
 class CompletionRequest(SamplingRequest):
