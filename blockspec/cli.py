@@ -20,8 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="DFlash drafter directory, 'ngram' (prompt lookup) or 'none' (plain decoding); default 'auto': the "
         "shipped drafter with the embedded default model, plain decoding with any other --model",
     )
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (block width - 1)")
-    p.add_argument("--block-size", type=int, default=None, help="block width (num_speculative_tokens + 1)")
+    width = p.add_mutually_exclusive_group()  # one number: block size = drafts + 1
+    width.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (block width - 1)")
+    width.add_argument("--block-size", type=int, default=None, help="block width (num_speculative_tokens + 1)")
     p.add_argument("--device", default=None)
     p.add_argument(
         "--dtype", default="auto", help="auto (bfloat16 on CUDA and CPUs with native bf16, else float32), float32, ..."
@@ -41,8 +42,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def build_llm(args: argparse.Namespace) -> LLM:
     spec = resolve_speculative_config(None if args.draft == "none" else args.draft, args.model)
-    if args.num_speculative_tokens is not None and args.block_size is not None:
-        raise ValueError("pass --num-speculative-tokens or --block-size, not both (block size = drafts + 1)")
     n = args.num_speculative_tokens if args.block_size is None else args.block_size - 1
     if spec is not None and n is not None:
         spec = dataclasses.replace(spec, num_speculative_tokens=n)  # validated again

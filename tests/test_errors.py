@@ -271,7 +271,6 @@ def test_request_ids(pair):
     "flags,message",
     [
         (["--model", "/no/such/model"], "/no/such/model: no such model directory"),
-        (["--num-speculative-tokens", "3", "--block-size", "4"], "not both"),
         (["--device", "tpu"], "device 'tpu' is not supported"),
         (["--dtype", "int8"], "dtype 'int8' is not supported"),
     ],
@@ -284,6 +283,15 @@ def test_cli_bad_input_is_one_line(pair, capsys, flags, message):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("blockspec: error: ") and message in err
     assert "Traceback" not in err
+
+
+def test_cli_refuses_both_block_width_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own usage error
+        cli_main(["generate", "w", "--num-speculative-tokens", "3", "--block-size", "4"])
+    err = capsys.readouterr().err
+    assert (
+        exit_info.value.code == 2 and "argument --block-size: not allowed with argument --num-speculative-tokens" in err
+    )
 
 
 def test_dtype_choice(monkeypatch):
