@@ -1,5 +1,5 @@
-"""FP8's CUDA path (W8A8): `quantize_rows` (row-wise E4M3 activations, with the RMSNorm or SwiGLU
-prologue fused) against the torch reference, and `Fp8Linear` (quantize_rows, then the skinny
+"""FP8's CUDA path (W8A8): `quantize_rows` (row-wise E4M3 activations, with the RMSNorm prologue
+fused) against the torch reference, and `Fp8Linear` (quantize_rows, then the skinny
 kernel up to FP8_SKINNY_MAX_M rows or torch._scaled_mm above) against the same quantized
 activations multiplied in float32, also inside a CUDA graph.
 
@@ -35,26 +35,22 @@ def rows_of_every_kind(M: int, K: int, dtype: torch.dtype, top: int) -> torch.Te
     return x.to(dtype)[:, :K]
 
 
-def kernel_prologue(x: torch.Tensor, norm, gated: bool) -> torch.Tensor:
-    """What quantize_rows quantizes, in float32: x * w / rms unrounded, or SiLU(gate) * up rounded
-    to x's dtype (as the unfused op stores it), or x."""
-    if gated:
-        gate, up = x.float().chunk(2, dim=-1)
-        return (gate * torch.sigmoid(gate) * up).to(x.dtype).float()
+def kernel_prologue(x: torch.Tensor, norm) -> torch.Tensor:
+    """What quantize_rows quantizes, in float32: x * w / rms unrounded, or x."""
     return x.float() if norm is None else rms_norm_ref(x.float(), norm[0].float(), norm[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("M,K", [(1, 96), (37, 4096), (300, 12288)])
-@pytest.mark.parametrize("prologue", [None, "norm", "gated"])
+@pytest.mark.parametrize("prologue", [None, "norm"])
 def test_quantize_rows_matches_reference(dtype, M, K, prologue):
     torch.manual_seed(M)
-    top = 1 if dtype == torch.float16 else 2  # fp16: SiLU(gate) * up of 1e2-sized rows overflows
-    x = rows_of_every_kind(M, 2 * K if prologue == "gated" else K, dtype, top)
+    top = 1 if dtype == torch.float16 else 2  # fp16: keep the squares of the rows finite
+    x = rows_of_every_kind(M, K, dtype, top)
     norm = (torch.rand(K, device="cuda").add(0.5).to(dtype), 1e-2) if prologue == "norm" else None
-    q, scale = quantize_rows(x, norm, prologue == "gated")
+    q, scale = quantize_rows(x, norm)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (M, K) and scale.shape == (M, 1)
-    h = kernel_prologue(x, norm, prologue == "gated")
+    h = kernel_prologue(x, norm)
     q_ref, scale_ref = quantize_weight(h)
     if prologue is None:  # the same float32 math: the same bytes but for rare ties (x * (1/s) vs x / s)
         assert torch.equal(scale[:, 0], scale_ref)
@@ -69,51 +65,64 @@ def test_quantize_rows_matches_reference(dtype, M, K, prologue):
     assert scale[min(1, M - 1)] == 1.0 and q[min(1, M - 1)].float().eq(0).all()  # the zero row
 
 
+def swiglu_rounded(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SiLU(gate) * up in float32 of gate|up rounded to `dtype` (as the GEMM stores them)."""
+    gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 @pytest.mark.skipif(CUDA and not fp8_supported("cuda"), reason="W8A8 needs Hopper+")
 @torch.no_grad()
 @pytest.mark.parametrize("rows", [16, FP8_SKINNY_MAX_M, FP8_SKINNY_MAX_M + 2, 300])
 def test_fp8_linear_w8a8_matches_its_reference(monkeypatch, rows):
-    """Fp8Linear with the norm or SwiGLU prologue, bias and residual, on either GEMM: against the
-    same quantized activations and weight multiplied in float32 (bf16 rounding of the output
-    apart), and within an E4M3 step of the result with unrounded activations."""
+    """Fp8Linear on either GEMM, as a decoder layer calls it: q|k|v with the norm, bias and
+    residual; gate|up with the norm and SwiGLU on a 3-D input (the drafter's [B, T, ...]); down
+    with a 3-D residual. Against the same quantized activations and weight multiplied in float32
+    (bf16 rounding of the output apart), and within E4M3 steps of the result with unrounded
+    activations."""
     torch.manual_seed(rows)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     qkv = Fp8Linear.from_linear(nn.Linear(4096, 6144, bias=True, device=dev, dtype=dtype))
+    gate_up = Fp8Linear.from_linear(nn.Linear(4096, 2 * 12288, bias=True, device=dev, dtype=dtype))
     down = Fp8Linear.from_linear(nn.Linear(12288, 4096, bias=False, device=dev, dtype=dtype))
     norm = RMSNorm(4096, 1e-6).to(dev, dtype)
     norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(rows, 4096, device=dev, dtype=dtype)
-    gate_up = torch.randn(2, rows // 2, 2 * 12288, device=dev, dtype=dtype)  # 3-D, as the drafter's [B, T, ...]
+    x3 = x.view(2, rows // 2, 4096)
+    h3 = torch.randn(2, rows // 2, 12288, device=dev, dtype=dtype)
     res, res3 = (
         torch.randn(rows, 6144, device=dev, dtype=dtype),
         torch.randn(2, rows // 2, 4096, device=dev, dtype=dtype),
     )
     calls = []
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, _f=torch._scaled_mm, **k: calls.append(1) or _f(*a, **k))
-    y_qkv, y_down = qkv(x, norm=norm, residual=res), down(gate_up, gated=True, residual=res3)
-    assert len(calls) == (2 if rows > FP8_SKINNY_MAX_M else 0)  # _scaled_mm above, the skinny kernel up to
+    y_qkv = qkv(x, norm=norm, residual=res)
+    y_gate_up = gate_up(x3, norm=norm, swiglu=True)
+    y_down = down(h3, residual=res3)
+    assert len(calls) == (3 if rows > FP8_SKINNY_MAX_M else 0)  # _scaled_mm above, the skinny kernel up to
 
-    def exact(layer, x, norm, gated):  # float32 GEMM of the kernel-quantized activations
-        qx, sx = quantize_rows(x.reshape(-1, x.shape[-1]), norm, gated)
+    def exact(layer, x, norm):  # float32 GEMM of the kernel-quantized activations
+        qx, sx = quantize_rows(x.reshape(-1, x.shape[-1]), norm)
         y = F.linear(qx.float() * sx, layer.dequantize(torch.float32))
         return y.view(*x.shape[:-1], -1) + (0 if layer.bias is None else layer.bias.float())
 
-    cases = [  # (output less residual, float32 W8A8, activations unrounded)
+    norm_args = (norm.weight, norm.eps)
+    # (output less residual, float32 W8A8, activations unrounded, max |error| / max |want|, relative error there)
+    cases = [
+        (y_qkv - res, exact(qkv, x, norm_args), F.linear(norm(x), qkv.dequantize(dtype), qkv.bias), 2**-7, REL_STEP),
         (
-            y_qkv - res,
-            exact(qkv, x, (norm.weight, norm.eps), False),
-            F.linear(norm(x), qkv.dequantize(dtype), qkv.bias),
+            y_gate_up,
+            swiglu_rounded(exact(gate_up, x3, norm_args), dtype),
+            swiglu_rounded(F.linear(norm(x3), gate_up.dequantize(dtype), gate_up.bias).float(), dtype),
+            2**-6,  # gate or up a bf16 step apart where the sums round differently
+            2 * REL_STEP,  # a product of two rounded sums
         ),
-        (
-            y_down - res3,
-            exact(down, gate_up, None, True),
-            F.linear(F.silu(gate_up[..., :12288]) * gate_up[..., 12288:], down.dequantize(dtype)),
-        ),
+        (y_down - res3, exact(down, h3, None), F.linear(h3, down.dequantize(dtype)), 2**-7, REL_STEP),
     ]
-    for y, want, unrounded in cases:
+    for y, want, unrounded, bound, rel in cases:
         assert y.shape == want.shape and y.dtype == dtype
-        # two bf16 roundings (the output, then the residual add) of values ~ the residual's
+        # bf16 roundings (the output, then the residual add) of values ~ the residual's (4.5 sigma)
         assert (y.float() - want).norm() / want.norm() < 2e-2
-        assert (y.float() - want).abs().max() <= 2**-7 * (want.abs().max() + 4.5)
-        assert (y.float() - unrounded.float()).norm() / unrounded.float().norm() < REL_STEP
+        assert (y.float() - want).abs().max() <= bound * (want.abs().max() + 4.5)
+        assert (y.float() - unrounded.float()).norm() / unrounded.float().norm() < rel
     check_in_cuda_graph(qkv, x)

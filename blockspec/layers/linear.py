@@ -1,9 +1,9 @@
 """Linear layers whose few-row CUDA inference (decode, verify and propose steps) runs the Triton
 skinny GEMM (`blockspec.layers.kernels.skinny_linear`), which reads the weight faster than cuBLAS
-at those shapes and fuses the decoder layer's small ops into it: the RMSNorm or SwiGLU before the
-GEMM and the residual add after it. Everything else (CPU, training, prefill) runs the ops one by
-one, the reference that the kernel is tested against (without a bias, the residual add is the
-GEMM's own: addmm).
+at those shapes and fuses the decoder layer's small ops into it: the RMSNorm before the GEMM, and
+SwiGLU (of a gate|up projection) or the residual add after it. Everything else (CPU, training,
+prefill) runs the ops one by one (`dense`), the reference that the kernel is tested against
+(without a bias, the residual add is the GEMM's own: addmm).
 BLOCKSPEC_TRITON_LINEAR=0 keeps the unfused ops and cuBLAS everywhere (for A/B runs)."""
 
 import functools
@@ -27,24 +27,25 @@ def _kernel_on() -> bool:
     return os.environ.get("BLOCKSPEC_TRITON_LINEAR", "1") != "0" and kernel_module("skinny_linear") is not None
 
 
-def prologue(x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
-    """The GEMM's input: norm(x), or SiLU(gate) * up of x = gate|up with `gated`, or x."""
-    if norm is not None and gated:
-        raise ValueError("a linear has one prologue: norm or gated, not both")
-    if norm is not None:
-        x = norm(x)
-    return silu_mul(x) if gated else x
-
-
 def dense(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    norm: RMSNorm | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
-    """residual + F.linear(x, weight, bias); without a bias the add is cuBLAS's epilogue (addmm)."""
+    """The unfused ops: residual + F.linear(norm(x), weight, bias), then SiLU(gate) * up of the
+    gate|up output with `swiglu`. Without a bias the residual add is cuBLAS's epilogue (addmm)."""
+    assert not (swiglu and residual is not None), "SwiGLU's output takes no residual"
+    x = x if norm is None else norm(x)
     if residual is None or bias is not None:
         y = F.linear(x, weight, bias)
-        return y if residual is None else residual + y
-    flat = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
-    return flat.view(residual.shape)
+        y = y if residual is None else residual + y
+    else:
+        flat = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
+        y = flat.view(residual.shape)
+    return silu_mul(y) if swiglu else y
 
 
 def fused_linear(
@@ -52,21 +53,15 @@ def fused_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     norm: RMSNorm | None,
-    gated: bool,
+    swiglu: bool,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
     """The skinny kernel (triton needed; at most LINEAR_MAX_M rows, as `linear` sends them) with
-    the residual add fused in, and the prologue where it was measured to pay (H200): always at one
-    row (the GEMV); past one row, the MMA kernel takes the RMSNorm on its weight tile (its register
-    operand; q|k|v at 16 rows 17.0 µs against 17.9 apart), while SwiGLU runs apart: computed in
-    registers, it would be stored back to shared memory as the MMA's operand, which stalls the
-    weight stream (down_proj at 4 and 16 rows: 58-59 µs fused against 31-32 apart). SwiGLU as
-    gate|up's epilogue instead (gate and up rows accumulated side by side) was slower at both row
-    counts: a plain decode step 4.45 -> 5.10 ms, a DFlash step 5.72 -> 5.99 (bench, batch 1)."""
-    if gated and x.numel() > x.shape[-1]:
-        x, norm, gated = prologue(x, norm, gated), None, False
+    the RMSNorm as its prologue (at one row on x, past it on the MMA kernel's weight tile, its
+    register operand: q|k|v at 16 rows 17.0 µs against 17.9 apart), and SwiGLU or the residual
+    add as its epilogue."""
     norm_args = None if norm is None else (norm.weight, norm.eps)
-    return kernel_module("skinny_linear").skinny_linear(x, weight, bias, None, norm_args, gated, residual)
+    return kernel_module("skinny_linear").skinny_linear(x, weight, bias, None, norm_args, swiglu, residual)
 
 
 def linear(
@@ -74,11 +69,12 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     norm: RMSNorm | None = None,
-    gated: bool = False,
+    swiglu: bool = False,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """residual + F.linear(prologue(x, norm, gated), weight, bias) (residual None: no add); on CUDA,
-    without grad, for bf16/fp16 and at most LINEAR_MAX_M rows, the skinny kernel (`fused_linear`)."""
+    """`dense`: residual + F.linear(norm(x), weight, bias), or SiLU(gate) * up of it with `swiglu`
+    (residual None: no add); on CUDA, without grad, for bf16/fp16 and at most LINEAR_MAX_M rows,
+    the skinny kernel (`fused_linear`)."""
     if (
         fast_path(x)
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -86,19 +82,19 @@ def linear(
         and x.numel() <= LINEAR_MAX_M * x.shape[-1]
         and _kernel_on()
     ):
-        return fused_linear(x, weight, bias, norm, gated, residual)
-    return dense(prologue(x, norm, gated), weight, bias, residual)
+        return fused_linear(x, weight, bias, norm, swiglu, residual)
+    return dense(x, weight, bias, residual, norm, swiglu)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) computed by `linear`, with its optional
-    prologue (`norm`, `gated`) and residual add."""
+    """nn.Linear (same parameters and state dict) computed by `linear`, with its optional norm
+    prologue, SwiGLU epilogue (a gate|up projection) and residual add."""
 
     def forward(
         self,
         x: torch.Tensor,
         norm: RMSNorm | None = None,
-        gated: bool = False,
+        swiglu: bool = False,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, norm, gated, residual)
+        return linear(x, self.weight, self.bias, norm, swiglu, residual)

@@ -3,10 +3,10 @@
 `Fp8Linear` replaces an `nn.Linear` at load time (inference only). Its weight is
 q = round_e4m3(w / s) with s = rowmax(|w|) / 448 (448 = largest E4M3 value, so every row uses the
 full range and the row maximum is exact), and forward computes, as `Linear` does,
-residual + prologue(x) @ (q * s[:, None]).T + bias (prologue: an RMSNorm or SwiGLU, or none),
-W8A8: the prologue's output is quantized per row as the weight is, and the GEMM multiplies E4M3 by
-E4M3 on FP8 tensor cores. On CUDA (Hopper+) `blockspec.layers.kernels.quantize_rows` quantizes x
-with the prologue fused, then:
+residual + norm(x) @ (q * s[:, None]).T + bias (the norm optional; a gate|up projection can end
+in SwiGLU instead of the residual add), W8A8: the normed x is quantized per row as the weight is,
+and the GEMM multiplies E4M3 by E4M3 on FP8 tensor cores. On CUDA (Hopper+)
+`blockspec.layers.kernels.quantize_rows` quantizes x with the norm fused, then:
 - up to `FP8_SKINNY_MAX_M` rows (a propose step up to batch 4), the Triton skinny kernel
   (`skinny_scaled_mm`), which streams the weight at small M;
 - above, `torch._scaled_mm` with row-wise scales (bf16 x), where the GEMM nears compute-bound.
@@ -14,9 +14,9 @@ H200, one drafter step's linears at M rows (`python -m blockspec.bench.fp8_bench
 against FP8: M = 16: 888 against 535 µs; 64: 917 against 608; 256: 1,405 against 1,037 (_scaled_mm).
 A weight-only path (bf16 x, the weight converted in registers) was slower at 16 rows (706 µs) and
 is gone.
-Elsewhere runs the reference (the CPU path and the oracle) with the same rounding: the prologue,
-the activations rounded to E4M3 per row and back, then the weight dequantized to x.dtype (in
-float32, rounded once) and `layers.linear.dense`.
+Elsewhere runs the reference (the CPU path and the oracle) with the same rounding: the norm, the
+activations rounded to E4M3 per row and back, then the weight dequantized to x.dtype (in float32,
+rounded once) and `layers.linear.dense`.
 The drafter only proposes, so its precision moves the acceptance rate, never the output.
 
 Per-row scales make quantization commute with stacking rows, so the drafter's fused K/V weight
@@ -37,9 +37,10 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import fast_path
 from blockspec.layers.kernels import kernel_module
-from blockspec.layers.linear import dense, prologue
+from blockspec.layers.linear import dense
 from blockspec.layers.norm import RMSNorm
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -199,19 +200,20 @@ class Fp8Linear(nn.Module):
         return dequantize_weight(self.weight, self.weight_scale, dtype, self.use_kernel)
 
     def forward_reference(
-        self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, norm: RMSNorm | None = None, swiglu: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        x = prologue(x, norm, gated)
+        x = x if norm is None else norm(x)
         q, scale = quantize_weight(x.reshape(-1, x.shape[-1]))  # x rounded to E4M3 per row, as the GEMM reads it
         x = dequantize_weight(q, scale, x.dtype, self.use_kernel).view(x.shape)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return dense(x, self.dequantize(x.dtype), bias, residual)
+        return dense(x, self.dequantize(x.dtype), bias, residual, swiglu=swiglu)
 
     def forward(
-        self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, norm: RMSNorm | None = None, swiglu: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """As `Linear.forward`: residual + prologue(x) @ W.T + bias, on CUDA (Hopper+) in W8A8 by the
-        skinny kernel (up to FP8_SKINNY_MAX_M rows) or torch._scaled_mm (above, bf16)."""
+        """As `Linear.forward`: residual + norm(x) @ W.T + bias (or SiLU(gate) * up of it), on CUDA
+        (Hopper+) in W8A8 by the skinny kernel (up to FP8_SKINNY_MAX_M rows) or torch._scaled_mm
+        (above, bf16)."""
         skinny = x.numel() <= FP8_SKINNY_MAX_M * x.shape[-1]
         scaled_mm = x.dtype == torch.bfloat16 and self.in_features % 16 == self.out_features % 16 == 0
         if (
@@ -221,26 +223,30 @@ class Fp8Linear(nn.Module):
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (skinny or scaled_mm)
         ):
-            return self.forward_w8a8(x, norm, gated, residual, skinny)
-        return self.forward_reference(x, norm, gated, residual)
+            return self.forward_w8a8(x, norm, swiglu, residual, skinny)
+        return self.forward_reference(x, norm, swiglu, residual)
 
     def forward_w8a8(
-        self, x: torch.Tensor, norm: RMSNorm | None, gated: bool, residual: torch.Tensor | None, skinny: bool
+        self, x: torch.Tensor, norm: RMSNorm | None, swiglu: bool, residual: torch.Tensor | None, skinny: bool
     ) -> torch.Tensor:
-        """x quantized per row with the prologue fused, then the skinny kernel (`skinny`) or
-        torch._scaled_mm (bf16 x, features multiples of 16); fp32 accumulation, one rounding."""
+        """x quantized per row with the norm fused, then the skinny kernel (`skinny`, SwiGLU in its
+        epilogue) or torch._scaled_mm (bf16 x, features multiples of 16; SwiGLU after)."""
+        assert not (swiglu and residual is not None), "SwiGLU's output takes no residual"
         norm_args = None if norm is None else (norm.weight, norm.eps)
-        qx, sx = kernel_module("quantize_rows").quantize_rows(x.reshape(-1, x.shape[-1]), norm_args, gated)
-        out_shape = (*x.shape[:-1], self.out_features)
+        qx, sx = kernel_module("quantize_rows").quantize_rows(x.reshape(-1, x.shape[-1]), norm_args)
+        out_shape = (*x.shape[:-1], self.out_features // 2 if swiglu else self.out_features)
         if skinny:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             kernels = kernel_module("skinny_linear")
             res = None if residual is None else residual.reshape(-1, self.out_features)
-            return kernels.skinny_scaled_mm(qx, sx, self.weight, self.weight_scale, x.dtype, bias, res).view(out_shape)
+            y = kernels.skinny_scaled_mm(qx, sx, self.weight, self.weight_scale, x.dtype, bias, res, swiglu=swiglu)
+            return y.view(out_shape)
         y = torch._scaled_mm(qx, self.weight.t(), scale_a=sx, scale_b=self.weight_scale.view(1, -1), out_dtype=x.dtype)
-        y = y.view(out_shape)
         if self.bias is not None:
             y += self.bias
+        if swiglu:
+            return silu_mul(y).view(out_shape)
+        y = y.view(out_shape)
         if residual is not None:
             y += residual
         return y

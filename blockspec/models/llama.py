@@ -136,8 +136,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """x + mlp(norm(x)): the norm runs in the gate|up GEMM, SwiGLU and the add in the down GEMM."""
-        return self.down_proj(self.gate_up_proj(x, norm=norm), gated=True, residual=x)
+        """x + mlp(norm(x)): the norm and SwiGLU run in the gate|up GEMM, the add in the down GEMM."""
+        return self.down_proj(self.gate_up_proj(x, norm=norm, swiglu=True), residual=x)
 
 
 class DecoderLayer(nn.Module):

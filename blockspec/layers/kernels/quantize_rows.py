@@ -4,38 +4,31 @@
 
 One program per row, two passes over it: the first finds the row's largest magnitude (and, with
 an RMSNorm prologue, its sum of squares), the second writes h / scale rounded to E4M3, where h is
-the prologue's output, normed (x * w / rms) or SiLU(gate) * up or x itself, and scale =
-max |h| / 448. The second pass reads the row again from L2. The normed or activated row is never
-stored, so a decoder layer's norm or SwiGLU costs no launch and no round trip of its own."""
+the prologue's output, normed (x * w / rms) or x itself, and scale = max |h| / 448. The second
+pass reads the row again from L2. The normed row is never stored, so a decoder layer's norm
+costs no launch and no round trip of its own."""
 
 import torch
 import triton
 import triton.language as tl
-
-from blockspec.layers.kernels.tiles import swiglu_tile
 
 FP8_MAX = tl.constexpr(448.0)  # largest E4M3 (fn) value
 MAX_BLOCK = 4096
 
 
 @triton.jit
-def _prologue_tile(x_row, norm_ptr, offs, mask, K, NORM: tl.constexpr, GATED: tl.constexpr):
+def _prologue_tile(x_row, norm_ptr, offs, mask, NORM: tl.constexpr):
     """(h, x) in float32: the prologue's output before the 1 / rms factor, and the raw x tile."""
-    if GATED:
-        x = swiglu_tile(x_row + offs, K, mask, False).to(tl.float32)
-        h = x
-    else:
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        h = x
-        if NORM:
-            h = x * tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    h = x
+    if NORM:
+        h = x * tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return h, x
 
 
 @triton.jit
 def _quantize_rows_kernel(  # K is a compile-time constant: a decoder has few widths
-    x_ptr, norm_ptr, q_ptr, scale_ptr, stride_x, eps,
-    K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, norm_ptr, q_ptr, scale_ptr, stride_x, eps, K: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -43,7 +36,7 @@ def _quantize_rows_kernel(  # K is a compile-time constant: a decoder has few wi
     sq = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        h, x = _prologue_tile(x_row, norm_ptr, offs, offs < K, K, NORM, GATED)
+        h, x = _prologue_tile(x_row, norm_ptr, offs, offs < K, NORM)
         amax = tl.maximum(amax, tl.abs(h))
         if NORM:
             sq += x * x
@@ -56,21 +49,17 @@ def _quantize_rows_kernel(  # K is a compile-time constant: a decoder has few wi
     factor = factor / scale
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        h, x = _prologue_tile(x_row, norm_ptr, offs, offs < K, K, NORM, GATED)
+        h, x = _prologue_tile(x_row, norm_ptr, offs, offs < K, NORM)
         q = tl.clamp(h * factor, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 
-def quantize_rows(
-    x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (or [M, 2K] gate|up with `gated`; rows may be strided) -> (q [M, K]
-    float8_e4m3fn, scale [M, 1] float32) with q * scale ~= prologue(x): x, RMSNorm(x) with
-    `norm` = (weight [K], eps), or SiLU(gate) * up. All-zero rows get scale 1."""
+def quantize_rows(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows may be strided) -> (q [M, K] float8_e4m3fn, scale [M, 1] float32) with
+    q * scale ~= x, or RMSNorm(x) with `norm` = (weight [K], eps). All-zero rows get
+    scale 1."""
     assert x.dim() == 2 and x.stride(1) == 1, f"rows of contiguous features expected, got {tuple(x.shape)}"
-    assert not (gated and norm is not None), "one prologue: norm or gated"
-    M, K = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
-    assert not gated or x.shape[1] == 2 * K, f"gate|up of {x.shape[1]} features: not two halves"
+    M, K = x.shape
     if norm is not None:
         assert norm[0].shape == (K,), f"norm weight {tuple(norm[0].shape)} for {K} features"
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
@@ -80,7 +69,7 @@ def quantize_rows(
     norm_weight, eps = norm if norm is not None else (x, 0.0)  # an unread pointer gets some tensor
     block = min(MAX_BLOCK, triton.next_power_of_2(K))
     _quantize_rows_kernel[(M,)](
-        x, norm_weight, q, scale, x.stride(0), eps, K=K, NORM=norm is not None, GATED=gated, BLOCK=block,
+        x, norm_weight, q, scale, x.stride(0), eps, K=K, NORM=norm is not None, BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return q, scale

@@ -1,4 +1,4 @@
-"""Skinny linear in Triton: y = residual + prologue(x) @ w.T + bias for the few rows of a decode,
+"""Skinny linear in Triton: y = residual + norm(x) @ w.T + bias for the few rows of a decode,
 verify or propose step. Two entry points share the kernels:
 - `skinny_linear` (through `blockspec.layers.linear.linear`): x and w in bf16/fp16 (or fp32, with
   exact fp32 products), up to `LINEAR_MAX_M` rows, where it reads the weight faster than cuBLAS
@@ -13,12 +13,19 @@ verify or propose step. Two entry points share the kernels:
   activation quantization included.
 Accumulation is fp32. At small M the GEMM is bound by reading the weight, so both kernels only
 stream it, and the small elementwise ops around a decoder layer's GEMMs ride along instead of
-costing a launch and a round trip each (W8A8 gets its prologue from `quantize_rows` instead):
+costing a launch and a round trip each (W8A8 gets its norm from `quantize_rows` instead):
 - prologue RMSNorm (qkv and gate|up): the squares of each x tile are summed as it is read, and
   the norm weight multiplies the x tile (GEMV) or the weight tile (MMA: the weight is the register
   operand, so x reaches the MMA as loaded); the row's 1 / rms is a per-row factor, applied to the
   accumulator at the end (the normed x is never stored);
-- prologue SwiGLU (down): x is gate|up, and the input tile is SiLU(gate) * up;
+- epilogue SwiGLU (gate|up): a program's weight rows interleave the gate rows n and the up rows
+  I + n of its output columns, so gate and up meet in one accumulator tile (as tuned for a plain
+  GEMM) and it writes SiLU(gate) * up, each rounded to the activation dtype first as the unfused
+  GEMM stores them (no split-K: gate and up must meet in one program). As down_proj's prologue it
+  stalled the MMA kernel (the computed tile had to go back to shared memory as its operand: 59
+  against 32 µs apart at 16 rows), and at one row each program recomputed it from all of gate|up;
+  with two accumulators (gate and up tiles side by side) the tuned tiles spilled (a plain decode
+  step 4.45 -> 5.10 ms);
 - epilogue residual add (o and down): the output is the residual stream itself.
 
 M = 1, `_gemv_kernel`: a program owns BLOCK_N rows of w and walks K, multiply-adding on the CUDA
@@ -56,10 +63,46 @@ import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
 from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
-from blockspec.layers.kernels.tiles import load_tile, swiglu_tile
 
 REDUCE_BLOCK = 1024
 DEQUANT_BLOCK = 4096
+
+
+@triton.jit
+def load_tile(ptrs, mask, EVEN: tl.constexpr):
+    """A tile, its mask skipped on even shapes."""
+    if EVEN:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+    """(the weight rows of tile pid_n, clamped into range, and the output columns they make).
+    SWIGLU (a gate|up weight of N = 2I rows): row j of the tile is the gate (even j) or up (odd j)
+    row of output column pid_n * BLOCK_N / 2 + j // 2."""
+    j = tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        cols = pid_n * (BLOCK_N // 2) + j // 2
+        rows = (cols % (N // 2) + (j % 2) * (N // 2)).to(tl.int64)
+    else:
+        cols = pid_n * BLOCK_N + j
+        rows = (cols % N).to(tl.int64)  # N * K may pass 2**31 (LM heads)
+    return rows, cols
+
+
+@triton.jit
+def _swiglu(y, dtype):
+    """SiLU(gate) * up of y [BLOCK_N, ...] whose rows alternate gate, up (`_weight_rows`) ->
+    [BLOCK_N / 2, ...]; gate and up rounded to `dtype` first, as the unfused GEMM stores them."""
+    y = y.to(dtype).to(tl.float32)
+    if len(y.shape) == 1:
+        gate, up = tl.split(tl.reshape(y, (y.shape[0] // 2, 2)))
+    else:
+        gate, up = tl.split(tl.permute(tl.reshape(y, (y.shape[0] // 2, 2, y.shape[1])), (0, 2, 1)))
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -93,18 +136,17 @@ def _skinny_kernel(
     x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, ws_ptr, sq_ptr,
     M, N, K, eps, stride_xm, stride_xk, stride_wn, stride_wk,
     K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, FP8: tl.constexpr, SWIGLU: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * K_ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
     # Clamp instead of masking on rows/columns: loads stay in bounds, the store is masked.
-    rows_n = (offs_n % N).to(tl.int64)  # N * K may pass 2**31 (LM heads)
+    rows_n, offs_n = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
     rows_m = offs_m % M
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [BLOCK_K, BLOCK_M]
@@ -133,6 +175,11 @@ def _skinny_kernel(
         acc = _epilogue(
             acc, factor, offs, rows_n[:, None], mask, w_scale_ptr, bias_ptr, res_ptr, FP8, HAS_BIAS, RESIDUAL
         )
+        if SWIGLU:  # [BLOCK_N / 2, BLOCK_M] of y [M, N / 2]
+            acc = _swiglu(acc, y_ptr.dtype.element_ty)
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            mask = (cols[:, None] < N // 2) & (offs_m[None, :] < M)
+            offs = offs_m[None, :] * (N // 2) + cols[:, None]
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:  # partial sums to the workspace [SPLIT_K, M, N]; sums of squares [SPLIT_K, M], once per row
         tl.store(ws_ptr + pid_k * M * N + offs, acc, mask=mask)
@@ -143,22 +190,18 @@ def _skinny_kernel(
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, N, K, eps, stride_xk, stride_wn, stride_wk,
-    K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+    K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n, offs_n = _weight_rows(tl.program_id(0), N, BLOCK_N, SWIGLU)  # clamped: the store is masked
     offs_k = tl.arange(0, BLOCK_K)
-    rows_n = (offs_n % N).to(tl.int64)  # clamped: loads stay in bounds, the store is masked
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
     sq = tl.full((BLOCK_K,), 0.0, tl.float32)
     await_previous_kernel(PDL)
     for _ in range(K_ITERS):
         w = load_tile(w_ptrs, offs_k[None, :] < K, EVEN_K)
-        if GATED:
-            x = swiglu_tile(x_ptr + offs_k * stride_xk, K * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
-        else:
-            x = load_tile(x_ptr + offs_k * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
+        x = load_tile(x_ptr + offs_k * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
         if NORM:
             sq += x * x
             x = x * load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
@@ -170,6 +213,10 @@ def _gemv_kernel(
     y = _epilogue(
         tl.sum(acc, axis=1), factor, offs_n, rows_n, mask, y_ptr, bias_ptr, res_ptr, False, HAS_BIAS, RESIDUAL
     )
+    if SWIGLU:
+        y = _swiglu(y, y_ptr.dtype.element_ty)
+        offs_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = offs_n < N // 2
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -253,17 +300,16 @@ def _split_k(tiles: int, k_iters: int, M: int, K: int, min_programs: int) -> int
 # The GEMV's (block_n, block_k, num_warps, num_stages) by its prologue, for weights narrower than
 # WIDE_N. H200, Qwen3-8B's shapes at one row, 36 distinct weights each (read from HBM), fused as a
 # layer runs them, µs per call against one tile for all (16, 512, 8, 3): q|k|v with the norm 13.7
-# against 17.4, o_proj with the residual 9.6 against 12.1, down_proj with SwiGLU and the residual
-# 26.0 against 32.8 (Llama's K = 14336: 29.9 against 37.9). The best tile moves with the prologue
-# (its registers and loads), e.g. o_proj's would take down_proj to 32.1 and q|k|v's 33.1.
-GEMV_TILES = {"norm": (16, 512, 4, 3), "gated": (8, 1024, 4, 2), None: (16, 1024, 8, 2)}
+# against 17.4, o_proj with the residual 9.6 against 12.1. The best tile moves with the prologue
+# (its registers and loads).
+GEMV_TILES = {"norm": (16, 512, 4, 3), None: (16, 1024, 8, 2)}
 GEMV_WIDE_TILE = (32, 256, 8, 3)  # whatever the prologue (gate|up with the norm: 46.7 µs)
 WIDE_N = 16384  # LM heads, gate|up: longer rows per program, fewer programs (GEMV and MMA tiles)
 
 
 def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologue: str | None = None) -> SkinnyConfig:
     """Tile sizes by M and the bytes of an x or weight element (1: W8A8), then split-K; at one row
-    (the GEMV) also by the `prologue` fused in ("norm", "gated" or None). The M = 1 and M <= 16
+    (the GEMV) also by the `prologue` fused in ("norm" or None). The M = 1 and M <= 16
     tiles are the H200's best (or within 3% of it) over the Qwen3-8B target's shapes in bf16 and
     the drafter's in W8A8: wide weights stream best in long K steps, bf16 ones without split-K, FP8
     ones split until half the SMs have a program (down_proj, o_proj); larger M are first guesses,
@@ -299,24 +345,19 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
-    gated: bool = False,
+    swiglu: bool = False,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """residual + prologue(x) @ weight.T + bias. x [..., K] (bf16/fp16/fp32), or [..., 2K] gate|up
-    with `gated` (prologue: SiLU(gate) * up, one row only); `norm` (weight [K], eps): the prologue
-    is that RMSNorm. weight [N, K] in x's dtype; bias [N] or None; residual [..., N] like the
-    output, or None. -> [..., N] in x's dtype."""
-    K = x.shape[-1] // 2 if gated else x.shape[-1]
-    assert weight.shape[1] == K, (
-        f"x has {x.shape[-1]} features{' (gate|up)' if gated else ''}, weight is {tuple(weight.shape)}"
-    )
-    assert not gated or x.shape[-1] == 2 * K, f"gate|up of {x.shape[-1]} features: not two halves"
-    assert not (gated and norm is not None), "one prologue: norm or gated"
+    """residual + norm(x) @ weight.T + bias. x [..., K] (bf16/fp16/fp32); `norm` (weight [K],
+    eps): the prologue is that RMSNorm. weight [N, K] in x's dtype; bias [N] or None; residual
+    [..., N] like the output, or None. -> [..., N] in x's dtype; with `swiglu` (weight gate|up of
+    2I rows, no residual) -> [..., I], SiLU(gate) * up."""
+    assert weight.shape[1] == x.shape[-1], f"x has {x.shape[-1]} features, weight is {tuple(weight.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     assert weight.dtype == x.dtype, f"the weight must be in x's dtype {x.dtype}, got {weight.dtype}"
     if norm is not None:
-        assert norm[0].shape == (K,), f"norm weight {tuple(norm[0].shape)} for {K} features"
-    return _launch(x, weight, x.dtype, bias, config, norm, gated, residual, None)
+        assert norm[0].shape == (x.shape[-1],), f"norm weight {tuple(norm[0].shape)} for {x.shape[-1]} features"
+    return _launch(x, weight, x.dtype, bias, config, norm, swiglu, residual, None)
 
 
 def skinny_scaled_mm(
@@ -328,18 +369,20 @@ def skinny_scaled_mm(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """W8A8: residual + (qx * x_scale) @ (qw * w_scale[:, None]).T + bias on FP8 tensor cores, for
     few rows of x. qx [..., K] and qw [N, K] float8_e4m3fn; x_scale one float32 per row of qx ([M]
-    or [M, 1], from `quantize_rows`, which also applies the layer's prologue); w_scale [N] float32.
-    -> [..., N] in out_dtype (bf16/fp16/fp32); bias and residual in it too."""
+    or [M, 1], from `quantize_rows`, which also applies the layer's norm); w_scale [N] float32.
+    -> [..., N] in out_dtype (bf16/fp16/fp32); bias and residual in it too. `swiglu` as in
+    `skinny_linear`."""
     assert qx.dtype == qw.dtype == torch.float8_e4m3fn, f"FP8 x and weight expected, got {qx.dtype}, {qw.dtype}"
     assert qw.shape[1] == qx.shape[-1], f"x has {qx.shape[-1]} features, weight is {tuple(qw.shape)}"
     assert x_scale.dtype == w_scale.dtype == torch.float32 and w_scale.shape == (qw.shape[0],)
     assert x_scale.numel() == qx.numel() // max(qx.shape[-1], 1), f"{x_scale.numel()} row scales for x {qx.shape}"
     assert out_dtype in (torch.bfloat16, torch.float16, torch.float32), out_dtype
     scales = (x_scale.reshape(-1).contiguous(), w_scale)
-    return _launch(qx, qw, out_dtype, bias, config, None, False, residual, scales)
+    return _launch(qx, qw, out_dtype, bias, config, None, swiglu, residual, scales)
 
 
 def _launch(
@@ -349,15 +392,16 @@ def _launch(
     bias: torch.Tensor | None,
     config: SkinnyConfig | None,
     norm: tuple[torch.Tensor, float] | None,
-    gated: bool,
+    swiglu: bool,
     residual: torch.Tensor | None,
     scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     K, N = weight.shape[1], weight.shape[0]
-    out_shape = (*x.shape[:-1], N)
+    assert not swiglu or (N % 2 == 0 and residual is None), f"SwiGLU of {N} gate|up rows, residual {residual}"
+    out_shape = (*x.shape[:-1], N // 2 if swiglu else N)
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
-    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    y = torch.empty((M, out_shape[-1]), dtype=out_dtype, device=x.device)
     if M == 0:
         return y.view(out_shape)
     if residual is not None:
@@ -365,9 +409,9 @@ def _launch(
         assert residual.dtype == out_dtype, f"a {residual.dtype} residual for a {out_dtype} output"
         residual = residual.contiguous()
     sms = num_sms(x.device, interpreted=8)  # interpreter: few SMs, so that split-K is exercised
-    prologue = "norm" if norm is not None else "gated" if gated else None
-    cfg = config or choose_config(M, N, K, sms, x.element_size(), prologue)
-    assert not gated or cfg.block_m == 1, "the SwiGLU prologue is the GEMV's only (see layers.linear.fused_linear)"
+    cfg = config or choose_config(M, N, K, sms, x.element_size(), "norm" if norm is not None else None)
+    if swiglu:  # gate and up meet in one program's epilogue
+        cfg = dataclasses.replace(cfg, split_k=1)
     assert not (scales is not None and cfg.block_m == 1), "W8A8 runs on the MMA kernel"
     # Pointers that a flag leaves unread are given some valid tensor.
     flags = {"HAS_BIAS": bias is not None, "NORM": norm is not None, "RESIDUAL": residual is not None}
@@ -379,7 +423,7 @@ def _launch(
         k_iters = triton.cdiv(K, cfg.block_k)
         _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
             x2, weight, bias, norm_weight, residual, y, N, K, eps, x2.stride(1), weight.stride(0), weight.stride(1),
-            k_iters, **flags, GATED=gated, EVEN_K=K == k_iters * cfg.block_k, BLOCK_N=cfg.block_n,
+            k_iters, **flags, SWIGLU=swiglu, EVEN_K=K == k_iters * cfg.block_k, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
         )  # fmt: skip
         return y.view(out_shape)
@@ -392,7 +436,7 @@ def _launch(
     _skinny_kernel[grid](
         x2, weight, x_scale, w_scale, bias, norm_weight, residual, y, ws, sq, M, N, K, eps,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), k_iters, **flags,
-        FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
+        FP8=scales is not None, SWIGLU=swiglu, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
         IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
