@@ -33,8 +33,8 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
 def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0, norm=False, swiglu=False, residual=False):
-    """The kernel against F.linear in float32, with the RMSNorm prologue (`norm`, 16-bit only), the
-    SwiGLU epilogue (`swiglu`: a weight of 2N rows) or a residual add."""
+    """The kernel against F.linear in float32, with the RMSNorm prologue (`norm`: True, or "folded"
+    for one without a weight), the SwiGLU epilogue (`swiglu`: a weight of 2N rows) or a residual add."""
     gen = torch.Generator().manual_seed(seed)
     rows = 2 * N if swiglu else N
     w = torch.randn(rows, K, generator=gen) * torch.rand(rows, 1, generator=gen) * 0.1
@@ -42,7 +42,8 @@ def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0, norm=False
     x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
     norm_args = None
     if norm:  # mean square 0.01 against eps 0.01: a wrong eps shows
-        x, norm_args = x * 0.1, ((torch.rand(K, generator=gen) + 0.5).to(DEVICE, dtype), 1e-2)
+        g = None if norm == "folded" else (torch.rand(K, generator=gen) + 0.5).to(DEVICE, dtype)
+        x, norm_args = x * 0.1, (g, 1e-2)
     res = torch.randn(M, N, generator=gen).to(DEVICE, dtype) if residual else None
     if fp8:  # W8A8: x quantized by the torch reference (the norm applied before, in float32)
         assert not norm, "W8A8 takes its norm from quantize_rows"
@@ -56,7 +57,10 @@ def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0, norm=False
         w_ref = w.to(DEVICE, dtype)
         y = kernel.skinny_linear(x, w_ref, b, config, norm_args, swiglu, res)
     assert y.shape == (M, N) and y.dtype == dtype
-    h = x.float() if norm_args is None else rms_norm_ref(x.float(), norm_args[0].float(), norm_args[1])
+    if norm_args is None:
+        h = x.float()
+    else:
+        h = rms_norm_ref(x.float(), None if norm_args[0] is None else norm_args[0].float(), norm_args[1])
     ref = F.linear(h, w_ref.float(), None if b is None else b.float())
     if swiglu:  # gate and up rounded to the output dtype first, as the unfused GEMM stores them
         gate, up = ref.to(dtype).float().chunk(2, dim=-1)
@@ -112,6 +116,9 @@ FUSED_CASES = [  # M, N, K, dtype, config, norm, swiglu, residual
     (16, 72, 96, torch.float32, "split", True, False, True),  # sums of squares across splits
     (37, 40, 70, torch.float32, "odd-split", False, False, True),
     (37, 40, 70, torch.float16, "odd-split", True, False, False),
+    (1, 200, 300, torch.float16, None, "folded", False, True),  # the norm's weight folded into w
+    (16, 96, 512, torch.float32, None, "folded", True, False),
+    (16, 72, 96, torch.float32, "split", "folded", False, True),
 ]
 
 
@@ -132,12 +139,12 @@ def test_gemv_over_several_k_steps(K, norm, swiglu):
 
 
 @runs_kernel
-def test_gemv_tile_follows_its_prologue(monkeypatch):
+def test_gemv_tile_follows_its_fused_ops(monkeypatch):
     chosen, choose = [], kernel.choose_config
     monkeypatch.setattr(kernel, "choose_config", lambda *args: chosen.append(args[-1]) or choose(*args))
-    for norm in (False, True):
+    for norm in (False, True, "folded"):
         check_kernel(1, 40, 96, torch.float32, False, None, False, norm=norm)
-    assert chosen == [None, "norm"]
+    assert chosen == [None, "norm", "rms"]
 
 
 @runs_kernel
@@ -158,7 +165,7 @@ def test_choose_config_for_model_shapes():
     shapes = [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (4096, 12288)]
     shapes += [(10240, 4096), (4096, 20480), (151936, 4096)]  # fused K/V, fc, LM head
     for M, (N, K), elem_bytes, prologue in itertools.product(
-        (1, 16, 37, 256, 1024), shapes, (1, 2, 4), (None, "norm")
+        (1, 16, 37, 256, 1024), shapes, (1, 2, 4), (None, "norm", "rms")
     ):
         c = kernel.choose_config(M, N, K, 132, elem_bytes, prologue)
         if M == 1 and elem_bytes > 1:  # the GEMV kernel: no split, no MMA tile

@@ -37,17 +37,20 @@ def rows_of_every_kind(M: int, K: int, dtype: torch.dtype, top: int) -> torch.Te
 
 def kernel_prologue(x: torch.Tensor, norm) -> torch.Tensor:
     """What quantize_rows quantizes, in float32: x * w / rms unrounded, or x."""
-    return x.float() if norm is None else rms_norm_ref(x.float(), norm[0].float(), norm[1])
+    if norm is None:
+        return x.float()
+    return rms_norm_ref(x.float(), None if norm[0] is None else norm[0].float(), norm[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("M,K", [(1, 96), (37, 4096), (300, 12288)])
-@pytest.mark.parametrize("prologue", [None, "norm"])
+@pytest.mark.parametrize("prologue", [None, "norm", "folded"])  # folded: a norm without a weight
 def test_quantize_rows_matches_reference(dtype, M, K, prologue):
     torch.manual_seed(M)
     top = 1 if dtype == torch.float16 else 2  # fp16: keep the squares of the rows finite
     x = rows_of_every_kind(M, K, dtype, top)
     norm = (torch.rand(K, device="cuda").add(0.5).to(dtype), 1e-2) if prologue == "norm" else None
+    norm = (None, 1e-2) if prologue == "folded" else norm
     q, scale = quantize_rows(x, norm)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (M, K) and scale.shape == (M, 1)
     h = kernel_prologue(x, norm)

@@ -107,3 +107,31 @@ def test_tied_config_with_its_own_lm_head(tmp_path):
             expected = ref(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(paged_logits(ours, ids, split=10), expected[10:], atol=2e-5, rtol=1e-4)
         assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+
+
+def test_folded_norm_weights_keep_the_model(tmp_path):
+    """`fold_norms` moves each layer's two RMSNorm weights into q|k|v and gate|up (the engine's
+    `fold_norms`, on by default on CUDA): the logits stay transformers' (norm weights far from 1),
+    a second fold changes nothing, and greedy decoding is the unfolded engine's."""
+    path = make_target(tmp_path / "t", "qwen3", attention_bias=True)
+    weights = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in weights if n.endswith("layernorm.weight")]:
+        weights[name] = torch.rand(weights[name].shape, generator=gen) * 2 + 0.2
+    save_file(weights, path / "model.safetensors")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (30,), generator=gen).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    ours = load_target(path, torch.float32, torch.device("cpu")).model
+    ours.fold_norms()
+    ours.fold_norms()
+    assert all(layer.input_layernorm.weight is None is layer.post_attention_layernorm.weight for layer in ours.layers)
+    torch.testing.assert_close(paged_logits(ours, ids, split=10), expected[10:], atol=2e-5, rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for fold in (True, False):
+        llm = LLM(str(path), None, device="cpu", fold_norms=fold)
+        assert (llm.engine.target.model.layers[0].input_layernorm.weight is None) == fold
+        outs.append(llm.generate([ids[:8]], params)[0].outputs[0].token_ids)
+    assert outs[0] == outs[1]

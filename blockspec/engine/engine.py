@@ -55,6 +55,8 @@ class LLMEngine:
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
+        if config.fold_norms if config.fold_norms is not None else self.device.type == "cuda":
+            model.fold_norms()
         self.max_width, self.proposer = self.speculation(spec)
         num_pages = config.num_pages or self.default_num_pages()
         pages_per_seq = -(-self.max_model_len // config.page_size)  # a step writes positions < max_model_len

@@ -6,17 +6,19 @@ from torch import nn
 from blockspec.layers.fast_path import cuda_compiled
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return x.to(dtype) if weight is None else weight * x.to(dtype)
 
 
 rms_norm = cuda_compiled(rms_norm_ref)
 
 
 class RMSNorm(nn.Module):
+    """weight None: folded into the linear that reads the output (`fold_norm_weight`)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -24,3 +26,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+@torch.no_grad()
+def fold_norm_weight(norm: RMSNorm, linear: nn.Linear) -> None:
+    """Move the norm's weight g into the linear that reads its output, W' = W * g per input
+    feature (the product in float32, rounded once: what the skinny MMA kernel computes on its
+    weight tile at every call), and leave the norm without one. The same function up to that
+    rounding, and the GEMMs that fuse the norm then only compute 1 / rms. Once only: a norm
+    without a weight is left as it is."""
+    if norm.weight is None:
+        return
+    w = linear.weight
+    w.copy_((w.float() * norm.weight.float()).to(w.dtype))
+    norm.weight = None

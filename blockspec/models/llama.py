@@ -10,7 +10,7 @@ from torch import nn
 
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.linear import Linear
-from blockspec.layers.norm import RMSNorm
+from blockspec.layers.norm import RMSNorm, fold_norm_weight
 from blockspec.layers.rotary import RotaryEmbedding, qk_norm_rope
 from blockspec.sampling import is_int
 
@@ -205,6 +205,15 @@ class CausalLM(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
+
+    def fold_norms(self) -> None:
+        """Each layer's two RMSNorm weights into the GEMM after it (q|k|v, gate|up), so the GEMMs
+        that fuse the norm skip its multiply (`fold_norm_weight`; H200, 16 rows: q|k|v 16.9 against
+        15.0 µs without the multiply, gate|up 51.4 against 48.6). The final norm keeps its weight:
+        its output is the drafter's feature, and a tied LM head is the embedding."""
+        for layer in self.model.layers:
+            fold_norm_weight(layer.input_layernorm, layer.self_attn.qkv_proj)
+            fold_norm_weight(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

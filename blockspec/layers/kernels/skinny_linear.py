@@ -17,15 +17,16 @@ costing a launch and a round trip each (W8A8 gets its norm from `quantize_rows` 
 - prologue RMSNorm (qkv and gate|up): the squares of each x tile are summed as it is read, and
   the norm weight multiplies the x tile (GEMV) or the weight tile (MMA: the weight is the register
   operand, so x reaches the MMA as loaded); the row's 1 / rms is a per-row factor, applied to the
-  accumulator at the end (the normed x is never stored);
+  accumulator at the end (the normed x is never stored); a norm whose weight is folded into w
+  (`CausalLM.fold_norms`) only sums the squares;
 - epilogue SwiGLU (gate|up): a program's weight rows interleave the gate rows n and the up rows
   I + n of its output columns, so gate and up meet in one accumulator tile (as tuned for a plain
   GEMM) and it writes SiLU(gate) * up, each rounded to the activation dtype first as the unfused
   GEMM stores them (no split-K: gate and up must meet in one program). As down_proj's prologue it
   stalled the MMA kernel (the computed tile had to go back to shared memory as its operand: 59
-  against 32 µs apart at 16 rows), and at one row each program recomputed it from all of gate|up;
-  with two accumulators (gate and up tiles side by side) the tuned tiles spilled (a plain decode
-  step 4.45 -> 5.10 ms);
+  against 32 µs apart at 16 rows), and at one row each program recomputed it from all of gate|up.
+  An earlier epilogue with two accumulators (a gate tile and an up tile per program, at the plain
+  GEMM's tiles) was slower: a plain decode step 4.45 -> 5.10 ms;
 - epilogue residual add (o and down): the output is the residual stream itself.
 
 M = 1, `_gemv_kernel`: a program owns BLOCK_N rows of w and walks K, multiply-adding on the CUDA
@@ -136,8 +137,8 @@ def _skinny_kernel(
     x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, ws_ptr, sq_ptr,
     M, N, K, eps, stride_xm, stride_xk, stride_wn, stride_wk,
     K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, FP8: tl.constexpr, SWIGLU: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
+    FP8: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -155,9 +156,10 @@ def _skinny_kernel(
     for _ in range(K_ITERS):
         w = load_tile(w_ptrs, offs_k[None, :] < K, EVEN_K)
         x = load_tile(x_ptrs, offs_k[:, None] < K, EVEN_K)
-        if NORM:  # the norm weight scales the weight tile, the register operand: x stays as loaded
+        if NORM_WEIGHT:  # the norm weight scales the weight tile, the register operand: x stays as loaded
             g = load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
             w = (w.to(tl.float32) * g[None, :]).to(x.dtype)
+        if NORM:
             sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0)
         if FP8:  # Hopper's FP8 MMAs add with ~14 bits: each K step's sum joins the fp32 total apart
             acc += tl.dot(w, x)
@@ -190,7 +192,7 @@ def _skinny_kernel(
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, N, K, eps, stride_xk, stride_wn, stride_wk,
-    K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+    K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows_n, offs_n = _weight_rows(tl.program_id(0), N, BLOCK_N, SWIGLU)  # clamped: the store is masked
@@ -204,6 +206,7 @@ def _gemv_kernel(
         x = load_tile(x_ptr + offs_k * stride_xk, offs_k < K, EVEN_K).to(tl.float32)
         if NORM:
             sq += x * x
+        if NORM_WEIGHT:
             x = x * load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K * stride_wk
@@ -297,19 +300,21 @@ def _split_k(tiles: int, k_iters: int, M: int, K: int, min_programs: int) -> int
     return split
 
 
-# The GEMV's (block_n, block_k, num_warps, num_stages) by its prologue, for weights narrower than
-# WIDE_N. H200, Qwen3-8B's shapes at one row, 36 distinct weights each (read from HBM), fused as a
-# layer runs them, µs per call against one tile for all (16, 512, 8, 3): q|k|v with the norm 13.7
-# against 17.4, o_proj with the residual 9.6 against 12.1. The best tile moves with the prologue
-# (its registers and loads).
-GEMV_TILES = {"norm": (16, 512, 4, 3), None: (16, 1024, 8, 2)}
-GEMV_WIDE_TILE = (32, 256, 8, 3)  # whatever the prologue (gate|up with the norm: 46.7 µs)
+# The GEMV's (block_n, block_k, num_warps, num_stages) by its prologue: "norm" (an RMSNorm), "rms"
+# (one whose weight is folded into w: 1 / rms only) or None; for weights narrower than WIDE_N and
+# wider. H200, Qwen3-8B's shapes at one row, 36 distinct weights each (read from HBM), fused as a
+# layer runs them, µs per call: q|k|v with the norm 13.7 against 17.4 at one tile for all
+# (16, 512, 8, 3), folded 13.6 (14.0 at the norm's tile), o_proj with the residual 9.6 against
+# 12.1; gate|up with SwiGLU 48.4, folded 47.8 (56.3 at the norm's tile, 49.1 at the LM head's).
+# The best tile moves with the fused ops (their registers and loads).
+GEMV_TILES = {"norm": (16, 512, 4, 3), "rms": (8, 512, 4, 3), None: (16, 1024, 8, 2)}
+GEMV_WIDE_TILES = {"norm": (64, 128, 4, 3), "rms": (32, 128, 4, 3), None: (32, 256, 8, 3)}
 WIDE_N = 16384  # LM heads, gate|up: longer rows per program, fewer programs (GEMV and MMA tiles)
 
 
 def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologue: str | None = None) -> SkinnyConfig:
     """Tile sizes by M and the bytes of an x or weight element (1: W8A8), then split-K; at one row
-    (the GEMV) also by the `prologue` fused in ("norm" or None). The M = 1 and M <= 16
+    (the GEMV) also by the `prologue` fused in ("norm", "rms" or None). The M = 1 and M <= 16
     tiles are the H200's best (or within 3% of it) over the Qwen3-8B target's shapes in bf16 and
     the drafter's in W8A8: wide weights stream best in long K steps, bf16 ones without split-K, FP8
     ones split until half the SMs have a program (down_proj, o_proj); larger M are first guesses,
@@ -317,7 +322,7 @@ def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologu
     not fit in shared memory (fp32). `python -m blockspec.bench.fp8_bench --sweep` times
     alternatives for W8A8."""
     if M == 1 and elem_bytes > 1:  # W8A8 runs on the MMA kernel at any M
-        bn, bk, warps, stages = GEMV_WIDE_TILE if N >= WIDE_N else GEMV_TILES[prologue]
+        bn, bk, warps, stages = (GEMV_WIDE_TILES if N >= WIDE_N else GEMV_TILES)[prologue]
         return SkinnyConfig(1, bn, min(bk, _pow2_at_least(K)), 1, warps, stages)
     if M <= 16:
         wide = N >= WIDE_N
@@ -348,14 +353,14 @@ def skinny_linear(
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """residual + norm(x) @ weight.T + bias. x [..., K] (bf16/fp16/fp32); `norm` (weight [K],
-    eps): the prologue is that RMSNorm. weight [N, K] in x's dtype; bias [N] or None; residual
-    [..., N] like the output, or None. -> [..., N] in x's dtype; with `swiglu` (weight gate|up of
-    2I rows, no residual) -> [..., I], SiLU(gate) * up."""
+    """residual + norm(x) @ weight.T + bias. x [..., K] (bf16/fp16/fp32); `norm` (weight [K] or
+    None: folded into `weight`, eps): the prologue is that RMSNorm. weight [N, K] in x's dtype;
+    bias [N] or None; residual [..., N] like the output, or None. -> [..., N] in x's dtype; with
+    `swiglu` (weight gate|up of 2I rows, no residual) -> [..., I], SiLU(gate) * up."""
     assert weight.shape[1] == x.shape[-1], f"x has {x.shape[-1]} features, weight is {tuple(weight.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     assert weight.dtype == x.dtype, f"the weight must be in x's dtype {x.dtype}, got {weight.dtype}"
-    if norm is not None:
+    if norm is not None and norm[0] is not None:
         assert norm[0].shape == (x.shape[-1],), f"norm weight {tuple(norm[0].shape)} for {x.shape[-1]} features"
     return _launch(x, weight, x.dtype, bias, config, norm, swiglu, residual, None)
 
@@ -409,21 +414,24 @@ def _launch(
         assert residual.dtype == out_dtype, f"a {residual.dtype} residual for a {out_dtype} output"
         residual = residual.contiguous()
     sms = num_sms(x.device, interpreted=8)  # interpreter: few SMs, so that split-K is exercised
-    cfg = config or choose_config(M, N, K, sms, x.element_size(), "norm" if norm is not None else None)
+    prologue = None if norm is None else "norm" if norm[0] is not None else "rms"
+    cfg = config or choose_config(M, N, K, sms, x.element_size(), prologue)
     if swiglu:  # gate and up meet in one program's epilogue
         cfg = dataclasses.replace(cfg, split_k=1)
     assert not (scales is not None and cfg.block_m == 1), "W8A8 runs on the MMA kernel"
     # Pointers that a flag leaves unread are given some valid tensor.
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
     flags = {"HAS_BIAS": bias is not None, "NORM": norm is not None, "RESIDUAL": residual is not None}
+    fused = {**flags, "NORM_WEIGHT": norm_weight is not None, "SWIGLU": swiglu}  # the GEMM kernels' flags
     bias = weight if bias is None else bias
-    norm_weight, eps = norm if norm is not None else (weight, 0.0)
+    norm_weight = weight if norm_weight is None else norm_weight
     residual = weight if residual is None else residual
     if cfg.block_m == 1:
         assert M == 1, f"the GEMV config serves one row, got {M}"
         k_iters = triton.cdiv(K, cfg.block_k)
         _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
             x2, weight, bias, norm_weight, residual, y, N, K, eps, x2.stride(1), weight.stride(0), weight.stride(1),
-            k_iters, **flags, SWIGLU=swiglu, EVEN_K=K == k_iters * cfg.block_k, BLOCK_N=cfg.block_n,
+            k_iters, **fused, EVEN_K=K == k_iters * cfg.block_k, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
         )  # fmt: skip
         return y.view(out_shape)
@@ -435,8 +443,8 @@ def _launch(
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
     _skinny_kernel[grid](
         x2, weight, x_scale, w_scale, bias, norm_weight, residual, y, ws, sq, M, N, K, eps,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), k_iters, **flags,
-        FP8=scales is not None, SWIGLU=swiglu, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), k_iters, **fused,
+        FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
         IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
