@@ -81,17 +81,29 @@ def load_tile(ptrs, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
-    """(the weight rows of tile pid_n, clamped into range, and the output columns they make).
-    SWIGLU (a gate|up weight of N = 2I rows): row j of the tile is the gate (even j) or up (odd j)
-    row of output column pid_n * BLOCK_N / 2 + j // 2."""
+    """The weight rows of tile pid_n, clamped into range (loads stay in bounds, the store is
+    masked). SWIGLU (a gate|up weight of N = 2I rows): row j of the tile is the gate (even j) or
+    up (odd j) row of output column pid_n * BLOCK_N / 2 + j // 2."""
     j = tl.arange(0, BLOCK_N)
     if SWIGLU:
-        cols = pid_n * (BLOCK_N // 2) + j // 2
-        rows = (cols % (N // 2) + (j % 2) * (N // 2)).to(tl.int64)
+        col = (pid_n * (BLOCK_N // 2) + j // 2) % (N // 2)
+        rows = col + (j % 2) * (N // 2)
     else:
-        cols = pid_n * BLOCK_N + j
-        rows = (cols % N).to(tl.int64)  # N * K may pass 2**31 (LM heads)
-    return rows, cols
+        rows = (pid_n * BLOCK_N + j) % N
+    return rows.to(tl.int64)  # N * K may pass 2**31 (LM heads)
+
+
+@triton.jit
+def _output_cols(pid_n, N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+    """(tile pid_n's output columns, the output's width): BLOCK_N of N, or with SWIGLU BLOCK_N / 2
+    of N / 2."""
+    if SWIGLU:
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        width = N // 2
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        width = N
+    return cols, width
 
 
 @triton.jit
@@ -120,8 +132,8 @@ def _row_factor(sq, m, K, eps, x_scale_ptr, NORM, FP8):
 
 @triton.jit
 def _epilogue(acc, row_factor, offs, n, mask, w_scale_ptr, bias_ptr, res_ptr, FP8, HAS_BIAS, RESIDUAL):
-    """acc * row_factor * w_scale[n] + bias[n] + residual[offs]. `n`: the output columns clamped into
-    range (read unmasked, once per column; past N never stored)."""
+    """acc * row_factor * w_scale[n] + bias[n] + residual[offs]. `n`: the weight rows of acc's rows,
+    clamped into range (read unmasked; what is past the output is never stored)."""
     acc = acc * row_factor
     if FP8:
         acc = acc * tl.load(w_scale_ptr + n)
@@ -146,9 +158,8 @@ def _skinny_kernel(
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * K_ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
-    # Clamp instead of masking on rows/columns: loads stay in bounds, the store is masked.
-    rows_n, offs_n = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
-    rows_m = offs_m % M
+    rows_n = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
+    rows_m = offs_m % M  # clamped as rows_n
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [BLOCK_K, BLOCK_M]
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
@@ -170,20 +181,19 @@ def _skinny_kernel(
         w_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
         offs_k += BLOCK_K
-    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    offs = offs_m[None, :] * N + offs_n[:, None]  # y, the residual and each workspace slice: [M, N]
+    cols, width = _output_cols(pid_n, N, BLOCK_N, SWIGLU)
+    mask = (cols[:, None] < width) & (offs_m[None, :] < M)
+    offs = offs_m[None, :] * width + cols[:, None]  # y, the residual and each workspace slice: [M, width]
     if SPLIT_K == 1:
         factor = _row_factor(sq[None, :], rows_m[None, :], K, eps, x_scale_ptr, NORM, FP8)
         acc = _epilogue(
             acc, factor, offs, rows_n[:, None], mask, w_scale_ptr, bias_ptr, res_ptr, FP8, HAS_BIAS, RESIDUAL
         )
-        if SWIGLU:  # [BLOCK_N / 2, BLOCK_M] of y [M, N / 2]
+        if SWIGLU:
             acc = _swiglu(acc, y_ptr.dtype.element_ty)
-            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            mask = (cols[:, None] < N // 2) & (offs_m[None, :] < M)
-            offs = offs_m[None, :] * (N // 2) + cols[:, None]
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:  # partial sums to the workspace [SPLIT_K, M, N]; sums of squares [SPLIT_K, M], once per row
+        tl.static_assert(not SWIGLU, "SwiGLU's gate and up meet in one program: no split-K")
         tl.store(ws_ptr + pid_k * M * N + offs, acc, mask=mask)
         if NORM:
             tl.store(sq_ptr + pid_k * M + offs_m, sq, mask=(offs_m < M) & (pid_n == 0))
@@ -195,7 +205,7 @@ def _gemv_kernel(
     K_ITERS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, SWIGLU: tl.constexpr,
     RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    rows_n, offs_n = _weight_rows(tl.program_id(0), N, BLOCK_N, SWIGLU)  # clamped: the store is masked
+    rows_n = _weight_rows(tl.program_id(0), N, BLOCK_N, SWIGLU)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
@@ -211,16 +221,14 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K * stride_wk
         offs_k += BLOCK_K
-    mask = offs_n < N
+    cols, width = _output_cols(tl.program_id(0), N, BLOCK_N, SWIGLU)
     factor = _row_factor(tl.sum(sq), 0, K, eps, y_ptr, NORM, False)
     y = _epilogue(
-        tl.sum(acc, axis=1), factor, offs_n, rows_n, mask, y_ptr, bias_ptr, res_ptr, False, HAS_BIAS, RESIDUAL
+        tl.sum(acc, axis=1), factor, cols, rows_n, cols < width, y_ptr, bias_ptr, res_ptr, False, HAS_BIAS, RESIDUAL
     )
     if SWIGLU:
         y = _swiglu(y, y_ptr.dtype.element_ty)
-        offs_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        mask = offs_n < N // 2
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < width)
 
 
 @triton.jit
@@ -402,7 +410,7 @@ def _launch(
     scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     K, N = weight.shape[1], weight.shape[0]
-    assert not swiglu or (N % 2 == 0 and residual is None), f"SwiGLU of {N} gate|up rows, residual {residual}"
+    assert not swiglu or (N % 2 == 0 and residual is None), f"SwiGLU of {N} gate|up rows (even, no residual)"
     out_shape = (*x.shape[:-1], N // 2 if swiglu else N)
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
