@@ -51,7 +51,8 @@ class EngineConfig:
     # device (DFlash and plain decoding); None: on where the device runs asynchronously (CUDA).
     async_steps: bool | None = None
     # Fold the target's RMSNorm weights into the GEMMs after them (`CausalLM.fold_norms`): the same
-    # model up to one rounding of those weights, and the fused GEMMs skip a multiply; None: on CUDA.
+    # model up to one rounding of those weights, and the fused GEMMs skip a multiply; None: where
+    # those GEMMs run (CUDA with the Triton kernels on).
     fold_norms: bool | None = None
     simulate_tau: float | None = None  # benchmarks only: draw acceptance with this mean at the full block
 

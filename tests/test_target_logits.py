@@ -10,6 +10,7 @@ from blockspec import LLM
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
+from blockspec.layers.norm import RMSNorm, fold_norm_weight
 from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams
 
@@ -129,9 +130,25 @@ def test_folded_norm_weights_keep_the_model(tmp_path):
     assert all(layer.input_layernorm.weight is None is layer.post_attention_layernorm.weight for layer in ours.layers)
     torch.testing.assert_close(paged_logits(ours, ids, split=10), expected[10:], atol=2e-5, rtol=1e-4)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert LLM(str(path), None, device="cpu").engine.target.model.layers[0].input_layernorm.weight is not None
     outs = []
     for fold in (True, False):
         llm = LLM(str(path), None, device="cpu", fold_norms=fold)
         assert (llm.engine.target.model.layers[0].input_layernorm.weight is None) == fold
         outs.append(llm.generate([ids[:8]], params)[0].outputs[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_a_bf16_fold_rounds_once_as_the_mma_kernel_does():
+    """The folded bf16 weight is bit for bit the weight tile the 16-row kernel multiplied by g at
+    every call before the fold: (w * g) in float32, rounded once to bf16, per input feature."""
+    gen = torch.Generator().manual_seed(4)
+    linear = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=gen))
+        norm.weight.copy_(torch.rand(64, generator=gen) * 3 + 0.1)
+    w, g = linear.weight.detach().clone(), norm.weight.detach().clone()
+    fold_norm_weight(norm, linear)
+    assert norm.weight is None
+    assert torch.equal(linear.weight, (w.float() * g.float()[None, :]).to(torch.bfloat16))

@@ -249,6 +249,9 @@ def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
         build_drafter(target, config(target_dir, data, tmp_path), VOCAB)
     with pytest.raises(ValueError, match="num_attention_heads 3 is not a multiple of num_key_value_heads 2"):
         build_drafter(target, config(target_dir, data, tmp_path, num_heads=3, num_kv_heads=2), VOCAB - 1)
+    target.fold_norms()  # as an engine on CUDA leaves it
+    with pytest.raises(ValueError, match="norm weights are folded"):
+        build_drafter(target, config(target_dir, data, tmp_path), VOCAB - 1)
     with pytest.raises(ValueError, match="attention=flex needs CUDA"):  # before any data is generated
         train(config(target_dir, None, tmp_path / "flex", attention="flex"))
     assert not (tmp_path / "flex" / "data.jsonl").exists()

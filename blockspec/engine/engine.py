@@ -24,6 +24,7 @@ from blockspec.engine.speculative import (
     finish_step,
     launch_step,
 )
+from blockspec.layers.linear import fused_gemms_on
 from blockspec.layers.quantization import quantize_drafter, resolve_fp8
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
@@ -55,8 +56,6 @@ class LLMEngine:
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
-        if config.fold_norms if config.fold_norms is not None else self.device.type == "cuda":
-            model.fold_norms()
         self.max_width, self.proposer = self.speculation(spec)
         num_pages = config.num_pages or self.default_num_pages()
         pages_per_seq = -(-self.max_model_len // config.page_size)  # a step writes positions < max_model_len
@@ -85,6 +84,9 @@ class LLMEngine:
         self.run_ahead = run_ahead and self.proposer is dflash_draft
         self.in_flight: Flight | None = None
         self.last_completion = 0.0
+        fold = config.fold_norms if config.fold_norms is not None else fused_gemms_on(self.device)
+        if fold:  # last: an engine that refuses its arguments leaves the model as it was
+            model.fold_norms()
 
     def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer]:
         """The widest block a step verifies (anchor + drafts) and the proposer of the drafts."""

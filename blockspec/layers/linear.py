@@ -4,7 +4,8 @@ at those shapes and fuses the decoder layer's small ops into it: the RMSNorm bef
 SwiGLU (of a gate|up projection) or the residual add after it. Everything else (CPU, training,
 prefill) runs the ops one by one (`dense`), the reference that the kernel is tested against
 (without a bias, the residual add is the GEMM's own: addmm).
-BLOCKSPEC_TRITON_LINEAR=0 keeps the unfused ops and cuBLAS everywhere (for A/B runs)."""
+BLOCKSPEC_TRITON_LINEAR=0 keeps the unfused ops and cuBLAS everywhere (for A/B runs), and the
+engine then leaves the norm weights in the norms (`EngineConfig.fold_norms`)."""
 
 import functools
 import os
@@ -25,6 +26,12 @@ LINEAR_MAX_M = 16
 @functools.cache
 def _kernel_on() -> bool:
     return os.environ.get("BLOCKSPEC_TRITON_LINEAR", "1") != "0" and kernel_module("skinny_linear") is not None
+
+
+def fused_gemms_on(device: torch.device) -> bool:
+    """Whether `linear` sends few-row calls on `device` to the skinny kernel (CUDA, triton, not
+    switched off)."""
+    return device.type == "cuda" and _kernel_on()
 
 
 def dense(

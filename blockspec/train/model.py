@@ -79,6 +79,8 @@ def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
 
 def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tuple[DFlashDrafter, bool]:
     """The drafter in float32 on the target's device, and whether the copy init applied."""
+    if any(layer.input_layernorm.weight is None for layer in target.layers):
+        raise ValueError("the target's norm weights are folded into its GEMMs (an engine's): train from load_target's")
     tc = target.config
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(drafter_config(target, cfg, mask_token_id), tc.num_hidden_layers, tc.hidden_size)
