@@ -1,7 +1,8 @@
-"""The skinny GEMM kernels compiled for Hopper (sm_90: Triton's front end, LLVM and ptxas) on a
-machine without a GPU. The interpreter runs a kernel as Python, so it accepts what the compiler
-refuses (tensors of mismatched shapes in a branch the flags select, a failing static assert);
-compiling every flag combination the launcher can produce catches that in CI."""
+"""Every Triton kernel compiled for Hopper (sm_90: Triton's front end, LLVM and ptxas) on a
+machine without a GPU, over the flag combinations their launchers produce. The interpreter runs a
+kernel as Python, so it accepts what the compiler refuses (tensors of mismatched shapes in a
+branch the flags select, a failing static assert, an op with no lowering); this catches that in
+CI, before a GPU ever runs the kernel."""
 
 import itertools
 
@@ -13,15 +14,25 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 
+from blockspec.layers.kernels import kv_write, paged_attention, qk_norm_rope, quantize_rows
 from blockspec.layers.kernels import skinny_linear as kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
-POINTERS = ["x_ptr", "w_ptr", "bias_ptr", "norm_ptr", "res_ptr", "y_ptr"]
-INTS = ["M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk"]
+FLOATS = ("eps", "qk_scale")
 
 
-def compile_for_hopper(fn, types: dict[str, str], constants: dict) -> None:
-    signature = {name: "constexpr" if name in constants else types[name] for name in fn.arg_names}
+def compile_for_hopper(fn, constants: dict, **pointers: str) -> None:
+    """Compile `fn` with `constants` for its constexpr parameters; pointer arguments are bf16
+    unless `pointers` names their type (e.g. x_ptr="*fp8e4nv"), the rest int32 or fp32 scalars."""
+
+    def kind(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name.endswith("_ptr"):
+            return pointers.get(name, "*bf16")
+        return "fp32" if name in FLOATS else "i32"
+
+    signature = {name: kind(name) for name in fn.arg_names}
     paths = {(fn.arg_names.index(name),): value for name, value in constants.items()}
     try:
         triton.compile(ASTSource(fn, signature, constexprs=paths), target=HOPPER, options={"num_warps": 4})
@@ -31,10 +42,8 @@ def compile_for_hopper(fn, types: dict[str, str], constants: dict) -> None:
         raise
 
 
-def types_for(fp8: bool) -> dict[str, str]:
-    types = dict.fromkeys(POINTERS, "*bf16") | dict.fromkeys(INTS, "i32") | {"eps": "fp32"}
-    types |= dict.fromkeys(["x_scale_ptr", "w_scale_ptr", "ws_ptr", "sq_ptr"], "*fp32")
-    return types | ({"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"} if fp8 else {})
+FP8 = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
+SCALES = {name: "*fp32" for name in ("x_scale_ptr", "w_scale_ptr", "ws_ptr", "sq_ptr")}
 
 
 def flags_for(norm: str | None, swiglu: bool, **more) -> dict:
@@ -47,7 +56,7 @@ def flags_for(norm: str | None, swiglu: bool, **more) -> dict:
 @pytest.mark.parametrize("norm,swiglu", [(None, False), ("norm", False), ("rms", False), ("rms", True), (None, True)])
 def test_gemv_compiles(norm, swiglu):
     flags = flags_for(norm, swiglu, PDL=True, BLOCK_N=32, BLOCK_K=128)
-    compile_for_hopper(kernel._gemv_kernel, types_for(False), flags)
+    compile_for_hopper(kernel._gemv_kernel, flags)
 
 
 MMA_TILE = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
@@ -60,10 +69,59 @@ MMA_TILE = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
 ])  # fmt: skip
 def test_mma_kernel_compiles(fp8, norm, swiglu, split_k):
     flags = flags_for(norm, swiglu, FP8=fp8, SPLIT_K=split_k, **MMA_TILE)
-    compile_for_hopper(kernel._skinny_kernel, types_for(fp8), flags)
+    compile_for_hopper(kernel._skinny_kernel, flags, **SCALES, **(FP8 if fp8 else {}))
 
 
 def test_swiglu_with_split_k_is_refused_when_compiled():
     flags = flags_for("rms", True, FP8=False, SPLIT_K=2, **MMA_TILE)
     with pytest.raises(CompilationError, match="no split-K"):
-        compile_for_hopper(kernel._skinny_kernel, types_for(False), flags)
+        compile_for_hopper(kernel._skinny_kernel, flags, **SCALES)
+
+
+@pytest.mark.parametrize("fp8,norm,residual", [(False, True, True), (True, False, False)])
+def test_splitk_reduce_compiles(fp8, norm, residual):
+    flags = {
+        "HAS_BIAS": True,
+        "NORM": norm,
+        "RESIDUAL": residual,
+        "FP8": fp8,
+        "SPLIT_K": 4,
+        "BLOCK": kernel.REDUCE_BLOCK,
+    }
+    compile_for_hopper(kernel._splitk_reduce_kernel, flags, **SCALES)
+
+
+def test_dequantize_compiles():
+    flags = {"BLOCK": kernel.DEQUANT_BLOCK}
+    compile_for_hopper(kernel._dequant_kernel, flags, q_ptr="*fp8e4nv", scale_ptr="*fp32")
+
+
+@pytest.mark.parametrize("split,fp32", [(True, False), (False, False), (True, True)])
+def test_paged_attention_compiles(split, fp32):
+    flags = {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 32 if fp32 else 64, "SPLIT": split}
+    pointers = dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | {"lse_ptr": "*fp32"}
+    if fp32:
+        pointers |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), "*fp32")
+    pointers["out_ptr"] = "*fp32" if split or fp32 else "*bf16"
+    compile_for_hopper(paged_attention._attention_kernel, flags | {"PRECISION": "ieee" if fp32 else "tf32"}, **pointers)
+
+
+def test_attention_combine_compiles():
+    flags = {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128, "D_PAD": 128}
+    compile_for_hopper(paged_attention._combine_kernel, flags, part_ptr="*fp32", lse_ptr="*fp32")
+
+
+@pytest.mark.parametrize("weight,write", [(True, True), (False, False)])
+def test_qk_norm_rope_compiles(weight, write):
+    flags = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HAS_WEIGHT": weight, "WRITE": write, "HALF": 64, "BLOCK": 64}
+    compile_for_hopper(qk_norm_rope._qk_norm_rope_kernel, flags, slot_ptr="*i64")
+
+
+@pytest.mark.parametrize("norm,weight", [(False, False), (True, True), (True, False)])
+def test_quantize_rows_compiles(norm, weight):
+    flags = {"K": 4096, "NORM": norm, "NORM_WEIGHT": weight, "BLOCK": quantize_rows.MAX_BLOCK}
+    compile_for_hopper(quantize_rows._quantize_rows_kernel, flags, q_ptr="*fp8e4nv", scale_ptr="*fp32")
+
+
+def test_kv_write_compiles():
+    compile_for_hopper(kv_write._kv_write_kernel, {"ROW": 1024, "BLOCK": 1024}, slot_ptr="*i64")
