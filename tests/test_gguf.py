@@ -182,13 +182,21 @@ def test_scaled_rope_is_refused(tmp_path: Path, meta: dict) -> None:
         load_gguf(tiny_gguf(tmp_path / "scaled.gguf", 4, 16, **meta))
 
 
-def test_rope_scaling_type_none_keeps_plain_rope(tmp_path: Path) -> None:
-    """An explicit "none" turns scaling off whatever the factor says (as llama.cpp reads it): the
-    load gets past the config and stops at this tiny file's missing tensors."""
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"rope__scaling__type": "none", "rope__scaling__factor": 4.0},  # "none" whatever the factor
+        {"rope__scaling__factor": 0.0},  # llama.cpp reads a factor of 0 as unset: scale 1
+        {"rope__scaling__type": "linear", "rope__scaling__factor": 1.0},
+    ],
+)
+def test_unscaled_rope_settings_keep_plain_rope(tmp_path: Path, meta: dict) -> None:
+    """Settings that llama.cpp reads as plain rope: the load gets past the config and stops at
+    this tiny file's missing tensors."""
     with pytest.raises(
-        ValueError, match=r"none\.gguf: tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape None"
+        ValueError, match=r"plain\.gguf: tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape None"
     ):
-        load_gguf(tiny_gguf(tmp_path / "none.gguf", 4, 16, rope__scaling__type="none", rope__scaling__factor=4.0))
+        load_gguf(tiny_gguf(tmp_path / "plain.gguf", 4, 16, **meta))
 
 
 def test_incremental_detokenization_equals_full_decode(ckpt: loader.GGUFCheckpoint) -> None:

@@ -160,10 +160,11 @@ def _config(reader: gguf.GGUFReader, path: Path, tied: bool) -> transformers.Lla
     hidden, n_head = count("embedding_length"), count("attention.head_count")
     head_dim = count("attention.key_length", hidden // n_head)
     theta = float(get("rope.freq_base", 10000.0))
-    # llama.cpp scales rope linearly when a factor is given without a type; only "none" turns it off.
+    # As llama.cpp reads them: a factor without a type scales rope linearly, a factor of 0 is unset
+    # (scale 1), and "none" turns scaling off whatever the factor.
     scaling = get("rope.scaling.type", None)
-    factor = float(get("rope.scaling.factor", get("rope.scale_linear", 1.0)))
-    if scaling != "none" and (scaling is not None or factor != 1.0):  # would silently give wrong positions
+    factor = float(get("rope.scaling.factor", get("rope.scale_linear", 1.0))) or 1.0
+    if scaling not in (None, "none", "linear") or (scaling != "none" and factor != 1.0):  # wrong positions
         raise ValueError(f"{path}: rope scaling {scaling or 'linear'!r} (factor {factor}) is not supported")
     if float(get("rope.scaling.attn_factor", 1.0)) != 1.0:
         raise ValueError(f"{path}: rope attn_factor {get('rope.scaling.attn_factor')} is not supported")
