@@ -12,6 +12,7 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.norm import RMSNorm, fold_norm_weight
 from blockspec.loading.hf import load_target
+from blockspec.loading.weights import CheckpointError
 from blockspec.sampling import SamplingParams
 
 CASES = [
@@ -108,6 +109,9 @@ def test_tied_config_with_its_own_lm_head(tmp_path):
             expected = ref(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(paged_logits(ours, ids, split=10), expected[10:], atol=2e-5, rtol=1e-4)
         assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    save_file({**no_embed, "lm_head.weight": embed[:-1]}, path / "model.safetensors")  # one row short
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight has shape \(127, 64\), expected \(128, 64\)"):
+        load_target(path, torch.float32, torch.device("cpu"))
 
 
 def test_folded_norm_weights_keep_the_model(tmp_path):

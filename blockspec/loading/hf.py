@@ -67,6 +67,9 @@ def build_target(
     head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
     if config.tie_word_embeddings and head is not None:  # as transformers loads a tied config:
         if embed is None:  # the head stored alone serves both
+            expected = (config.vocab_size, config.hidden_size)
+            if tuple(head.shape) != expected:  # named as stored, not as the embedding it stands in for
+                raise CheckpointError(f"{source}: lm_head.weight has shape {tuple(head.shape)}, expected {expected}")
             weights = {**weights, "model.embed_tokens.weight": head}
         elif not torch.equal(head, embed):  # the file's own, different head is kept, not tied
             config.tie_word_embeddings = False
