@@ -65,21 +65,20 @@ def build_target(
     config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, source: Path
 ) -> CausalLM:
     head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
-    if config.tie_word_embeddings and head is not None:  # as transformers loads a tied config:
-        if embed is None:  # the head stored alone serves both
-            expected = (config.vocab_size, config.hidden_size)
-            if tuple(head.shape) != expected:  # named as stored, not as the embedding it stands in for
-                raise CheckpointError(f"{source}: lm_head.weight has shape {tuple(head.shape)}, expected {expected}")
-            weights = {**weights, "model.embed_tokens.weight": head}
-        elif not torch.equal(head, embed):  # the file's own, different head is kept, not tied
-            config.tie_word_embeddings = False
+    if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        config.tie_word_embeddings = False  # as transformers does: the file's own, different head is kept
     with torch.device("meta"):
         model = CausalLM(config)
-    tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    # A tied pair is one tensor, loaded (and checked) under the name the file stores it by: the
+    # embedding, or the head where the file holds only that (it serves both, as in transformers).
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    kept, other = names[::-1] if embed is None and head is not None else names
+    tied = (other,) if config.tie_word_embeddings else ()
     weights = {n: t for n, t in weights.items() if n not in tied and "rotary_emb" not in n}
     fill_module(model, pack(weights, source, packed_sizes(model.spec)), dtype, device, source, optional=tied)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if tied:  # one Parameter under both names
+        owner, _, attr = other.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(kept))
     model.rotary.to(device)
     return model.eval()
 
