@@ -15,7 +15,7 @@ from blockspec.train.distributed import World, close_world, init_world
 from blockspec.train.evaluate import acceptance_lengths, describe
 from blockspec.train.model import build_drafter, default_mask_token_id
 from blockspec.train.prompts import build_prompts, write_prompts
-from blockspec.train.trainer import Trainer
+from blockspec.train.trainer import Trainer, uses_flex
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -32,8 +32,7 @@ def train(cfg: TrainConfig) -> Path:
 
 
 def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
-    if cfg.attention == "flex" and device.type != "cuda":  # before hours of data generation
-        raise ValueError("attention=flex needs CUDA (FlexAttention has no backward on the CPU): use dense")
+    uses_flex(cfg, device)  # refused settings before hours of data generation
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     examples = read_examples(cfg.data) if cfg.data else generate_dataset(cfg, out / "data.jsonl", device, world)

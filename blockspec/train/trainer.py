@@ -61,6 +61,15 @@ class Meter:
         }
 
 
+def uses_flex(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether the block masks run as FlexAttention ("auto": on CUDA); flex on the CPU is refused
+    (`train_on` asks before any data is generated)."""
+    cuda = device.type == "cuda"
+    if cfg.attention == "flex" and not cuda:
+        raise ValueError("attention=flex needs CUDA (FlexAttention has no backward on the CPU): use dense")
+    return cfg.attention == "flex" or (cfg.attention == "auto" and cuda)
+
+
 class Trainer:
     def __init__(
         self,
@@ -82,7 +91,7 @@ class Trainer:
         if self.order.batch_size < world.size:
             raise ValueError(f"batch_size {self.order.batch_size} is smaller than the {world.size} ranks sharing it")
         self.weights = row_weights(drafter.block_size, cfg.loss_gamma, device)
-        self.flex = cfg.attention == "flex" or (cfg.attention == "auto" and cuda)
+        self.flex = uses_flex(cfg, device)
         self.pad_multiple = 128 if self.flex else 1  # few distinct shapes for the compiled kernel
         self.out = Path(cfg.output)
         ckpt = self.out / "checkpoint"
