@@ -174,3 +174,10 @@ def interpreter_test(test_file: str):
         assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
     return test_kernels_in_interpreter
+
+
+def swiglu_rounded(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SiLU(gate) * up in float32 of gate|up rounded to `dtype` first, as the unfused GEMM stores
+    them (the fused kernels' SwiGLU epilogue against it)."""
+    gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

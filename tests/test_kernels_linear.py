@@ -18,7 +18,7 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from conftest import CUDA, interpreter_test, runs_kernel
+from conftest import CUDA, interpreter_test, runs_kernel, swiglu_rounded
 
 from blockspec.layers import linear as linear_module
 from blockspec.layers.activation import silu_mul
@@ -62,9 +62,8 @@ def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0, norm=False
     else:
         h = rms_norm_ref(x.float(), None if norm_args[0] is None else norm_args[0].float(), norm_args[1])
     ref = F.linear(h, w_ref.float(), None if b is None else b.float())
-    if swiglu:  # gate and up rounded to the output dtype first, as the unfused GEMM stores them
-        gate, up = ref.to(dtype).float().chunk(2, dim=-1)
-        ref = F.silu(gate) * up
+    if swiglu:
+        ref = swiglu_rounded(ref, dtype)
     ref = ref if res is None else ref + res.float()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     if fp8 and CUDA:  # FP8 MMAs add with ~14 bits within a K step (the interpreter's are exact)

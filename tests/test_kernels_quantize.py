@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from conftest import CUDA
+from conftest import CUDA, swiglu_rounded
 from test_kernels_linear import check_in_cuda_graph
 
 from blockspec.layers.kernels.quantize_rows import quantize_rows
@@ -66,12 +66,6 @@ def test_quantize_rows_matches_reference(dtype, M, K, prologue):
     bound = (REL_STEP + 2**-7) * h.abs() + SUBNORMAL_HALF_STEP * scale
     assert ((deq - h).abs() <= bound).all(), ((deq - h).abs() / bound).max()
     assert scale[min(1, M - 1)] == 1.0 and q[min(1, M - 1)].float().eq(0).all()  # the zero row
-
-
-def swiglu_rounded(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """SiLU(gate) * up in float32 of gate|up rounded to `dtype` (as the GEMM stores them)."""
-    gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 @pytest.mark.skipif(CUDA and not fp8_supported("cuda"), reason="W8A8 needs Hopper+")
