@@ -16,7 +16,12 @@ from conftest import CUDA, INTERPRETED, interpreter_test, runs_kernel
 
 from blockspec.layers.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 from blockspec.layers.kernels.kv_write import write_kv_triton
-from blockspec.layers.kernels.paged_attention import choose_splits, paged_attention_triton
+from blockspec.layers.kernels.paged_attention import (
+    choose_splits,
+    fuses_qkv,
+    paged_attention_triton,
+    qkv_attention_triton,
+)
 from blockspec.layers.kernels.qk_norm_rope import qk_norm_rope_triton
 from blockspec.layers.rotary import qk_norm_rope, qk_norm_rope_ref
 
@@ -282,3 +287,48 @@ def test_qk_norm_rope_kernel_writes_the_cache(
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for c, r in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(c.float(), r.float(), rtol=tol, atol=tol)
+
+
+@runs_kernel
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
+@pytest.mark.parametrize(
+    "name",
+    ["decode_g4_d128", "verify_g4_s16_ragged", "draft_block_g3_d64", "draft_block_window_g1", "causal_window_g3_s5",
+     "tiny_model_d16_page_4"],
+)  # fmt: skip
+def test_qkv_attention_is_rope_and_write_then_attention(name: str, weights: bool, splits: int) -> None:
+    """The fused launch against qk_norm_rope_ref (with the K/V write) then paged_attention_ref, as
+    a step runs them: rows at their positions (padding rows of a ragged batch at position 0, slot
+    0), the new K/V written to their slots. Real rows' outputs and every real slot must agree."""
+    starts, widths, (hq, hkv), d, page, *_ = CASES[name]
+    case, dtype = make_case(*CASES[name], dtype=DTYPES[0]), DTYPES[0]
+    gen = torch.Generator().manual_seed(5)
+    B, S = len(starts), max(widths)
+    qkv = torch.randn(B, S, hq + 2 * hkv, d, generator=gen).to(DEVICE, dtype)
+    real = torch.arange(S) < torch.tensor(widths)[:, None]
+    positions = torch.where(real, torch.tensor(starts)[:, None] + torch.arange(S), 0)
+    tables = case["block_tables"].cpu()
+    slots = torch.where(real, tables.gather(1, positions // page) * page + positions % page, 0).to(DEVICE)
+    angles = positions[..., None] * 0.3 / (1 + torch.arange(d // 2))
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    norms = [(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype) for _ in range(2)] if weights else [None, None]
+    ranges = (case["block_tables"], case["k_start"], case["k_end"], page, case["scale"])
+    expected_caches = [case["k_cache"].clone(), case["v_cache"].clone()]
+    roped = qk_norm_rope_ref(qkv.clone(), *norms, 1e-6, cos, sin, hq, hkv, kv_write=(*expected_caches, slots))
+    expected = paged_attention_ref(roped[:, :, :hq], *expected_caches, *ranges)
+    caches = [case["k_cache"].clone(), case["v_cache"].clone()]
+    original = qkv.clone()
+    assert fuses_qkv(qkv, hkv)
+    got = qkv_attention_triton(qkv, *norms, 1e-6, cos, sin, positions.to(DEVICE), slots, *caches, *ranges, splits)
+    assert torch.equal(qkv, original)  # q and k rotated in registers only
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[real], expected[real], atol=tol, rtol=tol)
+    for c, e in zip(caches, expected_caches, strict=True):  # slot 0: the padding rows' trash slot
+        torch.testing.assert_close(c[1:].float(), e[1:].float(), atol=tol, rtol=tol)
+
+
+def test_qkv_attention_takes_one_query_tile_of_power_of_two_heads() -> None:
+    assert fuses_qkv(torch.empty(2, 16, 48, 128), 8)  # Qwen3-8B verify: 16 rows x 4 heads = 64
+    assert not fuses_qkv(torch.empty(2, 17, 48, 128), 8)  # a short prefill: two query tiles
+    assert not fuses_qkv(torch.empty(1, 2, 8, 80), 2)  # rotary halves of 40 lanes

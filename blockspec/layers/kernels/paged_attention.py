@@ -32,6 +32,58 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def _softmax_step(qk, visible, m_i, l_i, acc, v, PRECISION: tl.constexpr):
+    """One tile of keys into the running softmax of each row (log2 domain, qk already scaled):
+    its max m_i, sum l_i and output acc."""
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_cache(
+    q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, start, end, k_start, k_end,
+    stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The cached keys at positions [start, end) of one kv head into the running softmax; position k
+    lives in slot table[k // PAGE] * PAGE + k % PAGE, looked up per key."""
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        page = tl.load(table + (pos // PAGE) * stride_tm, mask=pos_ok, other=0).to(tl.int64)
+        slot = page * PAGE + pos % PAGE
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+        visible = (pos[None, :] >= k_start[:, None]) & (pos[None, :] < k_end[:, None]) & pos_ok[None, :]
+        v = tl.load(v_ptr + slot[:, None] * stride_vn + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _softmax_step(qk, visible, m_i, l_i, acc, v.to(q.dtype), PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _finish(
+    m_i, l_i, acc, out_ptr, lse_ptr, flat, o_ptrs, row_ok, d, d_ok, D_PAD: tl.constexpr, SPLIT: tl.constexpr
+):  # fmt: skip
+    """The rows' output: normalized, to o_ptrs; with SPLIT a partial to out_ptr [splits, B, S, Hq,
+    D_PAD] (fp32) and its log-sum-exp to lse_ptr [splits, B, S, Hq] (log2 domain) at `flat`."""
+    empty = l_i == 0.0  # only possible for a split that holds none of a row's keys
+    l_i = tl.where(empty, 1.0, l_i)
+    out = acc / l_i[:, None]
+    if SPLIT:
+        tl.store(lse_ptr + flat, tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
+        tl.store(out_ptr + flat[:, None] * D_PAD + d[None, :], out, mask=(row_ok & ~empty)[:, None])
+    else:
+        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -96,37 +148,96 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    table = table_ptr + b * stride_tb
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < end
-        page = tl.load(table + (pos // PAGE) * stride_tm, mask=pos_ok, other=0).to(tl.int64)
-        slot = page * PAGE + pos % PAGE
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        visible = (pos[None, :] >= k_start[:, None]) & (pos[None, :] < k_end[:, None]) & pos_ok[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vn + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend_cache(
+        q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, start, end, k_start, k_end,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
+    )  # fmt: skip
+    flat = ((split * B + b) * S + s) * (Hkv * G) + h
+    o_ptrs = out_ptr + b * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
+    _finish(m_i, l_i, acc, out_ptr, lse_ptr, flat, o_ptrs, row_ok, d, d_ok, D_PAD, SPLIT)
 
-    empty = l_i == 0.0  # only possible for a split that holds none of a row's keys
-    l_i = tl.where(empty, 1.0, l_i)
-    out = acc / l_i[:, None]
-    if SPLIT:
-        # Partials: out [splits, B, S, Hq, D_PAD] fp32, lse [splits, B, S, Hq] (log2 domain).
-        flat = ((split * B + b) * S + s) * (Hkv * G) + h
-        tl.store(lse_ptr + flat, tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
-        tl.store(out_ptr + flat[:, None] * D_PAD + d[None, :], out, mask=(row_ok & ~empty)[:, None])
-    else:
-        o_ptrs = out_ptr + b * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+@triton.jit
+def _norm_rope_rows(rows, w_ptr, cos_rows, sin_rows, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """Heads [R, 2 * HALF] read from row pointers `rows` [R], each RMS-normed with the weight at
+    w_ptr (HAS_NORM) and rotated with its cos/sin row, in float32 rounded once (the normed row is
+    rounded before the weight multiplies it, as `qk_norm_rope` does), in the rows' dtype."""
+    dtype = rows.dtype.element_ty
+    d = tl.arange(0, HALF)
+    x1 = tl.load(rows[:, None] + d[None, :]).to(tl.float32)
+    x2 = tl.load(rows[:, None] + HALF + d[None, :]).to(tl.float32)
+    if HAS_NORM:
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+        x1 = (x1 * r[:, None]).to(dtype).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)[None, :]
+        x2 = (x2 * r[:, None]).to(dtype).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+    c1 = tl.load(cos_rows[:, None] + d[None, :]).to(tl.float32)
+    c2 = tl.load(cos_rows[:, None] + HALF + d[None, :]).to(tl.float32)
+    s1 = tl.load(sin_rows[:, None] + d[None, :]).to(tl.float32)
+    s2 = tl.load(sin_rows[:, None] + HALF + d[None, :]).to(tl.float32)
+    y1, y2 = (x1 * c1 - x2 * s1).to(dtype), (x2 * c2 + x1 * s2).to(dtype)
+    return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (y1.shape[0], 2 * HALF))  # [y1 | y2]
+
+
+@triton.jit
+def _qkv_attention_kernel(
+    qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, table_ptr, k_start_ptr,
+    k_end_ptr, out_ptr, lse_ptr, B, S, Hkv, stride_kn, stride_kh, stride_vn, stride_vh, stride_tb, stride_tm,
+    stride_pb, stride_mb, stride_ms, stride_sb, stride_ss, stride_eb, stride_es, eps, qk_scale,
+    G: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`_attention_kernel` for a step of S <= BLOCK_S new rows at positions [pos0, pos0 + S) (one
+    query tile), reading the fused q|k|v projection itself: q is normed and rotated in registers,
+    the splits share the cached keys [lo, pos0), and the last split also makes the new keys (k
+    normed and rotated), writes them and their values to the cache and attends to them."""
+    bh, split = tl.program_id(0), tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    b, kv_head = bh // Hkv, bh % Hkv
+    D: tl.constexpr = 2 * HALF
+    HQ = Hkv * G
+    heads = HQ + 2 * Hkv
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < S * G
+    s = tl.minimum(rows // G, S - 1)  # clamped: padding rows read a real row, never stored
+    h = kv_head * G + rows % G
+    d = tl.arange(0, D)
+    d_ok = d < D
+
+    k_start = tl.load(k_start_ptr + b * stride_sb + s * stride_ss, mask=row_ok, other=2**30).to(tl.int32)
+    k_end = tl.load(k_end_ptr + b * stride_eb + s * stride_es, mask=row_ok, other=0).to(tl.int32)
+    pos0 = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
+    lo = tl.min(k_start, 0)
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(pos0 - lo, 0), num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(pos0, start + chunk)
+
+    token = b * S + s  # qkv [B, S, heads, D], cos/sin [B, S, D]: contiguous
+    q = _norm_rope_rows(qkv_ptr + (token * heads + h) * D, q_norm_ptr, cos_ptr + token * D, sin_ptr + token * D, eps,
+                        HAS_NORM, HALF)  # fmt: skip
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    m_i, l_i, acc = _attend_cache(
+        q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, start, end, k_start, k_end,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
+    )  # fmt: skip
+    if split == num_splits - 1:
+        j = tl.arange(0, BLOCK_S)
+        j_ok = j < S
+        new = b * S + tl.minimum(j, S - 1)
+        k_rows = qkv_ptr + (new * heads + HQ + kv_head) * D
+        k = _norm_rope_rows(k_rows, k_norm_ptr, cos_ptr + new * D, sin_ptr + new * D, eps, HAS_NORM, HALF)
+        v = tl.load(k_rows[:, None] + Hkv * D + d[None, :])
+        slot = tl.load(slot_ptr + b * stride_mb + tl.minimum(j, S - 1) * stride_ms).to(tl.int64)
+        tl.store(k_ptr + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], k, mask=j_ok[:, None])
+        tl.store(v_ptr + slot[:, None] * stride_vn + kv_head * stride_vh + d[None, :], v, mask=j_ok[:, None])
+        pos = pos0 + j
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = (pos[None, :] >= k_start[:, None]) & (pos[None, :] < k_end[:, None]) & j_ok[None, :]
+        m_i, l_i, acc = _softmax_step(qk, visible, m_i, l_i, acc, v, PRECISION)
+    flat = ((split * B + b) * S + s) * HQ + h
+    o_ptrs = out_ptr + (token * HQ + h)[:, None] * D + d[None, :]  # out [B, S, Hq, D] contiguous
+    _finish(m_i, l_i, acc, out_ptr, lse_ptr, flat, o_ptrs, row_ok, d, d_ok, D, SPLIT)
 
 
 @triton.jit
@@ -181,6 +292,28 @@ def default_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.T
     return choose_splits(B * Hkv * tiles, block_tables.shape[1] * page_size, sms)
 
 
+def _key_tile(dtype: torch.dtype, d_pad: int) -> dict:
+    fp32 = dtype == torch.float32
+    block_n = 32 if fp32 or d_pad > 128 else 64
+    return {"BLOCK_N": block_n, "PRECISION": "ieee" if fp32 else "tf32", "num_warps": 4, "num_stages": 2 if fp32 else 3}
+
+
+def _partials(num_splits: int, out: torch.Tensor, d_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K's partial outputs [splits, B, S, Hq, d_pad] and log-sum-exps (`out` itself unsplit)."""
+    if num_splits == 1:
+        return out, out  # lse unused
+    part = torch.empty((num_splits, *out.shape[:-1], d_pad), dtype=torch.float32, device=out.device)
+    return part, torch.empty(part.shape[:-1], dtype=torch.float32, device=out.device)
+
+
+def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    num_splits, (B, S, Hq, D), d_pad = part.shape[0], out.shape, part.shape[-1]
+    _combine_kernel[(B * S * Hq,)](
+        part, lse, out, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2), NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), D=D, D_PAD=d_pad, num_warps=1 if d_pad <= 64 else 2,
+    )  # fmt: skip
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -198,77 +331,79 @@ def paged_attention_triton(
     when given). `num_splits` overrides the split-K heuristic (1: no split)."""
     B, S, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    G = Hq // Hkv
     q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_m, tiles = query_tiles(S * G)
-    if num_splits is None:
-        num_splits = default_splits(q, k_cache, block_tables, page_size)
+    block_m, tiles = query_tiles(S * (Hq // Hkv))
+    num_splits = num_splits or default_splits(q, k_cache, block_tables, page_size)
     d_pad = triton.next_power_of_2(D)
-    fp32 = q.dtype == torch.float32
-    block_n = 32 if fp32 or d_pad > 128 else 64
-    split = num_splits > 1
-    if split:
-        part = torch.empty((num_splits, B, S, Hq, d_pad), dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_splits, B, S, Hq), dtype=torch.float32, device=q.device)
-    else:
-        part, lse = out, out  # lse unused
+    part, lse = _partials(num_splits, out, d_pad)
     _attention_kernel[(tiles, B * Hkv, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        k_start,
-        k_end,
-        part,
-        lse,
-        B,
-        S,
-        Hkv,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        block_tables.stride(0),
-        block_tables.stride(1),
-        k_start.stride(0),
-        k_start.stride(1),
-        k_end.stride(0),
-        k_end.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        scale * LOG2E,
-        G=G,
-        D=D,
-        D_PAD=d_pad,
-        PAGE=page_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        SPLIT=split,
-        PRECISION="ieee" if fp32 else "tf32",
-        num_warps=4,
-        num_stages=2 if fp32 else 3,
-    )
-    if split:
-        _combine_kernel[(B * S * Hq,)](
-            part,
-            lse,
-            out,
-            S,
-            Hq,
-            B * S * Hq,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            D=D,
-            D_PAD=d_pad,
-            num_warps=1 if d_pad <= 64 else 2,
-        )
+        q, k_cache, v_cache, block_tables, k_start, k_end, part, lse, B, S, Hkv,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), block_tables.stride(0), block_tables.stride(1), k_start.stride(0), k_start.stride(1),
+        k_end.stride(0), k_end.stride(1), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
+        G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, SPLIT=num_splits > 1,
+        **_key_tile(q.dtype, d_pad),
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine(part, lse, out)
+    return out
+
+
+def fuses_qkv(qkv: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether `qkv_attention_triton` takes this step: its rows fit one query tile and the head
+    dim is a power of two (rotary halves without masks)."""
+    S, heads, D = qkv.shape[-3:]
+    G = (heads - 2 * num_kv_heads) // num_kv_heads
+    return S * G <= MAX_ROWS and D >= 16 and D == triton.next_power_of_2(D) and qkv.is_contiguous()
+
+
+def qkv_attention_triton(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    page_size: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`qk_norm_rope` with the K/V write, then `paged_attention_triton`, in one launch (+ the
+    split-K combine), for a step whose S rows sit at positions [positions[:, 0] + s) and fit one
+    query tile (`fuses_qkv`). qkv [B, S, Hq + 2 Hkv, D] contiguous, left as it is (q and k are
+    rotated in registers); q_norm, k_norm [D] (or both None); cos, sin [B, S, D]; positions,
+    slot_mapping, k_start, k_end [B, S] (any integer dtype, any strides); caches [slots, Hkv, D]
+    contiguous. Rows past a sequence's real ones may sit anywhere: the keys they make land at
+    positions past every real row's k_end and in their own slots. Returns [B, S, Hq, D]."""
+    B, S, heads, D = qkv.shape
+    Hkv = k_cache.shape[1]
+    Hq = heads - 2 * Hkv
+    assert fuses_qkv(qkv, Hkv), f"qkv {tuple(qkv.shape)} with {Hkv} kv heads: not one query tile"
+    assert (q_norm is None) == (k_norm is None), "q and k norm weights come together"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (Hkv, D)
+    cos, sin = cos.expand(B, S, D).contiguous(), sin.expand(B, S, D).contiguous()
+    out = torch.empty((B, S, Hq, D), dtype=qkv.dtype, device=qkv.device)
+    num_splits = num_splits or default_splits(out, k_cache, block_tables, page_size)
+    part, lse = _partials(num_splits, out, D)
+    norms = (q_norm, k_norm) if q_norm is not None else (cos, cos)  # unread without HAS_NORM
+    _qkv_attention_kernel[(B * Hkv, num_splits)](
+        qkv, *norms, cos, sin, positions, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, part, lse,
+        B, S, Hkv, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), block_tables.stride(1), positions.stride(0), slot_mapping.stride(0),
+        slot_mapping.stride(1), k_start.stride(0), k_start.stride(1), k_end.stride(0), k_end.stride(1), eps,
+        scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=query_tiles(S * (Hq // Hkv))[0],
+        BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, SPLIT=num_splits > 1,
+        **_key_tile(qkv.dtype, D),
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine(part, lse, out)
     return out
