@@ -12,9 +12,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import CUDA, INTERPRETED, interpreter_test, runs_kernel
+from conftest import CUDA, INTERPRETED, interpreter_test, make_drafter, make_target, runs_kernel
 
+from blockspec import LLM, SamplingParams
+from blockspec.layers import attention as attention_module
 from blockspec.layers.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from blockspec.layers.kernels import kernel_module
 from blockspec.layers.kernels.kv_write import write_kv_triton
 from blockspec.layers.kernels.paged_attention import (
     choose_splits,
@@ -332,3 +335,19 @@ def test_qkv_attention_takes_one_query_tile_of_power_of_two_heads() -> None:
     assert fuses_qkv(torch.empty(2, 16, 48, 128), 8)  # Qwen3-8B verify: 16 rows x 4 heads = 64
     assert not fuses_qkv(torch.empty(2, 17, 48, 128), 8)  # a short prefill: two query tiles
     assert not fuses_qkv(torch.empty(1, 2, 8, 80), 2)  # rotary halves of 40 lanes
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU: the interpreter stands in for the GPU (test_gpu covers CUDA)")
+def test_engine_through_the_fused_attention_decodes_as_the_reference(tmp_path, monkeypatch) -> None:
+    """The attention kernels (the fused one where a step fits one query tile) forced on for CPU
+    tensors in the interpreter: greedy decoding, plain and speculative (target verify, drafter
+    propose over its context and block, ragged widths), equals the reference path's, fp32."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128, layers=2)
+    d = make_drafter(tmp_path / "d", t, layers=1, block_size=4)
+    prompts, params = [[5, 9, 2, 11, 7], [3] * 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    spec = {"model": str(d), "adaptive_width": False}
+    expected = [o.outputs[0].token_ids for o in LLM(str(t), spec, device="cpu").generate(prompts, params)]
+    used = []
+    monkeypatch.setattr(attention_module, "fast_kernels", lambda x, name: used.append(x.dim()) or kernel_module(name))
+    got = [o.outputs[0].token_ids for o in LLM(str(t), spec, device="cpu").generate(prompts, params)]
+    assert got == expected and used

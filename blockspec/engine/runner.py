@@ -109,7 +109,7 @@ class ModelRunner:
     def target_forward(self, input_ids, starts, lengths, block_tables):
         b = make_batch(starts, lengths, block_tables, input_ids.shape[1], self.page_size)
         ranges = key_ranges(b, causal_range(b), self.target.sliding_window)
-        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size)
+        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size, b.starts)
         hidden, features = self.target(input_ids, b.positions, attn, self.target_cache, self.capture)
         return hidden, features
 
@@ -131,7 +131,7 @@ class ModelRunner:
         ctx_start = (b.starts - self.window).clamp_min(0) if self.window is not None else torch.zeros_like(b.starts)
         block_range = (ctx_start[:, None].expand_as(b.positions), b.ends[:, None].expand_as(b.positions))
         attn = AttentionMetadata(
-            b.block_tables, b.slot_mapping, key_ranges(b, block_range, d.sliding_window), self.page_size
+            b.block_tables, b.slot_mapping, key_ranges(b, block_range, d.sliding_window), self.page_size, b.starts
         )
         hidden = d(self.target.embed(full), b.positions, attn, self.drafter_cache)
         return d.compute_logits(hidden[:, 1:width], self.target)

@@ -11,7 +11,10 @@ sequence at positions k_start <= k < k_end:
   the DFlash reference implementation). The block's K/V land in slots past the committed context, where
   the next commit overwrites them: they never become context.
 `paged_attention_ref` is the plain-PyTorch reference (CPU, and the oracle for the Triton
-kernel that serves CUDA behind `paged_attention`).
+kernel that serves CUDA behind `paged_attention`). A layer calls `attend_qkv` with its fused
+q|k|v projection: the q/k norm + rope with the K/V write, then the attention (`rope_then_attend`);
+on CUDA a step whose rows fit one query tile (decode, verify, propose) does all of it in one
+launch (`qkv_attention_triton`).
 """
 
 from dataclasses import dataclass
@@ -31,6 +34,29 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [B, S] slots of the new K/V (padding rows: trash slot 0)
     key_ranges: dict[str, KeyRange]  # layer type -> visible key positions per query row
     page_size: int
+    starts: torch.Tensor  # [B] position of each sequence's first row (the rest follow it)
+
+    def attend_qkv(
+        self,
+        qkv: torch.Tensor,
+        norms: tuple[torch.Tensor | None, torch.Tensor | None],
+        eps: float,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        heads: tuple[int, int],
+        cache: tuple[torch.Tensor, torch.Tensor],
+        layer_type: str,
+        scale: float,
+    ) -> torch.Tensor:
+        """`rope_then_attend`; on CUDA, for a step of one query tile, in one launch
+        (`qkv_attention_triton`: its q and k normed and rotated in registers)."""
+        kernels = fast_kernels(qkv, "paged_attention")
+        if kernels is None or not kernels.fuses_qkv(qkv, heads[1]):
+            return rope_then_attend(self, qkv, norms, eps, rope, heads, cache, layer_type, scale)
+        k_start, k_end = self.key_ranges[layer_type]
+        return kernels.qkv_attention_triton(
+            qkv, *norms, eps, *rope, self.starts, self.slot_mapping, *cache, self.block_tables, k_start, k_end,
+            self.page_size, scale,
+        )  # fmt: skip
 
     def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor]) -> KVWrite:
         """Where a layer's new K/V go: its caches and this step's slots (`qk_norm_rope` writes them)."""
@@ -48,6 +74,26 @@ class AttentionMetadata:
         """q: [B, S, Hq, D], the new K/V already in the cache (`kv_write`); returns [B, S, Hq, D]."""
         k_start, k_end = self.key_ranges[layer_type]
         return paged_attention(q, *cache, self.block_tables, k_start, k_end, self.page_size, scale)
+
+
+def rope_then_attend(
+    attn,
+    qkv: torch.Tensor,
+    norms: tuple[torch.Tensor | None, torch.Tensor | None],
+    eps: float,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    heads: tuple[int, int],
+    cache,
+    layer_type: str,
+    scale: float,
+) -> torch.Tensor:
+    """qkv [B, S, Hq + 2 Hkv, D]: the q and k heads normed and rotated in place, the new K/V written
+    to the cache (`attn.kv_write`), then q attends (`attn.attend`) -> [B, S, Hq, D]."""
+    from blockspec.layers.rotary import qk_norm_rope  # rotary imports this module (write_kv)
+
+    qkv = qk_norm_rope(qkv, *norms, eps, *rope, *heads, kv_write=attn.kv_write(cache))
+    q, k, v = qkv.split([heads[0], heads[1], heads[1]], dim=-2)
+    return attn.attend(q, k, v, cache, layer_type, scale)
 
 
 def paged_attention(
@@ -137,6 +183,8 @@ class DenseAttention:
 
     def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """None: the new K/V are read where they are, never written to a cache."""
+
+    attend_qkv = rope_then_attend
 
     def attend(
         self,

@@ -11,7 +11,7 @@ from torch import nn
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm, fold_norm_weight
-from blockspec.layers.rotary import RotaryEmbedding, qk_norm_rope
+from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.sampling import is_int
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -121,11 +121,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x + attention(norm(x)): the norm runs in the qkv GEMM, the add in the o GEMM."""
         qkv = self.qkv_proj(x, norm=norm).view(*x.shape[:-1], -1, self.head_dim)
-        heads = (self.num_heads, self.num_kv_heads)
-        norms = weight(self.q_norm), weight(self.k_norm)
-        qkv = qk_norm_rope(qkv, *norms, self.eps, *rope, *heads, kv_write=attn.kv_write(cache))
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=-2)
-        out = attn.attend(q, k, v, cache, self.layer_type, self.head_dim**-0.5)
+        heads, norms = (self.num_heads, self.num_kv_heads), (weight(self.q_norm), weight(self.k_norm))
+        out = attn.attend_qkv(qkv, norms, self.eps, rope, heads, cache, self.layer_type, self.head_dim**-0.5)
         return self.o_proj(out.flatten(-2), residual=x)
 
 

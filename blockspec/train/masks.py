@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.layers.attention import DenseAttention
+from blockspec.layers.attention import DenseAttention, rope_then_attend
 
 
 def block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
@@ -61,6 +61,7 @@ class FlexBlockAttention:
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
 
     kv_write = DenseAttention.kv_write
+    attend_qkv = rope_then_attend
 
     def attend(self, q, k, v, cache, layer_type: str, scale: float) -> torch.Tensor:
         k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
