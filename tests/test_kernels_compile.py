@@ -127,10 +127,15 @@ def test_kv_write_compiles():
     compile_for_hopper(kv_write._kv_write_kernel, {"ROW": 1024, "BLOCK": 1024}, slot_ptr="*i64")
 
 
-@pytest.mark.parametrize("rows,split,norm", [(1, True, True), (16, True, True), (16, False, False)])
-def test_qkv_attention_compiles(rows, split, norm):
-    flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": max(16, 4 * rows), "BLOCK_N": 64, "BLOCK_S": 16}
-    flags |= {"HAS_NORM": norm, "SPLIT": split, "PRECISION": "tf32"}
+@pytest.mark.parametrize(
+    "rows,split,norm,fp32",
+    [(1, True, True, False), (16, True, True, False), (16, False, False, False), (4, True, True, True)],
+)
+def test_qkv_attention_compiles(rows, split, norm, fp32):
+    flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": max(16, 4 * rows), "BLOCK_N": 32 if fp32 else 64}
+    flags |= {"BLOCK_S": 16, "HAS_NORM": norm, "SPLIT": split, "PRECISION": "ieee" if fp32 else "tf32"}
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
-    pointers |= {"lse_ptr": "*fp32", "out_ptr": "*fp32" if split else "*bf16"}
+    tensors = "*fp32" if fp32 else "*bf16"
+    pointers |= dict.fromkeys(("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr"), tensors)
+    pointers |= {"lse_ptr": "*fp32", "out_ptr": "*fp32" if split else tensors}
     compile_for_hopper(paged_attention._qkv_attention_kernel, flags, **pointers)
