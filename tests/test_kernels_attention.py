@@ -322,8 +322,9 @@ def test_qkv_attention_is_rope_and_write_then_attention(name: str, weights: bool
     expected = paged_attention_ref(roped[:, :, :hq], *expected_caches, *ranges)
     caches = [case["k_cache"].clone(), case["v_cache"].clone()]
     original = qkv.clone()
-    assert fuses_qkv(qkv, hkv)
-    got = qkv_attention_triton(qkv, *norms, 1e-6, cos, sin, positions.to(DEVICE), slots, *caches, *ranges, splits)
+    assert fuses_qkv(qkv, caches[0])
+    first = torch.tensor(starts, device=DEVICE)
+    got = qkv_attention_triton(qkv, *norms, 1e-6, cos, sin, first, slots, *caches, *ranges, splits)
     assert torch.equal(qkv, original)  # q and k rotated in registers only
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[real], expected[real], atol=tol, rtol=tol)
@@ -332,9 +333,12 @@ def test_qkv_attention_is_rope_and_write_then_attention(name: str, weights: bool
 
 
 def test_qkv_attention_takes_one_query_tile_of_power_of_two_heads() -> None:
-    assert fuses_qkv(torch.empty(2, 16, 48, 128), 8)  # Qwen3-8B verify: 16 rows x 4 heads = 64
-    assert not fuses_qkv(torch.empty(2, 17, 48, 128), 8)  # a short prefill: two query tiles
-    assert not fuses_qkv(torch.empty(1, 2, 8, 80), 2)  # rotary halves of 40 lanes
+    cache = torch.empty(64, 8, 128)
+    assert fuses_qkv(torch.empty(2, 16, 48, 128), cache)  # Qwen3-8B verify: 16 rows x 4 heads = 64
+    assert not fuses_qkv(torch.empty(2, 17, 48, 128), cache)  # a short prefill: two query tiles
+    assert not fuses_qkv(torch.empty(2, 0, 48, 128), cache)  # no rows
+    assert not fuses_qkv(torch.empty(2, 16, 48, 128), cache.half())  # new keys would round on the way in
+    assert not fuses_qkv(torch.empty(1, 2, 8, 80), torch.empty(64, 2, 80))  # rotary halves of 40 lanes
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU: the interpreter stands in for the GPU (test_gpu covers CUDA)")

@@ -50,7 +50,7 @@ class AttentionMetadata:
         """`rope_then_attend`; on CUDA, for a step of one query tile, in one launch
         (`qkv_attention_triton`: its q and k normed and rotated in registers)."""
         kernels = fast_kernels(qkv, "paged_attention")
-        if kernels is None or not kernels.fuses_qkv(qkv, heads[1]):
+        if kernels is None or not kernels.fuses_qkv(qkv, cache[0]):
             return rope_then_attend(self, qkv, norms, eps, rope, heads, cache, layer_type, scale)
         k_start, k_end = self.key_ranges[layer_type]
         return kernels.qkv_attention_triton(

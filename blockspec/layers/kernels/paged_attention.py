@@ -351,12 +351,15 @@ def paged_attention_triton(
     return out
 
 
-def fuses_qkv(qkv: torch.Tensor, num_kv_heads: int) -> bool:
-    """Whether `qkv_attention_triton` takes this step: its rows fit one query tile and the head
-    dim is a power of two (rotary halves without masks)."""
+def fuses_qkv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `qkv_attention_triton` takes this step: some rows, all in one query tile, a head dim
+    that is a power of two (rotary halves without masks), and a cache in qkv's dtype (the new keys
+    are attended as computed, and must be what later steps read back)."""
     S, heads, D = qkv.shape[-3:]
-    G = (heads - 2 * num_kv_heads) // num_kv_heads
-    return S * G <= MAX_ROWS and D >= 16 and D == triton.next_power_of_2(D) and qkv.is_contiguous()
+    Hkv = k_cache.shape[1]
+    G = (heads - 2 * Hkv) // Hkv
+    pow2 = D >= 16 and D == triton.next_power_of_2(D)
+    return 0 < S * G <= MAX_ROWS and pow2 and qkv.is_contiguous() and k_cache.dtype == qkv.dtype
 
 
 def qkv_attention_triton(
@@ -366,7 +369,7 @@ def qkv_attention_triton(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    positions: torch.Tensor,
+    starts: torch.Tensor,
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -378,16 +381,15 @@ def qkv_attention_triton(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """`qk_norm_rope` with the K/V write, then `paged_attention_triton`, in one launch (+ the
-    split-K combine), for a step whose S rows sit at positions [positions[:, 0] + s) and fit one
-    query tile (`fuses_qkv`). qkv [B, S, Hq + 2 Hkv, D] contiguous, left as it is (q and k are
-    rotated in registers); q_norm, k_norm [D] (or both None); cos, sin [B, S, D]; positions,
-    slot_mapping, k_start, k_end [B, S] (any integer dtype, any strides); caches [slots, Hkv, D]
-    contiguous. Rows past a sequence's real ones may sit anywhere: the keys they make land at
+    split-K combine), for a step whose rows sit at positions starts[b] + s and fit one query tile
+    (`fuses_qkv`). qkv [B, S, Hq + 2 Hkv, D] contiguous, left as it is (q and k are rotated in
+    registers); q_norm, k_norm [D] (or both None); cos, sin [B, S, D]; starts [B]; slot_mapping,
+    k_start, k_end [B, S] (any integer dtype, any strides); caches [slots, Hkv, D] contiguous. Rows past a sequence's real ones may sit anywhere: the keys they make land at
     positions past every real row's k_end and in their own slots. Returns [B, S, Hq, D]."""
     B, S, heads, D = qkv.shape
     Hkv = k_cache.shape[1]
     Hq = heads - 2 * Hkv
-    assert fuses_qkv(qkv, Hkv), f"qkv {tuple(qkv.shape)} with {Hkv} kv heads: not one query tile"
+    assert fuses_qkv(qkv, k_cache), f"qkv {tuple(qkv.shape)} with a cache {tuple(k_cache.shape)}: not one step"
     assert (q_norm is None) == (k_norm is None), "q and k norm weights come together"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (Hkv, D)
     cos, sin = cos.expand(B, S, D).contiguous(), sin.expand(B, S, D).contiguous()
@@ -396,9 +398,9 @@ def qkv_attention_triton(
     part, lse = _partials(num_splits, out, D)
     norms = (q_norm, k_norm) if q_norm is not None else (cos, cos)  # unread without HAS_NORM
     _qkv_attention_kernel[(B * Hkv, num_splits)](
-        qkv, *norms, cos, sin, positions, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, part, lse,
+        qkv, *norms, cos, sin, starts, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, part, lse,
         B, S, Hkv, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), block_tables.stride(1), positions.stride(0), slot_mapping.stride(0),
+        block_tables.stride(0), block_tables.stride(1), starts.stride(0), slot_mapping.stride(0),
         slot_mapping.stride(1), k_start.stride(0), k_start.stride(1), k_end.stride(0), k_end.stride(1), eps,
         scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=query_tiles(S * (Hq // Hkv))[0],
         BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, SPLIT=num_splits > 1,
