@@ -156,7 +156,8 @@ def test_heuristic_splits_long_context_batch_one() -> None:
 def test_choose_splits() -> None:
     assert choose_splits(512, 4096, 132) == 1  # B=64, 8 kv heads: the grid is full
     assert choose_splits(8, 64, 132) == 1  # too few keys to split
-    assert choose_splits(8, 2048, 132) == 16  # B=1, 8 kv heads, 2k context
+    assert choose_splits(8, 1024, 132) == 16  # B=1, 8 kv heads, 1k context: a split per 64 keys
+    assert choose_splits(8, 2048, 132) == 32
     assert choose_splits(8, 1 << 20, 132) == 32  # capped at MAX_SPLITS (2 * 132 / 8 = 33)
     assert choose_splits(128, 2048, 132) == 3
 

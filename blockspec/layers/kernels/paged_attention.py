@@ -27,7 +27,7 @@ from blockspec.layers.kernels import num_sms
 
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows per program
-MIN_KEYS_PER_SPLIT = 128
+MIN_KEYS_PER_SPLIT = 64  # one key tile: a decode split of one tile beat two (H200, B=1, 600 keys)
 MAX_SPLITS = 32
 
 
