@@ -123,6 +123,7 @@ CASES = {
     "draft_block_g3_d64": ([70, 20], [16, 16], (6, 2), 64, 16, "block", None),
     "draft_block_window_g1": ([90, 33], [4, 4], (2, 2), 64, 8, "block", 24),
     "causal_window_g3_s5": ([41, 12], [5, 3], (3, 1), 64, 16, "causal", 20),
+    "causal_window_3_s5": ([41, 12], [5, 3], (3, 1), 64, 16, "causal", 3),  # a window within the step's rows
     "prefill_three_tiles": ([0, 0], [40, 23], (4, 1), 64, 16, "causal", None),
     "head_dim_80_page_4": ([29], [2], (4, 2), 80, 4, "causal", None),
     "tiny_model_d16_page_4": ([45, 7], [8, 8], (4, 2), 16, 4, "block", None),
@@ -299,7 +300,7 @@ def test_qk_norm_rope_kernel_writes_the_cache(
 @pytest.mark.parametrize(
     "name",
     ["decode_g4_d128", "verify_g4_s16_ragged", "draft_block_g3_d64", "draft_block_window_g1", "causal_window_g3_s5",
-     "tiny_model_d16_page_4"],
+     "causal_window_3_s5", "tiny_model_d16_page_4"],
 )  # fmt: skip
 def test_qkv_attention_is_rope_and_write_then_attention(name: str, weights: bool, splits: int) -> None:
     """The fused launch against qk_norm_rope_ref (with the K/V write) then paged_attention_ref, as

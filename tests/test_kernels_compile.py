@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -26,11 +27,14 @@ HOPPER = GPUTarget("cuda", 90, 32)
 FLOATS = ("eps", "qk_scale")
 
 
-def compile_for_hopper(fn, constants: dict, aligned: tuple[str, ...] | None = None, **pointers: str):
+def compile_for_hopper(
+    fn, constants: dict, aligned: tuple[str, ...] | None = None, options: dict | None = None, **pointers: str
+):
     """Compile `fn` with `constants` for its constexpr parameters; pointer arguments are bf16
     unless `pointers` names their type (e.g. x_ptr="*fp8e4nv"), the rest int32 or fp32 scalars.
     `aligned`: compile as the JIT specializes a launch, every pointer 16-byte aligned and the
-    integers named there multiples of 16 (the code, and its registers, as on the GPU)."""
+    integers named there multiples of 16 (the code, and its registers, as on the GPU); `options`:
+    the launch's num_warps and num_stages (default 4 warps)."""
 
     def kind(name: str) -> str:
         if name in constants:
@@ -45,7 +49,7 @@ def compile_for_hopper(fn, constants: dict, aligned: tuple[str, ...] | None = No
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in multiples}
     try:
         source = ASTSource(fn, signature, constexprs=paths, attrs=attrs)
-        return triton.compile(source, target=HOPPER, options={"num_warps": 4})
+        return triton.compile(source, target=HOPPER, options=options or {"num_warps": 4})
     except RuntimeError as e:  # no CUDA backend or ptxas in this triton build
         if "ptxas" in str(e) or "backend" in str(e):
             pytest.skip(f"triton cannot compile for sm_90 here: {e}")
@@ -151,27 +155,34 @@ def test_qkv_attention_compiles(rows, split, norm, fp32):
     compile_for_hopper(paged_attention._qkv_attention_kernel, flags, **pointers)
 
 
-def registers(compiled) -> int:
-    """Registers a thread of a compiled kernel takes: ptxas (Triton's own) on its PTX, for sm_90a."""
+def registers(compiled) -> tuple[int, int]:
+    """Registers a thread of a compiled kernel takes, and bytes it spills: ptxas (Triton's own) on
+    its PTX, for sm_90a."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
         report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", ptx.with_suffix(".cubin")],
                                 capture_output=True, text=True, check=True).stderr  # fmt: skip
-    return int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)) if spills else 0
 
 
 def test_fused_attention_fits_three_programs_an_sm_at_decode():
     """A decode step at batch 16 launches 16 sequences x 8 kv heads x 3 key splits = 384 programs
-    of one 16-row tile and 4 warps: at 3 an SM (<= 168 registers a thread) one wave on the H200's
-    132 SMs. The first version made the new keys after the key loop and took 194, 2 an SM: plain
-    B=16 4.96 -> 5.16 ms a step. Compiled as the JIT specializes that launch (S = 1, unit strides)."""
-    flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_S": 16, "HAS_NORM": True}
+    of one 16-row tile: at 3 an SM (<= 168 registers a thread, 4 warps) one wave on the H200's 132
+    SMs. The first version made the new keys after the key loop and took 197, 2 an SM: plain B=16
+    4.95-4.96 -> 5.15-5.16 ms a step. Compiled as the JIT specializes that launch (S = 1, unit
+    strides, aligned pointers) with the launcher's tiles."""
+    tile = paged_attention._key_tile(torch.bfloat16, 128)  # BLOCK_N, PRECISION and the launch options
+    options = {name: tile.pop(name) for name in ("num_warps", "num_stages")}
+    block_m, _ = paged_attention.query_tiles(1 * 4)  # one row of 4 query heads a kv head
+    flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": block_m, "BLOCK_S": 16, "HAS_NORM": True, "SPLIT": True}
     unit = ("S", "stride_tm", "stride_pb", "stride_mb", "stride_ms", "stride_sb", "stride_ss", "stride_eb", "stride_es")
-    flags |= {"SPLIT": True, "PRECISION": "tf32"} | dict.fromkeys(unit, 1)
-    pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
-    pointers |= {"table_ptr": "*i32", "lse_ptr": "*fp32", "out_ptr": "*fp32"}
+    flags |= tile | dict.fromkeys(unit, 1)
+    pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
+    pointers |= {"lse_ptr": "*fp32", "out_ptr": "*fp32"}
     aligned = ("B", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_tb")
-    compiled = compile_for_hopper(paged_attention._qkv_attention_kernel, flags, aligned, **pointers)
-    assert registers(compiled) <= 168
+    compiled = compile_for_hopper(paged_attention._qkv_attention_kernel, flags, aligned, options, **pointers)
+    used, spilled = registers(compiled)
+    assert options["num_warps"] == 4 and used <= 168 and spilled == 0, (used, spilled)

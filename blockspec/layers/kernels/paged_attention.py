@@ -27,7 +27,7 @@ from blockspec.layers.kernels import num_sms
 
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows per program
-MIN_KEYS_PER_SPLIT = 64  # one key tile: a decode split of one tile beat two (H200, B=1, 600 keys)
+MIN_KEYS_PER_SPLIT = 64  # a bf16 key tile at head_dim <= 128: one a split beat two (H200, B=1, 600 keys)
 MAX_SPLITS = 32
 
 
@@ -191,7 +191,7 @@ def _qkv_attention_kernel(
     the splits share the cached keys [lo, pos0), and the last split also makes the new keys (k
     normed and rotated), writes them and their values to the cache and attends to them. It does so
     before its cached keys: done after the key loop, the new keys' work held registers across it
-    (192 a thread rather than 152 at a 16-row tile, sm_90), which cost programs per SM."""
+    (197 a thread rather than 154 at a decode launch, sm_90: 2 programs an SM instead of 3)."""
     bh, split = tl.program_id(0), tl.program_id(1)
     num_splits = tl.num_programs(1)
     b, kv_head = bh // Hkv, bh % Hkv
@@ -386,8 +386,10 @@ def qkv_attention_triton(
     split-K combine), for a step whose rows sit at positions starts[b] + s and fit one query tile
     (`fuses_qkv`). qkv [B, S, Hq + 2 Hkv, D] contiguous, left as it is (q and k are rotated in
     registers); q_norm, k_norm [D] (or both None); cos, sin [B, S, D]; starts [B]; slot_mapping,
-    k_start, k_end [B, S] (any integer dtype, any strides); caches [slots, Hkv, D] contiguous. Rows past a sequence's real ones may sit anywhere: the keys they make land at
-    positions past every real row's k_end and in their own slots. Returns [B, S, Hq, D]."""
+    k_start, k_end [B, S] (any integer dtype, any strides); caches [slots, Hkv, D] contiguous.
+    Padding rows past a sequence's real ones may sit anywhere: the keys they make land at positions
+    past every real row's k_end, in slots no real row reads (the engine's trash slot 0). Returns
+    [B, S, Hq, D]."""
     B, S, heads, D = qkv.shape
     Hkv = k_cache.shape[1]
     Hq = heads - 2 * Hkv
