@@ -7,6 +7,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM
+from blockspec.config import EngineConfig
+from blockspec.engine.engine import LLMEngine
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
@@ -141,6 +143,20 @@ def test_folded_norm_weights_keep_the_model(tmp_path):
         assert (llm.engine.target.model.layers[0].input_layernorm.weight is None) == fold
         outs.append(llm.generate([ids[:8]], params)[0].outputs[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_an_engine_refuses_to_step_once_another_folded_its_target(tmp_path):
+    """Two engines on one target object: one that folds the norm weights in after the other was
+    built leaves the first's captured kernels reading weights that changed under them."""
+    llm = LLM(str(make_target(tmp_path / "t", "qwen3")), None, device="cpu", fold_norms=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[1, 2, 3]], params)
+    folding = LLMEngine(llm.engine.target, None, None, EngineConfig(fold_norms=True))
+    with pytest.raises(RuntimeError, match="another engine folded the target's norm weights"):
+        llm.generate([[1, 2, 3]], params)
+    folding.add_request([1, 2, 3], params)
+    while folding.has_unfinished():
+        folding.step()
 
 
 def test_a_bf16_fold_rounds_once_as_the_mma_kernel_does():

@@ -87,6 +87,7 @@ class LLMEngine:
         fold = config.fold_norms if config.fold_norms is not None else fused_gemms_on(self.device)
         if fold:  # last: an engine that refuses its arguments leaves the model as it was
             model.fold_norms()
+        self.norms_folded = model.norms_folded
 
     def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer]:
         """The widest block a step verifies (anchor + drafts) and the proposer of the drafts."""
@@ -204,6 +205,11 @@ class LLMEngine:
         step is launched before the one in flight is read, from its results still on the device,
         so that the host's bookkeeping overlaps the device's work; a step from the committed
         state then stays in flight until the next call."""
+        if self.target.model.norms_folded != self.norms_folded:
+            raise RuntimeError(
+                "another engine folded the target's norm weights into its GEMMs (EngineConfig.fold_norms) after "
+                "this engine was built: this engine's CUDA graphs read the weights as they were; build it again"
+            )
         prev, done = self.in_flight, []
         if prev is not None:
             graphs = self.runner.num_graphs()

@@ -198,6 +198,7 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, self.spec.head_dim)
+        self.norms_folded = False  # `fold_norms` ran: engines built before it refuse to step
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -211,6 +212,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             fold_norm_weight(layer.input_layernorm, layer.self_attn.qkv_proj)
             fold_norm_weight(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
+        self.norms_folded = True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

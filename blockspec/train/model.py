@@ -79,7 +79,7 @@ def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
 
 def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tuple[DFlashDrafter, bool]:
     """The drafter in float32 on the target's device, and whether the copy init applied."""
-    if any(layer.input_layernorm.weight is None for layer in target.layers):
+    if target.norms_folded:
         raise ValueError("the target's norm weights are folded into its GEMMs (an engine's): train from load_target's")
     tc = target.config
     torch.manual_seed(cfg.seed)
