@@ -198,11 +198,15 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, self.spec.head_dim)
-        self.norms_folded = False  # `fold_norms` ran: engines built before it refuse to step
 
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
+
+    @property
+    def norms_folded(self) -> bool:
+        """`fold_norms` ran (it folds every layer at once: the first tells)."""
+        return any(layer.input_layernorm.weight is None for layer in self.layers[:1])
 
     def fold_norms(self) -> None:
         """Each layer's two RMSNorm weights into the GEMM after it (q|k|v, gate|up), so the GEMMs
@@ -212,7 +216,6 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             fold_norm_weight(layer.input_layernorm, layer.self_attn.qkv_proj)
             fold_norm_weight(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
-        self.norms_folded = True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
