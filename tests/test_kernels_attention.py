@@ -353,7 +353,12 @@ def test_engine_through_the_fused_attention_decodes_as_the_reference(tmp_path, m
     prompts, params = [[5, 9, 2, 11, 7], [3] * 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     spec = {"model": str(d), "adaptive_width": False}
     expected = [o.outputs[0].token_ids for o in LLM(str(t), spec, device="cpu").generate(prompts, params)]
-    used = []
-    monkeypatch.setattr(attention_module, "fast_kernels", lambda x, name: used.append(x.dim()) or kernel_module(name))
+    fused = []  # the rows of each step the fused kernel took: full blocks (4) and one-row steps among them
+    monkeypatch.setattr(attention_module, "fast_kernels", lambda x, name: kernel_module(name))
+    monkeypatch.setattr(
+        kernel_module("paged_attention"),
+        "qkv_attention_triton",
+        lambda *a: fused.append(a[0].shape[1]) or qkv_attention_triton(*a),
+    )
     got = [o.outputs[0].token_ids for o in LLM(str(t), spec, device="cpu").generate(prompts, params)]
-    assert got == expected and used
+    assert got == expected and {1, 4} <= set(fused)

@@ -150,13 +150,14 @@ def test_an_engine_refuses_to_step_once_another_folded_its_target(tmp_path):
     built leaves the first's captured kernels reading weights that changed under them."""
     llm = LLM(str(make_target(tmp_path / "t", "qwen3")), None, device="cpu", fold_norms=False)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate([[1, 2, 3]], params)
+    before = llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
     folding = LLMEngine(llm.engine.target, None, None, EngineConfig(fold_norms=True))
     with pytest.raises(RuntimeError, match="another engine folded the target's norm weights"):
         llm.generate([[1, 2, 3]], params)
-    folding.add_request([1, 2, 3], params)
+    seq = folding.add_request([1, 2, 3], params)
     while folding.has_unfinished():
         folding.step()
+    assert seq.output_token_ids == before  # the folded model decodes as the unfolded one (fp32)
 
 
 def test_a_bf16_fold_rounds_once_as_the_mma_kernel_does():
