@@ -86,8 +86,9 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
     d = make_drafter(tmp_path / "d", t, block_size=8)
     llm = LLM(str(t), {"model": str(d)}, device="cpu")
     for seed in (None, 7):  # a seeded sample in the batch fixes full rows: the policy does not choose
-        llm.engine.add_request([5, 9], SamplingParams(temperature=0.8, seed=seed, max_tokens=20))
-    llm.engine.add_request([5, 9], SamplingParams(temperature=0, max_tokens=20))
+        # ignore_eos: the unseeded sample draws from a fresh random seed and could end at step one
+        llm.engine.add_request([5, 9], SamplingParams(temperature=0.8, seed=seed, max_tokens=20, ignore_eos=True))
+    llm.engine.add_request([5, 9], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     llm.engine.step()
     running = llm.engine.scheduler.running
     widths, chosen = llm.engine.step_widths(running, [llm.engine.width(s) for s in running])
