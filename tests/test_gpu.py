@@ -9,10 +9,12 @@ from blockspec import LLM, SamplingParams
 from blockspec.bench.presets import random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import LLMEngine
+from blockspec.engine.runner import batch_rows, causal_range
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.norm import rms_norm
-from blockspec.layers.rotary import norm_rope
+from blockspec.layers.rotary import norm_rope, rope_tables
+from blockspec.models.llama import embedding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 9, 2, 11], list(range(20, 57)), [7] * 3, [(i * 37) % 120 for i in range(70)]]
@@ -77,12 +79,34 @@ def test_fused_elementwise_ops_match_their_eager_reference():
         (rms_norm, (x, weight, 1e-6)),
         (silu_mul, (torch.cat([x, delta], dim=-1),)),
         (norm_rope, (heads, weight[:128], 1e-6, cos, sin)),
+        (rope_tables, (torch.randint(0, 40960, (3, 16), device="cuda"), angles[0, 0, :64], 1.0, torch.bfloat16)),
     ]
     for op, args in cases:
         fused, eager = op.compiled(*args), op.eager(*args)
         dispatched = op(*args)  # on CUDA without grad, the op is the compiled kernel
-        assert torch.equal(dispatched, fused)
+        torch.testing.assert_close(dispatched, fused, rtol=0, atol=0)
         torch.testing.assert_close(fused, eager, rtol=2e-2, atol=2e-2, msg=op.__name__)
+
+
+@torch.no_grad()
+def test_fused_step_bookkeeping_equals_its_eager_reference():
+    """The compiled index ops of a step (rows and slots, key ranges, the embedding) give eager's
+    results exactly, padding rows included."""
+    torch.manual_seed(0)
+    dev = "cuda"
+    starts, lengths = torch.tensor([0, 37, 600], device=dev), torch.tensor([16, 1, 9], device=dev)
+    tables = torch.randint(1, 500, (3, 64), device=dev)
+    positions = batch_rows.eager(starts, lengths, tables, 16, 16)[0]
+    weight = torch.randn(151936, 4096, device=dev, dtype=torch.bfloat16)
+    cases = [
+        (batch_rows, (starts, lengths, tables, 16, 16)),
+        (causal_range, (positions,)),
+        (causal_range, (positions, 7)),
+        (embedding, (torch.randint(0, 151936, (3, 16), device=dev), weight)),
+    ]
+    for op, args in cases:
+        eager = op.eager(*args)
+        torch.testing.assert_close(op(*args), eager, rtol=0, atol=0, msg=op.__name__)
 
 
 def test_bf16_real_geometry_agreement():

@@ -99,10 +99,12 @@ class DFlashDrafter(nn.Module):
         return decoder_stack(self.layers, x, rope, kv_caches, attn, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        """Logits through the target's LM head, or its FP8 copy (`quantize_drafter`)."""
+        """Logits through the target's LM head, or its FP8 copy (`quantize_drafter`), in the head's
+        dtype; in fp32 where the config scales or caps them."""
         fp8 = getattr(self, "lm_head_fp8", None)
-        logits = fp8(hidden).float() if fp8 is not None else target.compute_logits(hidden)
-        logits = logits * self.output_multiplier
+        logits = fp8(hidden) if fp8 is not None else target.compute_logits(hidden)
+        if self.output_multiplier != 1.0:
+            logits = logits.float() * self.output_multiplier
         if self.logit_softcap:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+            logits = torch.tanh(logits.float() / self.logit_softcap) * self.logit_softcap
         return logits

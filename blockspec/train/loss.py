@@ -88,7 +88,7 @@ def dflash_loss(
     hidden = drafter(embeds, block_pos.flatten(1), attn, list(zip(k, v)))
     hidden = hidden.view(b, -1, g, hidden.shape[-1])[:, :, 1:][labelled]  # only rows with a label
     logits = drafter.compute_logits(hidden, target)  # the target's LM head, frozen
-    ce = F.cross_entropy(logits, labels[labelled], reduction="none")
+    ce = F.cross_entropy(logits.float(), labels[labelled], reduction="none")
     w = weights.expand_as(labelled)[labelled]
 
     with torch.no_grad():
