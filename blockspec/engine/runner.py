@@ -35,8 +35,8 @@ def batch_rows(
     starts: torch.Tensor, lengths: torch.Tensor, block_tables: torch.Tensor, width: int, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Positions and cache slots [B, width] of each sequence's rows (padding rows, past its
-    length: position 0, trash slot 0) and the position after its last real row [B]; on CUDA one
-    fused launch instead of eleven (H200: each a microsecond or two of a step's critical path)."""
+    length: position 0, trash slot 0) and the position after its last real row [B]; on CUDA two
+    fused launches instead of eleven (H200: each a microsecond or two of a step's critical path)."""
     rows = torch.arange(width, device=starts.device)
     valid = rows < lengths[:, None]
     positions = torch.where(valid, starts[:, None] + rows, 0)
