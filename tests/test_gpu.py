@@ -9,7 +9,7 @@ from blockspec import LLM, SamplingParams
 from blockspec.bench.presets import random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import LLMEngine
-from blockspec.engine.runner import batch_rows, causal_range
+from blockspec.engine.runner import batch_rows, causal_range, window_range
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.norm import rms_norm
@@ -62,7 +62,7 @@ def teacher_forced_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
             torch.tensor([n], device=dev),
             tables,
         )
-        return eng.target.model.compute_logits(hidden)[0]
+        return eng.target.model.compute_logits(hidden)[0].float()  # the head's dtype: bf16 here
 
 
 @torch.no_grad()
@@ -80,6 +80,7 @@ def test_fused_elementwise_ops_match_their_eager_reference():
         (silu_mul, (torch.cat([x, delta], dim=-1),)),
         (norm_rope, (heads, weight[:128], 1e-6, cos, sin)),
         (rope_tables, (torch.randint(0, 40960, (3, 16), device="cuda"), angles[0, 0, :64], 1.0, torch.bfloat16)),
+        (rope_tables, (torch.tensor([[40000]], device="cuda"), angles[0, 0, :64], 1.0, torch.bfloat16)),
     ]
     for op, args in cases:
         fused, eager = op.compiled(*args), op.eager(*args)
@@ -91,22 +92,24 @@ def test_fused_elementwise_ops_match_their_eager_reference():
 @torch.no_grad()
 def test_fused_step_bookkeeping_equals_its_eager_reference():
     """The compiled index ops of a step (rows and slots, key ranges, the embedding) give eager's
-    results exactly, padding rows included."""
+    results exactly, padding rows included, at a verify's shapes and at a decode step's sizes of
+    one (batch 1, one row, a one-page table: compiled apart)."""
     torch.manual_seed(0)
     dev = "cuda"
-    starts, lengths = torch.tensor([0, 37, 600], device=dev), torch.tensor([16, 1, 9], device=dev)
-    tables = torch.randint(1, 500, (3, 64), device=dev)
-    positions = batch_rows.eager(starts, lengths, tables, 16, 16)[0]
     weight = torch.randn(151936, 4096, device=dev, dtype=torch.bfloat16)
-    cases = [
-        (batch_rows, (starts, lengths, tables, 16, 16)),
-        (causal_range, (positions,)),
-        (causal_range, (positions, 7)),
-        (embedding, (torch.randint(0, 151936, (3, 16), device=dev), weight)),
-    ]
-    for op, args in cases:
-        eager = op.eager(*args)
-        torch.testing.assert_close(op(*args), eager, rtol=0, atol=0, msg=op.__name__)
+    verify = (torch.tensor([0, 37, 600], device=dev), torch.tensor([16, 1, 9], device=dev), 64, 16)
+    decode = (torch.tensor([9], device=dev), torch.tensor([1], device=dev), 1, 1)
+    for starts, lengths, pages, width in (verify, decode):
+        tables = torch.randint(1, 500, (len(starts), pages), device=dev)
+        positions = batch_rows.eager(starts, lengths, tables, width, 16)[0]
+        cases = [
+            (batch_rows, (starts, lengths, tables, width, 16)),
+            (causal_range, (positions,)),
+            (window_range, (positions, 7)),
+            (embedding, (torch.randint(0, 151936, positions.shape, device=dev), weight)),
+        ]
+        for op, args in cases:
+            torch.testing.assert_close(op(*args), op.eager(*args), rtol=0, atol=0, msg=op.__name__)
 
 
 def test_bf16_real_geometry_agreement():

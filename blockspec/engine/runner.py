@@ -53,16 +53,20 @@ def make_batch(
 
 
 @cuda_compiled
-def causal_range(positions: torch.Tensor, window: int | None = None) -> KeyRange:
-    start = (positions - window + 1).clamp_min(0) if window is not None else torch.zeros_like(positions)
-    return start, positions + 1
+def causal_range(positions: torch.Tensor) -> KeyRange:
+    return torch.zeros_like(positions), positions + 1
+
+
+@cuda_compiled  # apart from causal_range: each compiled function has 8 shape variants before eager
+def window_range(positions: torch.Tensor, window: int) -> KeyRange:
+    return (positions - window + 1).clamp_min(0), positions + 1
 
 
 def key_ranges(b: Batch, full: KeyRange, window: int | None) -> dict[str, KeyRange]:
     """Each layer type's visible keys: `full` for full attention, and for sliding layers, where
     the model has them (`window` not None), the causal window."""
     return {"full_attention": full} | (
-        {"sliding_attention": causal_range(b.positions, window)} if window is not None else {}
+        {"sliding_attention": window_range(b.positions, window)} if window is not None else {}
     )
 
 

@@ -1,9 +1,9 @@
 """The CUDA fast paths and their switch. Inference on a GPU runs Triton kernels (attention, skinny
 GEMMs, K/V write, q/k norm + rope) and torch.compile fusions of small elementwise and index functions
 (a decode step is hundreds of tiny kernels; each function becomes one or two). Each sits behind the same
-function as its reference (eager torch, cuBLAS, gather + SDPA), which the CPU, training (grad mode
-would recompile each compiled function for every switch between the frozen target and the
-drafter) and `reference_ops()` run instead, so all paths share one definition."""
+function as its reference (eager torch, cuBLAS, gather + SDPA), which the CPU, code with gradients
+on (grad mode would recompile each compiled function for every switch between the frozen target
+and the drafter in training) and `reference_ops()` run instead, so all paths share one definition."""
 
 import contextlib
 from collections.abc import Callable
