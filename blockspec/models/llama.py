@@ -209,8 +209,8 @@ class CausalLM(nn.Module):
 
     @property
     def norms_folded(self) -> bool:
-        """`fold_norms` ran (it folds every layer at once: the first tells)."""
-        return any(layer.input_layernorm.weight is None for layer in self.layers[:1])
+        """`fold_norms` ran (it folds every layer at once: the first tells; the engine asks every step)."""
+        return len(self.layers) > 0 and self.layers[0].input_layernorm.weight is None
 
     def fold_norms(self) -> None:
         """Each layer's two RMSNorm weights into the GEMM after it (q|k|v, gate|up), so the GEMMs
