@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
+from blockspec.layers.kernels.qk_norm_rope import rms_norm_halves, rotate_halves
 
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows per program
@@ -160,21 +161,21 @@ def _attention_kernel(
 @triton.jit
 def _norm_rope_rows(rows, w_ptr, cos_rows, sin_rows, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
     """Heads [R, 2 * HALF] read from row pointers `rows` [R], each RMS-normed with the weight at
-    w_ptr (HAS_NORM) and rotated with its cos/sin row, in float32 rounded once (the normed row is
-    rounded before the weight multiplies it, as `qk_norm_rope` does), in the rows' dtype."""
+    w_ptr (HAS_NORM) and rotated with its cos/sin row (`rms_norm_halves`, `rotate_halves`), in
+    float32 rounded to the rows' dtype."""
     dtype = rows.dtype.element_ty
     d = tl.arange(0, HALF)
     x1 = tl.load(rows[:, None] + d[None, :]).to(tl.float32)
     x2 = tl.load(rows[:, None] + HALF + d[None, :]).to(tl.float32)
     if HAS_NORM:
-        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
-        x1 = (x1 * r[:, None]).to(dtype).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)[None, :]
-        x2 = (x2 * r[:, None]).to(dtype).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+        w1, w2 = tl.load(w_ptr + d).to(tl.float32)[None, :], tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+        x1, x2 = rms_norm_halves(x1, x2, w1, w2, eps, dtype, 2 * HALF)
     c1 = tl.load(cos_rows[:, None] + d[None, :]).to(tl.float32)
     c2 = tl.load(cos_rows[:, None] + HALF + d[None, :]).to(tl.float32)
     s1 = tl.load(sin_rows[:, None] + d[None, :]).to(tl.float32)
     s2 = tl.load(sin_rows[:, None] + HALF + d[None, :]).to(tl.float32)
-    y1, y2 = (x1 * c1 - x2 * s1).to(dtype), (x2 * c2 + x1 * s2).to(dtype)
+    y1, y2 = rotate_halves(x1, x2, c1, c2, s1, s2)
+    y1, y2 = y1.to(dtype), y2.to(dtype)
     return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (y1.shape[0], 2 * HALF))  # [y1 | y2]
 
 

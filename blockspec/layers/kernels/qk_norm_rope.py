@@ -14,25 +14,39 @@ import triton.language as tl
 
 
 @triton.jit
+def rms_norm_halves(x1, x2, w1, w2, eps, dtype, D: tl.constexpr):
+    """A head's halves x1, x2 in float32 (one head [HALF], or rows of heads [R, HALF]) RMS-normed
+    over its D features, rounded to `dtype` (as the reference rounds the normed head) and multiplied
+    by the weight's halves w1, w2. Both q/k norm + rope kernels, this module's and the fused
+    attention's, norm here and rotate with `rotate_halves`."""
+    axis: tl.constexpr = len(x1.shape) - 1
+    r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis, keep_dims=True) + tl.sum(x2 * x2, axis, keep_dims=True)) / D + eps)
+    return (x1 * r).to(dtype).to(tl.float32) * w1, (x2 * r).to(dtype).to(tl.float32) * w2
+
+
+@triton.jit
+def rotate_halves(x1, x2, c1, c2, s1, s2):
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
 def _norm_rope(x1, x2, h, t, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, offs, mask, stride_cos, eps, dtype,
                NUM_HEADS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """A head's two halves (fp32), normed with the q or k weight (HAS_WEIGHT) and rotated."""
     if HAS_WEIGHT:
-        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
         is_q = h < NUM_HEADS  # both weights are loaded (a few hundred bytes, cached), one is kept
         w1 = tl.where(is_q, tl.load(q_weight_ptr + offs, mask=mask), tl.load(k_weight_ptr + offs, mask=mask))
         w2 = tl.where(
             is_q, tl.load(q_weight_ptr + HALF + offs, mask=mask), tl.load(k_weight_ptr + HALF + offs, mask=mask)
         )
-        x1 = (x1 * r).to(dtype).to(tl.float32) * w1.to(tl.float32)
-        x2 = (x2 * r).to(dtype).to(tl.float32) * w2.to(tl.float32)
+        x1, x2 = rms_norm_halves(x1, x2, w1.to(tl.float32), w2.to(tl.float32), eps, dtype, 2 * HALF)
     cos = cos_ptr + t * stride_cos
     sin = sin_ptr + t * stride_cos
     c1 = tl.load(cos + offs, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin + offs, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    return rotate_halves(x1, x2, c1, c2, s1, s2)
 
 
 @triton.jit
