@@ -108,8 +108,10 @@ def test_fused_step_bookkeeping_equals_its_eager_reference():
             (window_range, (positions, 7)),
             (embedding, (torch.randint(0, 151936, positions.shape, device=dev), weight)),
         ]
-        for op, args in cases:
-            torch.testing.assert_close(op(*args), op.eager(*args), rtol=0, atol=0, msg=op.__name__)
+        for op, args in cases:  # the compiled kernel itself: op(*args) would pass if dispatch ran eager
+            fused = op.compiled(*args)
+            torch.testing.assert_close(op(*args), fused, rtol=0, atol=0)
+            torch.testing.assert_close(fused, op.eager(*args), rtol=0, atol=0, msg=op.__name__)
 
 
 def test_bf16_real_geometry_agreement():
