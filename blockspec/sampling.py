@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockspec.layers.fast_path import fast_kernels
+
 
 def is_int(value) -> bool:
     """An integer (numpy's too), not a bool (which Python counts as one): for checks of parsed JSON too."""
@@ -99,7 +101,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of probs [R, V], drawn as torch.multinomial(probs, 1) draws it, by the
     exponential race argmax(p / E) with E ~ Exp(1) (the same tokens and generator state, bit for
     bit), but without multinomial's check of probs, whose .item() waits for the device."""
-    return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax(-1)
+    return argmax(probs / torch.empty_like(probs).exponential_(1, generator=generator))
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy tokens: logits.argmax(-1), on CUDA by a Triton kernel (torch's reduction gives a
+    row one program: see `blockspec.layers.kernels.argmax`)."""
+    kernels = fast_kernels(logits, "argmax")
+    return kernels.argmax_triton(logits) if kernels is not None else logits.argmax(dim=-1)
 
 
 def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 
-from blockspec.layers.kernels import kv_write, paged_attention, qk_norm_rope, quantize_rows
+from blockspec.layers.kernels import argmax, kv_write, paged_attention, qk_norm_rope, quantize_rows
 from blockspec.layers.kernels import skinny_linear as kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -103,6 +103,14 @@ def test_splitk_reduce_compiles(fp8, norm, residual):
         "BLOCK": kernel.REDUCE_BLOCK,
     }
     compile_for_hopper(kernel._splitk_reduce_kernel, flags, **SCALES)
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_argmax_compiles(dtype):
+    flags = {"CHUNK_ITERS": 5, "CHUNKS_PAD": 16, "BLOCK": argmax.BLOCK}
+    compile_for_hopper(argmax._chunk_argmax_kernel, flags, x_ptr=dtype, val_ptr="*fp32", idx_ptr="*i32")
+    compile_for_hopper(argmax._row_argmax_kernel, {"CHUNKS": 15, "CHUNKS_PAD": 16}, val_ptr="*fp32", idx_ptr="*i32",
+                       out_ptr="*i64")  # fmt: skip
 
 
 def test_dequantize_compiles():
