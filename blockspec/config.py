@@ -55,6 +55,10 @@ class EngineConfig:
     # those GEMMs run (CUDA with the Triton kernels on).
     fold_norms: bool | None = None
     simulate_tau: float | None = None  # benchmarks only: draw acceptance with this mean at the full block
+    # A greedy step (drafts, verify, acceptance, the drafter's context commit) as one forward, so one
+    # CUDA graph; False: those phases apart, as a step with sampled rows runs them (the bench times
+    # the phases so).
+    fused_steps: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "page_size", "max_num_batched_tokens"):

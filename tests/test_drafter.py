@@ -85,7 +85,7 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
         alloc.allocate(s.block_table, len(s.token_ids) + drafter.block_size)
     runner.prefill(seqs)
     anchors = torch.tensor([[s.anchor] for s in seqs])
-    logits = runner.propose(anchors, runner.step_inputs(seqs, widths), max(widths))
+    logits = runner.propose(anchors, runner.step_inputs(seqs, widths, None)[0], max(widths))
     for i, (ids, g) in enumerate(zip(prompts, widths)):
         with torch.no_grad():
             hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states

@@ -39,7 +39,7 @@ def paged_logits(model, ids: list[int], split: int, page_size: int = 4) -> torch
     seq.token_ids = ids[: split + 1]  # prefill processes all but the last ("anchor")
     runner.prefill([seq])
     rest = ids[split:]
-    logits, _ = runner.verify(torch.tensor([rest]), runner.step_inputs([seq], [len(rest)]))
+    logits, _ = runner.verify(torch.tensor([rest]), runner.step_inputs([seq], [len(rest)], None)[0])
     return logits[0]
 
 

@@ -1,14 +1,15 @@
 """`blockspec bench`: decoding throughput of the engine, speculative vs plain, in one run.
 
 Per batch size: tok/s of plain decoding and of speculative decoding on the same engine, the
-step time split into drafter, target verify and the rest (host), and the weight-read floor
+step time split into drafter, target verify, context commit and the rest (host, and the gaps
+between phases: timed on steps that run them apart, `measure`), and the weight-read floor
 (weight bytes read per step / device copy bandwidth measured in this run). With random
 weights, `--simulate-tau` forces the acceptance pattern; the output says so."""
 
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -23,6 +24,7 @@ from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams
 
 PHASES = {"propose": "drafter", "verify": "verify", "commit_context": "context"}
+PHASE_STEPS = 10
 
 
 @dataclass
@@ -109,25 +111,41 @@ def weight_bytes(target, drafter) -> int:
     return total
 
 
-def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: int, cuda: bool) -> dict:
-    vocab = engine.vocab_size
-    gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0, max_tokens=(steps + warmup + 4) * engine.max_width, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, vocab - 1, (prompt_len,), generator=gen).tolist(), params)
-    for _ in range(warmup):  # prefill, graph captures, adaptive exploration
-        engine.step()
-    timer = PhaseTimer(engine.runner, cuda)
-    seqs = list(engine.scheduler.running)
-    before = [len(s.acceptance_lengths) for s in seqs]
+def total_steps(steps: int, warmup: int) -> int:
+    """Steps a measurement runs: warmup, the timed steps, then warmup and PHASE_STEPS unfused."""
+    return 2 * warmup + steps + PHASE_STEPS
+
+
+def run_steps(engine: LLMEngine, steps: int) -> float:
+    """Seconds that `steps` engine steps take, device work included."""
     sync(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(engine.device)
-    elapsed = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: int, cuda: bool) -> dict:
+    """Step time as the engine runs; the drafter / verify / context split from PHASE_STEPS more steps
+    run with the phases apart (a greedy step is one forward, one CUDA graph, so it cannot be timed
+    by phase), and the rest (host, and the gaps between phases) as the step time less those."""
+    vocab = engine.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    max_tokens = (total_steps(steps, warmup) + 4) * engine.max_width
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab - 1, (prompt_len,), generator=gen).tolist(), params)
+    run_steps(engine, warmup)  # prefill, graph captures, adaptive exploration
+    seqs = list(engine.scheduler.running)
+    before = [len(s.acceptance_lengths) for s in seqs]
+    elapsed = run_steps(engine, steps)
     taus = [a for s, n in zip(seqs, before) for a in s.acceptance_lengths[n:]]
-    phases = {k: v / steps for k, v in timer.collect().items()}
+    engine.config = replace(engine.config, fused_steps=False)
+    run_steps(engine, warmup)  # the phases' graphs
+    timer = PhaseTimer(engine.runner, cuda)
+    run_steps(engine, PHASE_STEPS)
+    phases = {k: v / PHASE_STEPS for k, v in timer.collect().items()}
     phases["host"] = max(0.0, elapsed * 1e3 / steps - sum(phases.values()))
     for s in seqs:
         engine.abort(s.request_id)
@@ -143,7 +161,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
     # Adaptive width explores its widths before it settles: a step to capture each width's graphs and
     # one to time it, plus one with steps launched ahead (a width is chosen before the last is seen).
     warmup = args.warmup + (3 * len(width_classes(args.block_size)) if args.adaptive_width and drafter else 0)
-    max_len = args.prompt_len + (args.steps + warmup + 8) * args.block_size
+    max_len = args.prompt_len + (total_steps(args.steps, warmup) + 8) * args.block_size
     config = EngineConfig(
         max_num_seqs=batch,
         max_model_len=max_len,

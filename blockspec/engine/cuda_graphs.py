@@ -1,4 +1,5 @@
-"""CUDA graphs for the fixed-shape forwards of a decoding step (propose, verify, context).
+"""CUDA graphs for the fixed-shape forwards of a decoding step (a whole greedy step, or a sampled
+step's propose, verify and context).
 
 A forward is captured once per (name, batch bucket, row class) on static input buffers and
 replayed with new inputs copied in. Batches are padded up to the bucket with sequences of
@@ -14,7 +15,9 @@ from collections.abc import Callable
 import torch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-PAD = (0, 0, 1, 0)  # padding of (tokens/features, starts, lengths, block_tables): one row at position 0
+# Padding of (tokens/features, starts, lengths, block_tables[, forced accepted counts]): one row at
+# position 0, accepting nothing.
+PAD = (0, 0, 1, 0, 0)
 
 
 def round_up(n: int, sizes) -> int:
@@ -50,7 +53,7 @@ class GraphCache:
 
     def static_inputs(self, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The capture's input buffers: `bucket` sequences of `width` rows, filled with padding."""
-        shapes = [(bucket, width, *inputs[0].shape[2:]), (bucket,), (bucket,), (bucket, self.max_pages)]
+        shapes = [(bucket, width, *inputs[0].shape[2:]), (bucket,), (bucket,), (bucket, self.max_pages), (bucket,)]
         return tuple(torch.full(s, pad, dtype=x.dtype, device=x.device) for s, x, pad in zip(shapes, inputs, PAD))
 
     def capture(self, fn: Callable, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]):

@@ -239,7 +239,9 @@ class LLMEngine:
         widths, chosen = self.step_widths(seqs, [self.width(s) for s in seqs])
         started = time.perf_counter()
         anchors = self.runner.tensor([s.anchor for s in seqs])[:, None]
-        step = launch_step(self.runner, seqs, widths, anchors, None, self.proposer, self.simulated)
+        step = launch_step(
+            self.runner, seqs, widths, anchors, None, self.proposer, self.simulated, self.config.fused_steps
+        )
         return Flight(step, chosen, started, not pending)  # a prefill's device time is not the step's
 
     def launch_ahead(self, prev: Flight) -> Flight | None:
@@ -259,7 +261,14 @@ class LLMEngine:
         widths_next, chosen = self.step_widths(seqs, bound)
         step = prev.step
         launched = launch_step(
-            self.runner, seqs, widths_next, step.bonus[:, None], step.next_starts(), self.proposer, self.simulated
+            self.runner,
+            seqs,
+            widths_next,
+            step.bonus[:, None],
+            step.next_starts(),
+            self.proposer,
+            self.simulated,
+            self.config.fused_steps,
         )
         return Flight(launched, chosen, time.perf_counter(), True)
 

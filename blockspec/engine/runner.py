@@ -105,13 +105,21 @@ class ModelRunner:
         ready.record()
         return host, ready
 
-    def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+    def tensors(self, *arrays: list | np.ndarray) -> list[torch.Tensor]:
+        """Host integer arrays to the device in one copy (each copy adds its latency to a step's
+        critical path), as views of it."""
+        host = [np.asarray(a, dtype=np.int64) for a in arrays]
+        flat = self.tensor(np.concatenate([h.ravel() for h in host]))
+        return [part.view(h.shape) for part, h in zip(flat.split([h.size for h in host]), host)]
+
+    @staticmethod
+    def block_tables(seqs: list[Sequence]) -> np.ndarray:
         """[B, M] page ids padded with the trash page, M the most pages a sequence holds: the
         host cost and the copy follow the pages in use, not the context limit."""
         tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int64)
         for row, s in zip(tables, seqs):
             row[: len(s.block_table)] = s.block_table
-        return self.tensor(tables)
+        return tables
 
     def num_graphs(self) -> int:
         """CUDA graphs captured so far (a capture synchronizes the device and compiles)."""
@@ -169,11 +177,8 @@ class ModelRunner:
         tokens = [s.pending_prefill for s in seqs]
         lengths = [len(t) for t in tokens]
         width = max(lengths)
-        ids = self.tensor([t + [0] * (width - len(t)) for t in tokens])
-        starts, lengths_t, tables = (
-            self.tensor([s.num_cached for s in seqs]),
-            self.tensor(lengths),
-            self.block_tables(seqs),
+        ids, starts, lengths_t, tables = self.tensors(
+            [t + [0] * (width - len(t)) for t in tokens], [s.num_cached for s in seqs], lengths, self.block_tables(seqs)
         )
         _, features = self.target_forward(ids, starts, lengths_t, tables)  # eager: prompt shapes vary
         if self.drafter is not None:
@@ -182,20 +187,29 @@ class ModelRunner:
             s.num_cached += n
 
     def step_inputs(
-        self, seqs: list[Sequence], widths: list[int], starts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, ...]:
-        """(starts, lengths, block_tables) of a decoding step: row 0 of each block is its anchor, at
-        `starts` (default: the committed lengths; a step launched ahead passes them on the device)."""
-        starts = starts if starts is not None else self.tensor([s.num_cached for s in seqs])
-        return starts, self.tensor(widths), self.block_tables(seqs)
+        self, seqs: list[Sequence], widths: list[int], starts: torch.Tensor | None, *extra: list[int]
+    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+        """(starts, lengths, block_tables) of a decoding step, and the `extra` per-sequence host
+        lists on the device too, all in one copy. Row 0 of each block is its anchor, at `starts`
+        (None: the committed lengths; a step launched ahead passes them on the device)."""
+        committed = [[s.num_cached for s in seqs]] if starts is None else []
+        lengths, tables, *rest = self.tensors(widths, self.block_tables(seqs), *extra, *committed)
+        if starts is None:
+            starts = rest.pop()
+        return (starts, lengths, tables), rest
 
     @torch.inference_mode()
     def propose(self, anchors: torch.Tensor, inputs: tuple, width: int) -> torch.Tensor:
         """Drafter logits for block rows 1..width-1: [B, width-1, V]. anchors: [B, 1]. The drafter
         runs its whole block, up to the context's end (the engine holds pages for it)."""
         starts, _, tables = inputs
-        lengths = (self.max_model_len - starts).clamp_max(self.drafter.block_size)
-        return self.run("propose", self.propose_forward, anchors.expand(-1, width), starts, lengths, tables)
+        return self.run(
+            "propose", self.propose_forward, anchors.expand(-1, width), starts, self.block_lengths(starts), tables
+        )
+
+    def block_lengths(self, starts: torch.Tensor) -> torch.Tensor:
+        """Rows of each drafter block anchored at `starts`: its block size, up to the context's end."""
+        return (self.max_model_len - starts).clamp_max(self.drafter.block_size)
 
     @torch.inference_mode()
     def verify(self, block_ids: torch.Tensor, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
