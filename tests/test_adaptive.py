@@ -116,6 +116,23 @@ def test_simulated_acceptance_has_its_mean_at_the_full_block() -> None:
         SimulatedAcceptance(17, max_drafts=15)
 
 
+def test_simulated_acceptance_draws_at_the_widths_the_ngram_proposer_filled(tmp_path) -> None:
+    """The n-gram proposer drafts only what it finds, often nothing: each simulated count is drawn
+    for the drafts the step verifies, never more, through the fused greedy step (drafter) and the
+    step run apart (n-gram) alike."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 5}, {"model": str(d)}):
+        llm = LLM(str(t), spec, device="cpu", page_size=4, simulate_tau=5.0)
+        out = llm.generate([list(range(1, 30)), [3, 4] * 6], params)
+        for o in out:
+            assert len(o.outputs[0].token_ids) == 40 and sum(o.metrics.acceptance_lengths) == 40
+            assert max(o.metrics.acceptance_lengths) <= llm.engine.max_width
+        drafts = [a - 1 for o in out for a in o.metrics.acceptance_lengths]
+        assert 0 < sum(drafts)  # the simulation accepted drafts at all
+
+
 def test_a_step_left_in_flight_by_finished_sequences_is_not_timed(tmp_path) -> None:
     """With steps launched ahead, a sequence that stops leaves the next step in flight; completing
     it later (after the engine idled) must not charge the idle time to its width."""

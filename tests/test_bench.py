@@ -22,7 +22,7 @@ def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, cap
     assert [(r["mode"], r["batch_size"]) for r in results] == [("plain", 1), ("dflash", 1), ("plain", 2), ("dflash", 2)]
     for r in results:
         phases = r["phases_ms"]
-        assert r["tok_per_s"] > 0 and phases["verify"] > 0 and phases["host"] >= 0
+        assert r["tok_per_s"] > 0 and phases["verify"] > 0
         assert (phases["drafter"] > 0) == (r["mode"] == "dflash")
         assert sum(r["tau_histogram"].values()) == 3 * r["batch_size"]  # every timed step of every sequence
     assert "acceptance SIMULATED" in capsys.readouterr().out

@@ -52,3 +52,23 @@ def test_graph_bookkeeping_matches_eager(tmp_path, async_steps):
         assert {k[1] for k in runner.graphs.graphs} >= {8, 4}  # batches shrank across buckets as requests ended
         if spec is not None:  # narrow last steps ran in the narrow row classes
             assert {k[2] for k in runner.graphs.graphs} >= {2, 4, graphed.engine.max_width}
+
+
+@pytest.mark.parametrize("async_steps", [False, True], ids=["lock-step", "launched-ahead"])
+def test_all_greedy_steps_replay_one_graph_a_step(tmp_path, async_steps):
+    """An all-greedy batch runs each step as one forward, so one graph a step ("greedy_step"): the
+    same tokens as eager and as the phases run apart (fused_steps=False), with the drafter and in
+    plain decoding; launched ahead, each step reads the step before's outputs from that graph."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    prompts = [[5, 9], list(range(20, 45)), [7] * 3]
+    params = [SamplingParams(temperature=0, max_tokens=9 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    for spec in ({"model": str(d)}, None):
+        eager = [o.outputs[0].token_ids for o in LLM(str(t), spec, device="cpu", page_size=4).generate(prompts, params)]
+        for fused in (True, False):
+            graphed = LLM(str(t), spec, device="cpu", page_size=4, async_steps=async_steps, fused_steps=fused)
+            runner = graphed.engine.runner
+            runner.graphs = CpuGraphCache(8, -(-graphed.engine.max_model_len // 4), (graphed.engine.max_width,))
+            assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == eager
+            phases = {"propose", "verify", "context"} if spec is not None else {"verify"}
+            assert {k[0] for k in runner.graphs.graphs} == ({"greedy_step"} if fused else phases)

@@ -252,7 +252,7 @@ def test_bad_prompts(pair):
         and llm.engine.scheduler.allocator.num_free == llm.engine.scheduler.allocator.num_usable
     )
     # a rejected request leaves the engine clean: the next one runs
-    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
 
 
 def test_request_ids(pair):

@@ -28,14 +28,16 @@ def test_argmax_matches_torch(shape, dtype):
 @runs_kernel
 def test_ties_take_the_first_index_across_chunks():
     V = 40 * BLOCK + 7
-    assert num_chunks(5, V, 4) > 1  # the interpreter's 4 SMs still cut a row: ties span chunks
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 4  # the interpreter's
+    chunk = -(-V // num_chunks(5, V, sms) // BLOCK) * BLOCK  # as argmax_triton cuts a row
+    assert V > 3 * chunk
     x = torch.zeros(5, V, device=DEVICE)
-    x[0, [V - 1, 3 * BLOCK, 2 * BLOCK + 1]] = 2.0  # in three chunks: the first wins
+    x[0, [V - 1, 2 * chunk + 3, chunk + 1]] = 2.0  # in three chunks: the first wins
     x[1] = 7.0  # all equal: index 0
     x[2] = float("-inf")  # nothing finite: index 0, as torch
-    x[3, [BLOCK + 9, 30 * BLOCK]] = float("inf")
+    x[3, [chunk - 1, chunk]] = float("inf")  # the last of one chunk against the first of the next
     x[4, 5 * BLOCK] = float("nan")  # NaN above everything finite
-    assert argmax_triton(x).tolist() == [2 * BLOCK + 1, 0, 0, BLOCK + 9, 5 * BLOCK]
+    assert argmax_triton(x).tolist() == [chunk + 1, 0, 0, chunk - 1, 5 * BLOCK]
     assert torch.equal(argmax_triton(x), x.argmax(dim=-1))
 
 
@@ -47,6 +49,8 @@ def test_strided_rows_and_empty_batches():
     assert argmax_triton(x[:0]).shape == (0,)
     with pytest.raises(AssertionError, match="empty row"):
         argmax_triton(x[:, :0])
+    with pytest.raises(AssertionError, match="float64"):  # compared in float32, it could tie wrongly
+        argmax_triton(x.double())
 
 
 @pytest.mark.skipif(not CUDA, reason="the dispatch to the kernel is CUDA's")

@@ -98,7 +98,7 @@ class ModelRunner:
     def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying x to the host; the copy is complete once the event (None on the CPU) passed."""
         if self.device.type != "cuda":
-            return x, None
+            return x.clone(), None  # x may be a graph's output, which its next replay overwrites
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         host.copy_(x, non_blocking=True)
         ready = torch.cuda.Event()
@@ -107,10 +107,11 @@ class ModelRunner:
 
     def tensors(self, *arrays: list | np.ndarray) -> list[torch.Tensor]:
         """Host integer arrays to the device in one copy (each copy adds its latency to a step's
-        critical path), as views of it."""
+        critical path), as views of it, each 16-byte aligned (as kernels specialize)."""
         host = [np.asarray(a, dtype=np.int64) for a in arrays]
-        flat = self.tensor(np.concatenate([h.ravel() for h in host]))
-        return [part.view(h.shape) for part, h in zip(flat.split([h.size for h in host]), host)]
+        sizes = [h.size + h.size % 2 for h in host]
+        flat = self.tensor(np.concatenate([np.resize(h.ravel(), n) if n else h.ravel() for h, n in zip(host, sizes)]))
+        return [part[: h.size].view(h.shape) for part, h in zip(flat.split(sizes), host)]
 
     @staticmethod
     def block_tables(seqs: list[Sequence]) -> np.ndarray:

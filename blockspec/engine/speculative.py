@@ -95,8 +95,10 @@ class LaunchedStep:
     seqs: list[Sequence]
     widths: list[int]
     starts: torch.Tensor  # [B] on the device: position of each block's anchor
-    accepted: torch.Tensor  # [B] on the device
-    bonus: torch.Tensor  # [B] on the device: the next step's anchors
+    # accepted and bonus, [B] on the device, are views of a fused step's graph output: read them
+    # (the next step launched from them does) before that graph replays again.
+    accepted: torch.Tensor
+    bonus: torch.Tensor  # the next step's anchors
     host: torch.Tensor  # [B, 2 + S-1]: accepted, bonus, drafts
     ready: torch.cuda.Event | None
 
@@ -104,6 +106,15 @@ class LaunchedStep:
         return self.starts + self.accepted + 1
 
 
+def simulated_counts(simulated: SimulatedAcceptance | None, seqs: list[Sequence], widths: list[int]) -> list:
+    """[the simulated accepted count of each sequence's drafts] (drawn once a step), or [] when not
+    simulating."""
+    if simulated is None:
+        return []
+    return [[simulated(w - 1, s.request_id) for s, w in zip(seqs, widths, strict=True)]]
+
+
+@torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
 def launch_step(
     runner: ModelRunner,
     seqs: list[Sequence],
@@ -117,23 +128,23 @@ def launch_step(
     """Queue propose -> verify -> accept -> commit context for blocks anchored at `anchors` [B, 1]
     at positions `starts` [B] (None: the committed lengths); a step launched ahead passes both
     while the step before is still computing them. `fused`: an all-greedy step with the drafter
-    (or plain decoding) runs as one forward (`greedy_step_forward`), so one CUDA graph: H200, bench
-    --simulate-tau 6.5, DFlash at batch 1 5.31 -> 5.26 ms a step against three graphs and the ops
-    between them (their launch gaps and input copies)."""
-    counts = [] if simulated is None else [[simulated(w - 1, s.request_id) for s, w in zip(seqs, widths)]]
-    inputs, forced = runner.step_inputs(seqs, widths, starts, *counts)
+    (or plain decoding) runs as one forward (`greedy_step_forward`), so one CUDA graph instead of
+    three and the ops between them (H200, bench --simulate-tau 6.5, a kernel trace of the DFlash
+    step at batch 1: 212 -> 155 us a step between kernels)."""
     if fused and proposer is dflash_draft and all(s.params.greedy for s in seqs):
+        inputs, forced = runner.step_inputs(seqs, widths, starts, *simulated_counts(simulated, seqs, widths))
         name = "greedy_step" if simulated is None else "simulated_step"
         step = functools.partial(greedy_step_forward, runner)
-        with torch.inference_mode():
-            packed = runner.run(name, step, anchors.expand(-1, max(widths)), *inputs, *forced)
+        packed = runner.run(name, step, anchors.expand(-1, max(widths)), *inputs, *forced)
         host, ready = runner.to_host(packed)
         return LaunchedStep(seqs, widths, inputs[0], packed[:, 0], packed[:, 1], host, ready)
+    inputs, _ = runner.step_inputs(seqs, widths, starts)
     drafts, q = anchors[:, :0], [None] * len(seqs)
     if max(widths) > 1:
         drafts, q, used = proposer(runner, seqs, widths, anchors, inputs)
         if used != widths:  # the n-gram proposer fills only what it found: new lengths
             widths, inputs = used, (inputs[0], runner.tensor(used), inputs[2])
+    forced = [runner.tensor(c) for c in simulated_counts(simulated, seqs, widths)]  # drawn at the widths run
     logits, features = runner.verify(torch.cat([anchors, drafts], dim=1), inputs)
     accepted, bonus = greedy_outcome(drafts, argmax(logits), inputs[1] - 1, *forced)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]

@@ -56,10 +56,10 @@ def num_chunks(rows: int, V: int, sms: int) -> int:
 
 
 def argmax_triton(x: torch.Tensor) -> torch.Tensor:
-    """x [..., V] (float; rows of V contiguous elements) -> int64 [...]: the first index of each
-    row's maximum."""
+    """x [..., V] (bf16, fp16 or fp32) -> int64 [...]: the first index of each row's maximum."""
     V = x.shape[-1]
     assert V > 0, "argmax of an empty row"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"{x.dtype}: compared in float32"
     x2 = x.reshape(-1, V) if x.stride(-1) == 1 else x.contiguous().reshape(-1, V)
     rows = x2.shape[0]
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
