@@ -104,14 +104,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return argmax(probs / torch.empty_like(probs).exponential_(1, generator=generator))
 
 
-ARGMAX_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel compares in float32
-
-
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The greedy tokens: logits.argmax(-1); on CUDA without grad, for 16- and 32-bit floats, by a
     Triton kernel (torch's reduction gives a row one program: see `blockspec.layers.kernels.argmax`)."""
-    kernels = fast_kernels(logits, "argmax") if logits.dtype in ARGMAX_KERNEL_DTYPES else None
-    return kernels.argmax_triton(logits) if kernels is not None else logits.argmax(dim=-1)
+    kernels = fast_kernels(logits, "argmax")
+    if kernels is not None and logits.dtype in kernels.DTYPES:
+        return kernels.argmax_triton(logits)
+    return logits.argmax(dim=-1)
 
 
 def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ pytest.importorskip("triton")
 
 from conftest import CUDA, interpreter_test, runs_kernel
 
-from blockspec.layers.kernels.argmax import BLOCK, argmax_triton, num_chunks
+from blockspec.layers.kernels import num_sms
+from blockspec.layers.kernels.argmax import BLOCK, argmax_triton, chunk_iters
 from blockspec.sampling import argmax
 
 test_kernels_in_interpreter = interpreter_test(__file__)
@@ -28,8 +29,7 @@ def test_argmax_matches_torch(shape, dtype):
 @runs_kernel
 def test_ties_take_the_first_index_across_chunks():
     V = 40 * BLOCK + 7
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 4  # the interpreter's
-    chunk = -(-V // num_chunks(5, V, sms) // BLOCK) * BLOCK  # as argmax_triton cuts a row
+    chunk = chunk_iters(5, V, num_sms(DEVICE, interpreted=4)) * BLOCK  # as argmax_triton cuts a row
     assert V > 3 * chunk
     x = torch.zeros(5, V, device=DEVICE)
     x[0, [V - 1, 2 * chunk + 3, chunk + 1]] = 2.0  # in three chunks: the first wins

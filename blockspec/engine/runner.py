@@ -114,7 +114,7 @@ class ModelRunner:
         return [part[: h.size].view(h.shape) for part, h in zip(flat.split(sizes), host)]
 
     @staticmethod
-    def block_tables(seqs: list[Sequence]) -> np.ndarray:
+    def host_block_tables(seqs: list[Sequence]) -> np.ndarray:
         """[B, M] page ids padded with the trash page, M the most pages a sequence holds: the
         host cost and the copy follow the pages in use, not the context limit."""
         tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int64)
@@ -179,7 +179,10 @@ class ModelRunner:
         lengths = [len(t) for t in tokens]
         width = max(lengths)
         ids, starts, lengths_t, tables = self.tensors(
-            [t + [0] * (width - len(t)) for t in tokens], [s.num_cached for s in seqs], lengths, self.block_tables(seqs)
+            [t + [0] * (width - len(t)) for t in tokens],
+            [s.num_cached for s in seqs],
+            lengths,
+            self.host_block_tables(seqs),
         )
         _, features = self.target_forward(ids, starts, lengths_t, tables)  # eager: prompt shapes vary
         if self.drafter is not None:
@@ -194,7 +197,7 @@ class ModelRunner:
         lists on the device too, all in one copy. Row 0 of each block is its anchor, at `starts`
         (None: the committed lengths; a step launched ahead passes them on the device)."""
         committed = [[s.num_cached for s in seqs]] if starts is None else []
-        lengths, tables, *rest = self.tensors(widths, self.block_tables(seqs), *extra, *committed)
+        lengths, tables, *rest = self.tensors(widths, self.host_block_tables(seqs), *extra, *committed)
         if starts is None:
             starts = rest.pop()
         return (starts, lengths, tables), rest

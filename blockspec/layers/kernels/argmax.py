@@ -11,6 +11,7 @@ import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # compared in float32: wider floats could tie wrongly
 BLOCK = 2048
 PROGRAMS_PER_SM = 16
 MAX_CHUNKS = 256
@@ -48,6 +49,11 @@ def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, CHUNKS: tl.constexpr, CHUNKS_P
     tl.store(out_ptr + row, tl.min(tl.where(ok & (val == m), idx, 2**31 - 1), 0).to(tl.int64))
 
 
+def chunk_iters(rows: int, V: int, sms: int) -> int:
+    """BLOCKs a program reads: a row cut into `num_chunks` chunks, rounded up to whole BLOCKs."""
+    return triton.cdiv(triton.cdiv(V, num_chunks(rows, V, sms)), BLOCK)
+
+
 def num_chunks(rows: int, V: int, sms: int) -> int:
     """Chunks a row: up to PROGRAMS_PER_SM programs an SM, each at least one BLOCK of the row. A
     program's loads go one BLOCK after the other, so few rows read best in chunks of one BLOCK
@@ -59,17 +65,17 @@ def argmax_triton(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] (bf16, fp16 or fp32) -> int64 [...]: the first index of each row's maximum."""
     V = x.shape[-1]
     assert V > 0, "argmax of an empty row"
-    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"{x.dtype}: compared in float32"
+    assert x.dtype in DTYPES, f"{x.dtype}: compared in float32"
     x2 = x.reshape(-1, V) if x.stride(-1) == 1 else x.contiguous().reshape(-1, V)
     rows = x2.shape[0]
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out.view(x.shape[:-1])
-    chunk_iters = triton.cdiv(triton.cdiv(V, num_chunks(rows, V, num_sms(x.device, interpreted=4))), BLOCK)
-    chunks = triton.cdiv(V, chunk_iters * BLOCK)
+    iters = chunk_iters(rows, V, num_sms(x.device, interpreted=4))
+    chunks = triton.cdiv(V, iters * BLOCK)
     pad = triton.next_power_of_2(chunks)
     val = torch.empty((rows, pad), dtype=torch.float32, device=x.device)
     idx = torch.empty((rows, pad), dtype=torch.int32, device=x.device)
-    _chunk_argmax_kernel[(rows, chunks)](x2, val, idx, V, x2.stride(0), chunk_iters, pad, BLOCK, num_warps=4)
+    _chunk_argmax_kernel[(rows, chunks)](x2, val, idx, V, x2.stride(0), iters, pad, BLOCK, num_warps=4)
     _row_argmax_kernel[(rows,)](val, idx, out, chunks, pad, num_warps=1)
     return out.view(x.shape[:-1])

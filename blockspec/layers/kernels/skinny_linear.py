@@ -241,9 +241,11 @@ def _gemv_kernel(
     cols, width = _output_cols(tl.program_id(0), N, BLOCK_N, SWIGLU)
     # Read after the loop here: before it, they cost registers enough to halve the programs an SM
     # (o_proj's tile: 128 -> 160 a thread at 8 warps, sm_90).
-    _, bias, res = _epilogue_operands(cols, rows_n, cols < width, y_ptr, bias_ptr, res_ptr, False, HAS_BIAS, RESIDUAL)
+    w_scale, bias, res = _epilogue_operands(
+        cols, rows_n, cols < width, y_ptr, bias_ptr, res_ptr, False, HAS_BIAS, RESIDUAL
+    )
     factor = _row_factor(tl.sum(sq), 0, K, eps, y_ptr, NORM, False)
-    y = _epilogue(tl.sum(acc, axis=1), factor, 1.0, bias, res, False, HAS_BIAS, RESIDUAL)
+    y = _epilogue(tl.sum(acc, axis=1), factor, w_scale, bias, res, False, HAS_BIAS, RESIDUAL)
     if SWIGLU:
         y = _swiglu(y, y_ptr.dtype.element_ty)
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < width)
