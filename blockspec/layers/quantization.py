@@ -13,7 +13,8 @@ and the GEMM multiplies E4M3 by E4M3 on FP8 tensor cores. On CUDA (Hopper+)
 H200, one drafter step's linears at M rows (`python -m blockspec.bench.fp8_bench`), bf16 cuBLAS
 against FP8: M = 16: 888 against 535 µs; 64: 917 against 608; 256: 1,405 against 1,037 (_scaled_mm).
 A weight-only path (bf16 x, the weight converted in registers) was slower at 16 rows (706 µs) and
-is gone.
+is gone; quantizing x inside the GEMM per 1x128 group, with no quantize launch, stalled its K loop
+(q|k|v at 16 rows 24.1 against 11.1 µs, README).
 Elsewhere runs the reference (the CPU path and the oracle) with the same rounding: the norm, the
 activations rounded to E4M3 per row and back, then the weight dequantized to x.dtype (in float32,
 rounded once) and `layers.linear.dense`.

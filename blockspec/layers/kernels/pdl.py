@@ -9,7 +9,10 @@ fused GEMMs at one row: 3,868 -> 3,770 µs); the MMA kernel at 16 rows lost by i
 4,809 µs). Nor did it pay spread over the other hot kernels (MMA, rope, attention, combine,
 quantize_rows) with the next kernel let in after the main loop instead of at the top (H200, bench
 --simulate-tau 6.5: DFlash 5.68 -> 5.58 ms a step at batch 1, 10.55 -> 10.73 at batch 16; at the
-top, slower at both). BLOCKSPEC_PDL=0 launches plainly (for A/B runs)."""
+top, slower at both). On the MMA kernel alone, with the next kernel let in after the K loop,
+the 36-layer chain gained 1.5% but a DFlash step at batch 1 nothing, and prefetching the first
+weight lines to L2 before the wait made the chain slower (README, Measured). BLOCKSPEC_PDL=0
+launches plainly (for A/B runs)."""
 
 import functools
 import os
