@@ -2,6 +2,7 @@
 of outputs), run on the CPU with a stand-in graph that replays by calling the captured
 function on its static buffers: outputs must equal the eager engine's."""
 
+import numpy as np
 import pytest
 from conftest import count_launches_ahead, make_drafter, make_target
 
@@ -72,3 +73,16 @@ def test_all_greedy_steps_replay_one_graph_a_step(tmp_path, async_steps):
             assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == eager
             phases = {"propose", "verify", "context"} if spec is not None else {"verify"}
             assert {k[0] for k in runner.graphs.graphs} == ({"greedy_step"} if fused else phases)
+
+
+def test_host_arrays_cross_in_one_copy_as_aligned_views(tmp_path):
+    """`ModelRunner.tensors`: each array comes back with its values and shape, as a view of one
+    buffer starting at an even int64 offset (16 bytes: the alignment kernels specialize on), odd
+    and empty arrays included."""
+    runner = LLM(str(make_target(tmp_path / "t", "qwen3", vocab=128)), device="cpu").engine.runner
+    arrays = [[3, 1, 4], np.arange(6).reshape(2, 3), [], [[9]], [2, 7]]
+    views = runner.tensors(*arrays)
+    for view, a in zip(views, arrays, strict=True):
+        assert view.tolist() == np.asarray(a).tolist() and view.shape == np.shape(a)
+        assert view.storage_offset() % 2 == 0
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1

@@ -239,9 +239,7 @@ class LLMEngine:
         widths, chosen = self.step_widths(seqs, [self.width(s) for s in seqs])
         started = time.perf_counter()
         anchors = self.runner.tensor([s.anchor for s in seqs])[:, None]
-        step = launch_step(
-            self.runner, seqs, widths, anchors, None, self.proposer, self.simulated, self.config.fused_steps
-        )
+        step = self.launch_step(seqs, widths, anchors, None)
         return Flight(step, chosen, started, not pending)  # a prefill's device time is not the step's
 
     def launch_ahead(self, prev: Flight) -> Flight | None:
@@ -260,17 +258,16 @@ class LLMEngine:
             return None
         widths_next, chosen = self.step_widths(seqs, bound)
         step = prev.step
-        launched = launch_step(
-            self.runner,
-            seqs,
-            widths_next,
-            step.bonus[:, None],
-            step.next_starts(),
-            self.proposer,
-            self.simulated,
-            self.config.fused_steps,
-        )
+        launched = self.launch_step(seqs, widths_next, step.bonus[:, None], step.next_starts())
         return Flight(launched, chosen, time.perf_counter(), True)
+
+    def launch_step(
+        self, seqs: list[Sequence], widths: list[int], anchors: torch.Tensor, starts: torch.Tensor | None
+    ) -> LaunchedStep:
+        """`speculative.launch_step` with this engine's proposer, simulated acceptance and fusing."""
+        return launch_step(
+            self.runner, seqs, widths, anchors, starts, self.proposer, self.simulated, self.config.fused_steps
+        )
 
     def complete(self, flight: Flight) -> list[Sequence]:
         """Read a step's results and commit them (sequences finished meanwhile are skipped)."""

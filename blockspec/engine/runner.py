@@ -108,10 +108,11 @@ class ModelRunner:
     def tensors(self, *arrays: list | np.ndarray) -> list[torch.Tensor]:
         """Host integer arrays to the device in one copy (each copy adds its latency to a step's
         critical path), as views of it, each 16-byte aligned (as kernels specialize)."""
-        host = [np.asarray(a, dtype=np.int64) for a in arrays]
-        sizes = [h.size + h.size % 2 for h in host]
-        flat = self.tensor(np.concatenate([np.resize(h.ravel(), n) if n else h.ravel() for h, n in zip(host, sizes)]))
-        return [part[: h.size].view(h.shape) for part, h in zip(flat.split(sizes), host)]
+        host = [np.asarray(a, dtype=np.int64).ravel() for a in arrays]
+        padded = [np.pad(h, (0, h.size % 2)) for h in host]  # even lengths: 16-byte aligned views
+        flat = self.tensor(np.concatenate(padded))
+        parts = flat.split([p.size for p in padded])
+        return [part[: h.size].view(np.shape(a)) for part, h, a in zip(parts, host, arrays)]
 
     @staticmethod
     def host_block_tables(seqs: list[Sequence]) -> np.ndarray:
