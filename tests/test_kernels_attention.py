@@ -18,6 +18,7 @@ from blockspec import LLM, SamplingParams
 from blockspec.layers import attention as attention_module
 from blockspec.layers.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 from blockspec.layers.kernels import kernel_module
+from blockspec.layers.kernels import paged_attention as paged_attention_module
 from blockspec.layers.kernels.kv_write import write_kv_triton
 from blockspec.layers.kernels.paged_attention import (
     choose_splits,
@@ -145,6 +146,26 @@ def test_split_k_matches_reference(name: str, splits: int) -> None:
     """Forced splits, including more splits than the short ranges fill (empty partials)."""
     case = make_case(*CASES[name], dtype=DTYPES[0])
     check(paged_attention_triton(**case, num_splits=splits), case)
+
+
+@pytest.fixture
+def poisoned_partials(monkeypatch) -> None:
+    """Split-K's partial outputs start as NaN: a split with none of a row's keys writes no partial
+    (only its lse, -inf), and whatever its slice of the workspace holds must not reach the output."""
+    real = paged_attention_module._partials
+
+    def poisoned(num_splits: int, out: torch.Tensor, d_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part, lse = real(num_splits, out, d_pad)
+        return (part.fill_(float("nan")), lse) if num_splits > 1 else (part, lse)
+
+    monkeypatch.setattr(paged_attention_module, "_partials", poisoned)
+
+
+@runs_kernel
+@pytest.mark.parametrize("name", ["decode_g4_d128", "verify_g4_s16_ragged"])
+def test_split_k_ignores_what_empty_splits_left_in_the_workspace(name: str, poisoned_partials) -> None:
+    case = make_case(*CASES[name], dtype=DTYPES[0])
+    check(paged_attention_triton(**case, num_splits=7), case)
 
 
 @runs_kernel
@@ -295,17 +316,20 @@ def test_qk_norm_rope_kernel_writes_the_cache(
 
 
 @runs_kernel
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, 3, 7])
 @pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
 @pytest.mark.parametrize(
     "name",
     ["decode_g4_d128", "verify_g4_s16_ragged", "draft_block_g3_d64", "draft_block_window_g1", "causal_window_g3_s5",
      "causal_window_3_s5", "tiny_model_d16_page_4"],
 )  # fmt: skip
-def test_qkv_attention_is_rope_and_write_then_attention(name: str, weights: bool, splits: int) -> None:
+def test_qkv_attention_is_rope_and_write_then_attention(
+    name: str, weights: bool, splits: int, poisoned_partials
+) -> None:
     """The fused launch against qk_norm_rope_ref (with the K/V write) then paged_attention_ref, as
     a step runs them: rows at their positions (padding rows of a ragged batch at position 0, slot
-    0), the new K/V written to their slots. Real rows' outputs and every real slot must agree."""
+    0), the new K/V written to their slots. Real rows' outputs and every real slot must agree.
+    With 7 splits most hold none of the keys (they write no partial)."""
     starts, widths, (hq, hkv), d, page, *_ = CASES[name]
     case, dtype = make_case(*CASES[name], dtype=DTYPES[0]), DTYPES[0]
     gen = torch.Generator().manual_seed(5)
