@@ -139,15 +139,6 @@ def test_matches_reference(name: str, dtype: torch.dtype) -> None:
     check(paged_attention_triton(**case, num_splits=1), case)
 
 
-@runs_kernel
-@pytest.mark.parametrize("splits", [2, 3, 7])
-@pytest.mark.parametrize("name", ["decode_g4_d128", "draft_block_g3_d64", "verify_g4_s16_ragged"])
-def test_split_k_matches_reference(name: str, splits: int) -> None:
-    """Forced splits, including more splits than the short ranges fill (empty partials)."""
-    case = make_case(*CASES[name], dtype=DTYPES[0])
-    check(paged_attention_triton(**case, num_splits=splits), case)
-
-
 @pytest.fixture
 def poisoned_partials(monkeypatch) -> None:
     """Split-K's partial outputs start as NaN: a split with none of a row's keys writes no partial
@@ -162,10 +153,13 @@ def poisoned_partials(monkeypatch) -> None:
 
 
 @runs_kernel
-@pytest.mark.parametrize("name", ["decode_g4_d128", "verify_g4_s16_ragged"])
-def test_split_k_ignores_what_empty_splits_left_in_the_workspace(name: str, poisoned_partials) -> None:
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("name", ["decode_g4_d128", "draft_block_g3_d64", "verify_g4_s16_ragged"])
+def test_split_k_matches_reference(name: str, splits: int, poisoned_partials) -> None:
+    """Forced splits, including more splits than the short ranges fill (empty partials, over a
+    workspace poisoned with NaN)."""
     case = make_case(*CASES[name], dtype=DTYPES[0])
-    check(paged_attention_triton(**case, num_splits=7), case)
+    check(paged_attention_triton(**case, num_splits=splits), case)
 
 
 @runs_kernel
