@@ -31,16 +31,18 @@ def compile_for_hopper(
     fn, constants: dict, aligned: tuple[str, ...] | None = None, options: dict | None = None, **pointers: str
 ):
     """Compile `fn` with `constants` for its constexpr parameters; pointer arguments are bf16
-    unless `pointers` names their type (e.g. x_ptr="*fp8e4nv"), the rest int32 or fp32 scalars.
-    `aligned`: compile as the JIT specializes a launch, every pointer 16-byte aligned and the
+    unless `pointers` names their type (e.g. x_ptr="*fp8e4nv"; any argument may be given one, e.g.
+    a tensor descriptor), the rest int32 or fp32 scalars. `aligned`: compile as the JIT specializes a launch, every pointer 16-byte aligned and the
     integers named there multiples of 16 (the code, and its registers, as on the GPU); `options`:
     the launch's num_warps and num_stages (default 4 warps)."""
 
     def kind(name: str) -> str:
         if name in constants:
             return "constexpr"
+        if name in pointers:
+            return pointers[name]
         if name.endswith("_ptr"):
-            return pointers.get(name, "*bf16")
+            return "*bf16"
         return "fp32" if name in FLOATS else "i32"
 
     signature = {name: kind(name) for name in fn.arg_names}
@@ -56,7 +58,15 @@ def compile_for_hopper(
         raise
 
 
-FP8 = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
+def tile_sources(fp8: bool, tma: bool, tile: dict) -> dict:
+    """The MMA kernel's x_src and w_src: pointers, or tensor descriptors of its tiles."""
+    dtype = "fp8e4nv" if fp8 else "bf16"
+    if not tma:
+        return {"x_src": f"*{dtype}", "w_src": f"*{dtype}"}
+    rows = {"x_src": tile["BLOCK_M"], "w_src": tile["BLOCK_N"]}
+    return {name: f"tensordesc<{dtype}[{n},{tile['BLOCK_K']}]>" for name, n in rows.items()}
+
+
 SCALES = {name: "*fp32" for name in ("x_scale_ptr", "w_scale_ptr", "ws_ptr", "sq_ptr")}
 
 
@@ -76,20 +86,23 @@ def test_gemv_compiles(norm, swiglu):
 MMA_TILE = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
 
 
-@pytest.mark.parametrize("fp8,norm,swiglu,split_k", [
-    (fp8, norm, swiglu, split_k)
-    for fp8, norm, swiglu, split_k in itertools.product((False, True), (None, "norm", "rms"), (False, True), (1, 2))
-    if not (fp8 and norm) and not (swiglu and split_k > 1)
+@pytest.mark.parametrize("fp8,norm,swiglu,split_k,tma", [
+    (fp8, norm, swiglu, split_k, tma)
+    for fp8, norm, swiglu, split_k, tma in itertools.product(
+        (False, True), (None, "norm", "rms"), (False, True), (1, 2), (False, True)
+    )
+    if not (fp8 and norm) and not (swiglu and (split_k > 1 or tma))  # SwiGLU's rows: no split, no box
 ])  # fmt: skip
-def test_mma_kernel_compiles(fp8, norm, swiglu, split_k):
-    flags = flags_for(norm, swiglu, FP8=fp8, SPLIT_K=split_k, **MMA_TILE)
-    compile_for_hopper(kernel._skinny_kernel, flags, **SCALES, **(FP8 if fp8 else {}))
+def test_mma_kernel_compiles(fp8, norm, swiglu, split_k, tma):
+    flags = flags_for(norm, swiglu, FP8=fp8, SPLIT_K=split_k, TMA=tma, **MMA_TILE)
+    compiled = compile_for_hopper(kernel._skinny_kernel, flags, **SCALES, **tile_sources(fp8, tma, MMA_TILE))
+    assert ("cp.async.bulk.tensor" in compiled.asm["ptx"]) is tma  # TMA copies, or none
 
 
 def test_swiglu_with_split_k_is_refused_when_compiled():
-    flags = flags_for("rms", True, FP8=False, SPLIT_K=2, **MMA_TILE)
+    flags = flags_for("rms", True, FP8=False, SPLIT_K=2, TMA=False, **MMA_TILE)
     with pytest.raises(CompilationError, match="no split-K"):
-        compile_for_hopper(kernel._skinny_kernel, flags, **SCALES)
+        compile_for_hopper(kernel._skinny_kernel, flags, **SCALES, **tile_sources(False, False, MMA_TILE))
 
 
 @pytest.mark.parametrize("fp8,norm,residual", [(False, True, True), (True, False, False)])

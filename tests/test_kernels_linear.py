@@ -75,6 +75,14 @@ def check_kernel(M, N, K, dtype, bias, config=None, fp8=True, seed=0, norm=False
     assert err <= tol, (M, N, K, dtype, config, fp8, norm, swiglu, residual, err, tol)
 
 
+@pytest.fixture(params=[True, False], ids=["tma", "pointers"])
+def tile_loads(request, monkeypatch) -> None:
+    """Run the test twice: the MMA kernel's tiles loaded by TMA where `_tma_sources` allows it
+    (`test_tiles_load_by_tma_where_aligned`), then by pointers only."""
+    if not request.param:
+        monkeypatch.setattr(kernel, "_tma_sources", lambda *args: None)
+
+
 INTERPRETED_CASES = [  # M, N, K, dtype, bias, config (None: choose_config)
     (1, 200, 300, torch.float16, True, None),  # GEMV, K not a multiple of its block
     (1, 40, 1024, torch.float32, False, None),  # GEMV, even K
@@ -84,6 +92,7 @@ INTERPRETED_CASES = [  # M, N, K, dtype, bias, config (None: choose_config)
     (16, 72, 96, torch.float32, True, "split"),
     (37, 40, 70, torch.float32, False, "odd-split"),
     (300, 48, 40, torch.float16, True, None),
+    (21, 72, 208, torch.float16, True, None),  # aligned rows (TMA), edge boxes past M and K
 ]
 
 
@@ -100,7 +109,7 @@ def resolve_config(spec):
 @runs_kernel
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "unscaled"])
 @pytest.mark.parametrize("M,N,K,dtype,bias,config", INTERPRETED_CASES)
-def test_kernel_matches_reference_small(M, N, K, dtype, bias, config, fp8):
+def test_kernel_matches_reference_small(M, N, K, dtype, bias, config, fp8, tile_loads) -> None:
     check_kernel(M, N, K, dtype, bias, resolve_config(config), fp8)
 
 
@@ -123,7 +132,7 @@ FUSED_CASES = [  # M, N, K, dtype, config, norm, swiglu, residual
 
 @runs_kernel
 @pytest.mark.parametrize("M,N,K,dtype,config,norm,swiglu,residual", FUSED_CASES)
-def test_fused_norm_swiglu_and_residual_small(M, N, K, dtype, config, norm, swiglu, residual):
+def test_fused_norm_swiglu_and_residual_small(M, N, K, dtype, config, norm, swiglu, residual, tile_loads) -> None:
     cfg = resolve_config(config)
     check_kernel(M, N, K, dtype, True, cfg, False, norm=norm, swiglu=swiglu, residual=residual)
     check_kernel(M, N, K, dtype, True, cfg, True, swiglu=swiglu, residual=residual)  # W8A8: no norm
@@ -135,6 +144,30 @@ def test_fused_norm_swiglu_and_residual_small(M, N, K, dtype, config, norm, swig
 def test_gemv_over_several_k_steps(K, norm, swiglu):
     cfg = resolve_config("gemv-steps")
     check_kernel(1, 40, K, torch.float32, True, cfg, False, norm=norm, swiglu=swiglu, residual=not swiglu)
+
+
+@runs_kernel
+def test_tiles_load_by_tma_where_aligned(monkeypatch):
+    """TMA where each tile row starts 16-byte aligned (K * element bytes and the base): the same
+    shape by pointers at an odd K or a misaligned base, and with SwiGLU (interleaved rows, no box);
+    not at one row (the GEMV)."""
+    cases = [  # M, K, offset of x's first element, swiglu, by TMA
+        (16, 64, 0, False, True),
+        (16, 60, 0, False, False),  # fp16 rows of 120 bytes
+        (16, 64, 1, False, False),
+        (16, 64, 0, True, False),
+        (1, 64, 0, False, False),
+    ]
+    used, sources = [], kernel._tma_sources
+    monkeypatch.setattr(kernel, "_tma_sources", lambda *args: used.append(sources(*args)) or used[-1])
+    for M, K, offset, swiglu, expected in cases:
+        used.clear()
+        x = torch.randn(M * K + offset, device=DEVICE, dtype=torch.float16)[offset:].view(M, K)
+        w = torch.randn(64, K, device=DEVICE, dtype=torch.float16)
+        y = kernel.skinny_linear(x, w, swiglu=swiglu)
+        ref = F.linear(x.float(), w.float())
+        torch.testing.assert_close(y.float(), swiglu_rounded(ref, x.dtype) if swiglu else ref, rtol=4e-3, atol=4e-3)
+        assert [d is not None for d in used] == ([expected] if M > 1 else []), (M, K, offset, swiglu)
 
 
 @runs_kernel

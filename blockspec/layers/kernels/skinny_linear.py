@@ -39,9 +39,12 @@ without, 3,838 with 2 tiles, 4,086 with 4).
 M > 1 (and W8A8 at any M), `_skinny_kernel`, "swap AB": a program computes the transposed tile
 acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T, so the weight rows fill the MMA's large M side (64, the
 wgmma granule on Hopper) and the few activation rows the narrow side (>= 16 for tl.dot; rows past
-M are clamped, not masked, and the store is masked). Loading the tiles by TMA (tensor
-descriptors) instead came within 1% (H200, one layer's four GEMMs at 16 rows: 102.0 against
-102.7 µs), not worth a second load path.
+M are clamped, not masked, and the store is masked). Its tiles load by TMA, from tensor descriptors
+made on the host (`_tma_sources`), wherever the tile rows are 16-byte aligned and not SwiGLU's
+interleaved rows; else by pointers. H200, the verify's 36 layers of 16-row GEMMs in one CUDA graph:
+3,768 -> 3,728 µs with o_proj and down_proj by TMA, -14 more with q|k|v (gate|up as two boxes, a
+gate and an up tile, lost 125); in the bench, DFlash B=1 5.25/5.26 -> 5.21/5.22 ms on one machine,
+5.13/5.14 both on another. An earlier TMA try (README, Measured) had come within 1%.
 
 Split-K: when the (M, N) tiles are too few to keep the SMs streaming (N = 1024..4096 at small M),
 the K range is cut into SPLIT_K chunks handled by separate programs, each writing an fp32 partial
@@ -57,10 +60,12 @@ CUDA graphs (warm up first: the first call compiles).
 once, equal bit for bit to the torch reference."""
 
 import dataclasses
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from blockspec.layers.kernels import num_sms
 from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
@@ -161,13 +166,14 @@ def _epilogue(acc, row_factor, w_scale, bias, res, FP8, HAS_BIAS, RESIDUAL):
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, ws_ptr, sq_ptr,
+    x_src, w_src, x_scale_ptr, w_scale_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, ws_ptr, sq_ptr,
     M, N, K, eps, stride_xm, stride_xk, stride_wn, stride_wk,
     K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
     FP8: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # x_src, w_src: tensor descriptors of x [M, K] and w [N, K] with TMA, else their pointers.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -175,8 +181,9 @@ def _skinny_kernel(
     offs_k = pid_k * K_ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
     rows_n = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
     rows_m = offs_m % M  # clamped as rows_n
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
-    x_ptrs = x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [BLOCK_K, BLOCK_M]
+    if not TMA:
+        w_ptrs = w_src + rows_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+        x_ptrs = x_src + rows_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [BLOCK_K, BLOCK_M]
     cols, width = _output_cols(pid_n, N, BLOCK_N, SWIGLU)
     mask = (cols[:, None] < width) & (offs_m[None, :] < M)
     offs = offs_m[None, :] * width + cols[:, None]  # y, the residual and each workspace slice: [M, width]
@@ -186,9 +193,16 @@ def _skinny_kernel(
         )
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     sq = tl.full((BLOCK_M,), 0.0, tl.float32)
-    for _ in range(K_ITERS):
-        w = load_tile(w_ptrs, offs_k[None, :] < K, EVEN_K)
-        x = load_tile(x_ptrs, offs_k[:, None] < K, EVEN_K)
+    for i in range(K_ITERS):
+        if TMA:  # boxes past the tensor's edges read as zeros: no clamps, no masks
+            k = (pid_k * K_ITERS + i) * BLOCK_K
+            w = w_src.load([pid_n * BLOCK_N, k])
+            x = x_src.load([pid_m * BLOCK_M, k]).T
+        else:
+            w = load_tile(w_ptrs, offs_k[None, :] < K, EVEN_K)
+            x = load_tile(x_ptrs, offs_k[:, None] < K, EVEN_K)
+            w_ptrs += BLOCK_K * stride_wk
+            x_ptrs += BLOCK_K * stride_xk
         if NORM_WEIGHT:  # the norm weight scales the weight tile, the register operand: x stays as loaded
             g = load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
             w = (w.to(tl.float32) * g[None, :]).to(x.dtype)
@@ -200,8 +214,6 @@ def _skinny_kernel(
             acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K * stride_wk
-        x_ptrs += BLOCK_K * stride_xk
         offs_k += BLOCK_K
     if SPLIT_K == 1:
         factor = _row_factor(sq[None, :], rows_m[None, :], K, eps, x_scale_ptr, NORM, FP8)
@@ -303,6 +315,22 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = True  # the MMA kernel loads its tiles by TMA where `_tma_sources` allows
+
+
+def _tma_sources(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig, swiglu: bool) -> tuple | None:
+    """Tensor descriptors of x's [block_m, block_k] and w's [block_n, block_k] tiles, or None where TMA
+    cannot load them: before Hopper, rows or a base not 16-byte aligned, or SwiGLU (a tile's weight
+    rows interleave gate and up rows, no box)."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not cfg.tma or swiglu or not (interpreted or torch.cuda.get_device_capability(x.device) >= (9, 0)):
+        return None
+    if any(t.stride(1) != 1 or t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16 for t in (x, w)):
+        return None
+    return (
+        TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+        TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]),
+    )
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
@@ -472,11 +500,13 @@ def _launch(
     ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if split else y
     sq = torch.empty((cfg.split_k, M), dtype=torch.float32, device=x.device) if split and flags["NORM"] else y
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
+    descriptors = _tma_sources(x2, weight, cfg, swiglu)
+    x_src, w_src = descriptors or (x2, weight)
     _skinny_kernel[grid](
-        x2, weight, x_scale, w_scale, bias, norm_weight, residual, y, ws, sq, M, N, K, eps,
+        x_src, w_src, x_scale, w_scale, bias, norm_weight, residual, y, ws, sq, M, N, K, eps,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), k_iters, **fused,
         FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
-        IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        IEEE=x.dtype == torch.float32, TMA=descriptors is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
