@@ -30,11 +30,12 @@ FLOATS = ("eps", "qk_scale")
 def compile_for_hopper(
     fn, constants: dict, aligned: tuple[str, ...] | None = None, options: dict | None = None, **pointers: str
 ):
-    """Compile `fn` with `constants` for its constexpr parameters; pointer arguments are bf16
-    unless `pointers` names their type (e.g. x_ptr="*fp8e4nv"; any argument may be given one, e.g.
-    a tensor descriptor), the rest int32 or fp32 scalars. `aligned`: compile as the JIT specializes a launch, every pointer 16-byte aligned and the
-    integers named there multiples of 16 (the code, and its registers, as on the GPU); `options`:
-    the launch's num_warps and num_stages (default 4 warps)."""
+    """Compile `fn` with `constants` for its constexpr parameters; the arguments `pointers` names
+    take the type given there (x_ptr="*fp8e4nv", x_src="tensordesc<bf16[16,128]>"), other pointer
+    arguments bf16, the rest int32 or fp32 scalars. `aligned`: compile as the JIT specializes a
+    launch, every pointer 16-byte aligned and the integers named there multiples of 16 (the code,
+    and its registers, as on the GPU); `options`: the launch's num_warps and num_stages (default 4
+    warps)."""
 
     def kind(name: str) -> str:
         if name in constants:

@@ -168,6 +168,14 @@ def test_tiles_load_by_tma_where_aligned(monkeypatch):
         ref = F.linear(x.float(), w.float())
         torch.testing.assert_close(y.float(), swiglu_rounded(ref, x.dtype) if swiglu else ref, rtol=4e-3, atol=4e-3)
         assert [d is not None for d in used] == ([expected] if M > 1 else []), (M, K, offset, swiglu)
+    monkeypatch.setattr(kernel, "TensorDescriptor", None)  # a triton without host descriptors
+    used.clear()
+    x, w = (
+        torch.randn(16, 64, device=DEVICE, dtype=torch.float16),
+        torch.randn(64, 64, device=DEVICE, dtype=torch.float16),
+    )
+    torch.testing.assert_close(kernel.skinny_linear(x, w).float(), F.linear(x.float(), w.float()), rtol=4e-3, atol=4e-3)
+    assert used == [None]
 
 
 @runs_kernel

@@ -22,6 +22,12 @@ def _sm_count(index: int) -> int:
 
 
 @functools.cache
+def is_hopper_or_later(index: int | None) -> bool:
+    """Compute capability 9.0+ (TMA, programmatic dependent launch), cached: asked at every launch."""
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+@functools.cache
 def kernel_module(name: str) -> ModuleType | None:
     """The module `blockspec.layers.kernels.<name>`, or None where triton is missing (CPU installs)."""
     try:

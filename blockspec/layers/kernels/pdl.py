@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.layers.kernels import is_hopper_or_later
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # an older triton: no grid dependency control, kernels launch plainly
@@ -47,5 +49,5 @@ def _supported(index: int) -> bool:
         gdc_wait is not None
         and os.environ.get("BLOCKSPEC_PDL", "1") != "0"
         and os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and torch.cuda.get_device_capability(index) >= (9, 0)
+        and is_hopper_or_later(index)
     )

@@ -60,15 +60,18 @@ CUDA graphs (warm up first: the first call compiles).
 once, equal bit for bit to the torch reference."""
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from blockspec.layers.kernels import num_sms
+from blockspec.layers.kernels import is_hopper_or_later, num_sms
 from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older triton: tiles load by pointers
+    TensorDescriptor = None
 
 REDUCE_BLOCK = 1024
 DEQUANT_BLOCK = 4096
@@ -315,15 +318,16 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    tma: bool = True  # the MMA kernel loads its tiles by TMA where `_tma_sources` allows
 
 
 def _tma_sources(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig, swiglu: bool) -> tuple | None:
     """Tensor descriptors of x's [block_m, block_k] and w's [block_n, block_k] tiles, or None where TMA
-    cannot load them: before Hopper, rows or a base not 16-byte aligned, or SwiGLU (a tile's weight
-    rows interleave gate and up rows, no box)."""
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not cfg.tma or swiglu or not (interpreted or torch.cuda.get_device_capability(x.device) >= (9, 0)):
+    cannot load them: before Hopper (or an older triton), rows or a base not 16-byte aligned, or
+    SwiGLU (a tile's weight rows interleave gate and up rows, no box). Triton's interpreter runs
+    descriptors too, so the CPU tests take this path."""
+    if swiglu or TensorDescriptor is None:
+        return None
+    if x.device.type == "cuda" and not is_hopper_or_later(x.device.index):
         return None
     if any(t.stride(1) != 1 or t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16 for t in (x, w)):
         return None
@@ -506,8 +510,8 @@ def _launch(
         x_src, w_src, x_scale, w_scale, bias, norm_weight, residual, y, ws, sq, M, N, K, eps,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), k_iters, **fused,
         FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
-        IEEE=x.dtype == torch.float32, TMA=descriptors is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=x.dtype == torch.float32, TMA=descriptors is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
