@@ -84,7 +84,7 @@ def test_gemv_compiles(norm, swiglu):
     compile_for_hopper(kernel._gemv_kernel, flags)
 
 
-MMA_TILE = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+MMA_TILE = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PDL": True}
 
 
 @pytest.mark.parametrize("fp8,norm,swiglu,split_k,tma", [
@@ -115,6 +115,7 @@ def test_splitk_reduce_compiles(fp8, norm, residual):
         "FP8": fp8,
         "SPLIT_K": 4,
         "BLOCK": kernel.REDUCE_BLOCK,
+        "PDL": True,
     }
     compile_for_hopper(kernel._splitk_reduce_kernel, flags, **SCALES)
 
@@ -143,7 +144,7 @@ def test_paged_attention_compiles(split, fp32):
 
 
 def test_attention_combine_compiles():
-    flags = {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128, "D_PAD": 128}
+    flags = {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128, "D_PAD": 128, "PDL": True}
     compile_for_hopper(paged_attention._combine_kernel, flags, part_ptr="*fp32", lse_ptr="*fp32")
 
 
@@ -155,7 +156,7 @@ def test_qk_norm_rope_compiles(weight, write):
 
 @pytest.mark.parametrize("norm,weight", [(False, False), (True, True), (True, False)])
 def test_quantize_rows_compiles(norm, weight):
-    flags = {"K": 4096, "NORM": norm, "NORM_WEIGHT": weight, "BLOCK": quantize_rows.MAX_BLOCK}
+    flags = {"K": 4096, "NORM": norm, "NORM_WEIGHT": weight, "BLOCK": quantize_rows.MAX_BLOCK, "PDL": True}
     compile_for_hopper(quantize_rows._quantize_rows_kernel, flags, q_ptr="*fp8e4nv", scale_ptr="*fp32")
 
 
@@ -169,7 +170,7 @@ def test_kv_write_compiles():
 )
 def test_qkv_attention_compiles(rows, split, norm, fp32):
     flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": max(16, 4 * rows), "BLOCK_N": 32 if fp32 else 64}
-    flags |= {"BLOCK_S": 16, "HAS_NORM": norm, "SPLIT": split, "PRECISION": "ieee" if fp32 else "tf32"}
+    flags |= {"BLOCK_S": 16, "HAS_NORM": norm, "SPLIT": split, "PRECISION": "ieee" if fp32 else "tf32", "PDL": True}
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
     tensors = "*fp32" if fp32 else "*bf16"
     pointers |= dict.fromkeys(("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr"), tensors)
@@ -200,6 +201,7 @@ def test_fused_attention_fits_three_programs_an_sm_at_decode():
     options = {name: tile.pop(name) for name in ("num_warps", "num_stages")}
     block_m, _ = paged_attention.query_tiles(1 * 4)  # one row of 4 query heads a kv head
     flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": block_m, "BLOCK_S": 16, "HAS_NORM": True, "SPLIT": True}
+    flags["PDL"] = True  # as launched on Hopper
     unit = ("S", "stride_tm", "stride_pb", "stride_mb", "stride_ms", "stride_sb", "stride_ss", "stride_eb", "stride_es")
     flags |= tile | dict.fromkeys(unit, 1)
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
@@ -208,3 +210,33 @@ def test_fused_attention_fits_three_programs_an_sm_at_decode():
     compiled = compile_for_hopper(paged_attention._qkv_attention_kernel, flags, aligned, options, **pointers)
     used, spilled = registers(compiled)
     assert options["num_warps"] == 4 and used <= 168 and spilled == 0, (used, spilled)
+
+
+def qkv_attention_flags(pdl: bool) -> dict:
+    return {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_S": 16, "HAS_NORM": True,
+            "SPLIT": True, "PRECISION": "tf32", "PDL": pdl}  # fmt: skip
+
+
+PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programmatic dependent launch
+    "mma": (kernel._skinny_kernel, lambda pdl: flags_for("rms", False, FP8=False, SPLIT_K=1, TMA=True,
+            **MMA_TILE | {"PDL": pdl}), SCALES | tile_sources(False, True, MMA_TILE)),
+    "reduce": (kernel._splitk_reduce_kernel, lambda pdl: {"HAS_BIAS": False, "NORM": True, "RESIDUAL": True,
+               "FP8": False, "SPLIT_K": 2, "BLOCK": kernel.REDUCE_BLOCK, "PDL": pdl}, SCALES),
+    "attention": (paged_attention._qkv_attention_kernel, qkv_attention_flags,
+                  dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
+                  | {"lse_ptr": "*fp32", "out_ptr": "*fp32"}),
+    "combine": (paged_attention._combine_kernel, lambda pdl: {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128,
+                "D_PAD": 128, "PDL": pdl}, {"part_ptr": "*fp32", "lse_ptr": "*fp32"}),
+    "quantize": (quantize_rows._quantize_rows_kernel, lambda pdl: {"K": 4096, "NORM": True, "NORM_WEIGHT": False,
+                 "BLOCK": quantize_rows.MAX_BLOCK, "PDL": pdl}, {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PDL_KERNELS)
+@pytest.mark.parametrize("pdl", [True, False])
+def test_pdl_kernels_wait_for_the_previous_and_let_the_next_in(name, pdl):
+    """With PDL each of these kernels waits for the kernel before it (griddepcontrol.wait) and lets
+    the next one launch (griddepcontrol.launch_dependents); without it, neither instruction."""
+    fn, flags, pointers = PDL_KERNELS[name]
+    ptx = compile_for_hopper(fn, flags(pdl), **pointers).asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) is pdl and ("griddepcontrol.launch_dependents" in ptx) is pdl

@@ -16,7 +16,8 @@ context) the key range of each program is cut into `num_splits` chunks handled b
 programs, each writing a normalized partial output and its log-sum-exp; a second kernel
 combines them. The chunk boundaries are computed inside the kernel from the actual key range,
 so the launch grid depends only on shapes (B, S, M, Hkv): the call has no host sync and can be
-captured in a CUDA graph.
+captured in a CUDA graph. The one-launch step kernel (`qkv_attention_triton`) and the combine launch
+with programmatic dependent launch (`blockspec.layers.kernels.pdl`).
 """
 
 import torch
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
+from blockspec.layers.kernels.pdl import await_previous_kernel, let_next_kernel_in, pdl_launch, wait_previous_kernel
 from blockspec.layers.kernels.qk_norm_rope import rms_norm_halves, rotate_halves
 
 LOG2E = 1.4426950408889634
@@ -185,7 +187,7 @@ def _qkv_attention_kernel(
     k_end_ptr, out_ptr, lse_ptr, B, S, Hkv, stride_kn, stride_kh, stride_vn, stride_vh, stride_tb, stride_tm,
     stride_pb, stride_mb, stride_ms, stride_sb, stride_ss, stride_eb, stride_es, eps, qk_scale,
     G: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """`_attention_kernel` for a step of S <= BLOCK_S new rows at positions [pos0, pos0 + S) (one
     query tile), reading the fused q|k|v projection itself: q is normed and rotated in registers,
@@ -193,6 +195,7 @@ def _qkv_attention_kernel(
     normed and rotated), writes them and their values to the cache and attends to them. It does so
     before its cached keys: done after the key loop, the new keys' work held registers across it
     (197 a thread rather than 154 at a decode launch, sm_90: 2 programs an SM instead of 3)."""
+    wait_previous_kernel(PDL)
     bh, split = tl.program_id(0), tl.program_id(1)
     num_splits = tl.num_programs(1)
     b, kv_head = bh // Hkv, bh % Hkv
@@ -238,6 +241,7 @@ def _qkv_attention_kernel(
         q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, start, end, k_start, k_end,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
     )  # fmt: skip
+    let_next_kernel_in(PDL)
     flat = ((split * B + b) * S + s) * HQ + h
     o_ptrs = out_ptr + (token * HQ + h)[:, None] * D + d[None, :]  # out [B, S, Hq, D] contiguous
     _finish(m_i, l_i, acc, out_ptr, lse_ptr, flat, o_ptrs, row_ok, d, d_ok, D, SPLIT)
@@ -258,7 +262,9 @@ def _combine_kernel(
     SPLITS_PAD: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_previous_kernel(PDL)
     row = tl.program_id(0)  # flat (b, s, h)
     sp = tl.arange(0, SPLITS_PAD)
     sp_ok = sp < NUM_SPLITS
@@ -314,6 +320,7 @@ def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     _combine_kernel[(B * S * Hq,)](
         part, lse, out, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2), NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits), D=D, D_PAD=d_pad, num_warps=1 if d_pad <= 64 else 2,
+        **pdl_launch(out.device),
     )  # fmt: skip
 
 
@@ -409,7 +416,7 @@ def qkv_attention_triton(
         slot_mapping.stride(1), k_start.stride(0), k_start.stride(1), k_end.stride(0), k_end.stride(1), eps,
         scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=query_tiles(S * (Hq // Hkv))[0],
         BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, SPLIT=num_splits > 1,
-        **_key_tile(qkv.dtype, D),
+        **_key_tile(qkv.dtype, D), **pdl_launch(qkv.device),
     )  # fmt: skip
     if num_splits > 1:
         _combine(part, lse, out)

@@ -1,18 +1,22 @@
 """Programmatic dependent launch (Hopper+). A kernel launched with it may start while the kernel
-before it is still running: at its top it lets the next kernel launch, then waits
-(griddepcontrol.wait) until the previous kernel is done and its writes are visible. All its reads
-and writes come after the wait, so it neither reads unfinished outputs nor overwrites memory the
-previous kernel still reads; what it hides is part of the gap at each kernel boundary.
+before it is still running, once that kernel lets it in (griddepcontrol.launch_dependents); it
+then waits (griddepcontrol.wait) until the previous kernel is done and its writes are visible.
+All its reads and writes come after the wait, so it neither reads unfinished outputs nor
+overwrites memory the previous kernel still reads; what it hides is part of the gap at each kernel
+boundary.
 
-Only the skinny GEMV launches with it, where it was measured to pay (H200, 36 layers of the four
-fused GEMMs at one row: 3,868 -> 3,770 µs); the MMA kernel at 16 rows lost by it (3,957 ->
-4,809 µs). Nor did it pay spread over the other hot kernels (MMA, rope, attention, combine,
-quantize_rows) with the next kernel let in after the main loop instead of at the top (H200, bench
---simulate-tau 6.5: DFlash 5.68 -> 5.58 ms a step at batch 1, 10.55 -> 10.73 at batch 16; at the
-top, slower at both). On the MMA kernel alone, with the next kernel let in after the K loop,
-the 36-layer chain gained 1.5% but a DFlash step at batch 1 nothing, and prefetching the first
-weight lines to L2 before the wait made the chain slower (README, Measured). BLOCKSPEC_PDL=0
-launches plainly (for A/B runs)."""
+Two forms. The one-row GEMV lets the next kernel in at its top (`await_previous_kernel`; H200,
+36 layers of the four fused GEMMs at one row: 3,868 -> 3,770 µs). The kernels of a step above one
+row (the 16-row MMA GEMM, its split-K reduce, the fused attention and its combine, quantize_rows)
+wait at their top (`wait_previous_kernel`) and let the next kernel in after their main loop
+(`let_next_kernel_in`), so that its launch overlaps their last loads and epilogue (the small
+reduce, combine and quantize kernels let it in at their top). H200, `bench --simulate-tau 6.5`,
+an A/B in one call against main (session 18): DFlash B=1 5.20/5.21 -> 5.12/5.12 ms, B=16
+10.22/10.18 -> 10.13/10.10, plain B=16 4.73 -> 4.64. Letting the next kernel in at the top of the
+MMA kernel lost (36-layer chain 3,957 -> 4,809 µs), and so did prefetching the first weight lines
+to L2 before the wait (README, Measured); an earlier try over the hot kernels, before rope and
+the K/V write fused into the attention, gained at B=1 and lost at B=16 (10.55 -> 10.73 ms).
+BLOCKSPEC_PDL=0 launches plainly (for A/B runs)."""
 
 import functools
 import os
@@ -34,6 +38,18 @@ def await_previous_kernel(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def wait_previous_kernel(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_in(PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
 
 
 def pdl_launch(device: torch.device) -> dict:

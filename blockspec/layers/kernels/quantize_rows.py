@@ -6,11 +6,14 @@ One program per row, two passes over it: the first finds the row's largest magni
 an RMSNorm prologue, its sum of squares), the second writes h / scale rounded to E4M3, where h is
 the prologue's output, normed (x * w / rms) or x itself, and scale = max |h| / 448. The second
 pass reads the row again from L2. The normed row is never stored, so a decoder layer's norm
-costs no launch and no round trip of its own."""
+costs no launch and no round trip of its own. It launches with programmatic dependent launch
+(`blockspec.layers.kernels.pdl`)."""
 
 import torch
 import triton
 import triton.language as tl
+
+from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
 
 FP8_MAX = tl.constexpr(448.0)  # largest E4M3 (fn) value
 MAX_BLOCK = 4096
@@ -29,8 +32,9 @@ def _prologue_tile(x_row, norm_ptr, offs, mask, NORM_WEIGHT: tl.constexpr):
 @triton.jit
 def _quantize_rows_kernel(  # K is a compile-time constant: a decoder has few widths
     x_ptr, norm_ptr, q_ptr, scale_ptr, stride_x, eps,
-    K: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    K: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    await_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     amax = tl.zeros((BLOCK,), tl.float32)
@@ -72,6 +76,6 @@ def quantize_rows(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = Non
     _quantize_rows_kernel[(M,)](  # an unread pointer gets some tensor
         x, x if norm_weight is None else norm_weight, q, scale, x.stride(0), eps, K=K, NORM=norm is not None,
         NORM_WEIGHT=norm_weight is not None, BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=8 if block >= 2048 else 4, **pdl_launch(x.device),
     )  # fmt: skip
     return q, scale

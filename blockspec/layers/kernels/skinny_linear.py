@@ -41,7 +41,8 @@ acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T, so the weight rows fill the MMA's lar
 wgmma granule on Hopper) and the few activation rows the narrow side (>= 16 for tl.dot; rows past
 M are clamped, not masked, and the store is masked). Its tiles load by TMA, from tensor descriptors
 made on the host (`_tma_sources`), wherever the tile rows are 16-byte aligned and not SwiGLU's
-interleaved rows; else by pointers. H200, the verify's 36 layers of 16-row GEMMs in one CUDA graph:
+interleaved rows; else by pointers. It launches with programmatic dependent launch, letting the
+next kernel in after its K loop (`blockspec.layers.kernels.pdl`: measured there). H200, the verify's 36 layers of 16-row GEMMs in one CUDA graph:
 3,768 -> 3,728 µs with o_proj and down_proj by TMA, -14 more with q|k|v (gate|up as two boxes, a
 gate and an up tile, lost 125); in the bench, DFlash B=1 5.25/5.26 -> 5.21/5.22 ms on one machine,
 5.13/5.14 both on another. An earlier TMA try (README, Measured) had come within 1%.
@@ -66,7 +67,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.kernels import is_hopper_or_later, num_sms
-from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
+from blockspec.layers.kernels.pdl import await_previous_kernel, let_next_kernel_in, pdl_launch, wait_previous_kernel
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -174,9 +175,10 @@ def _skinny_kernel(
     K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
     FP8: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # x_src, w_src: tensor descriptors of x [M, K] and w [N, K] with TMA, else their pointers.
+    wait_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -218,6 +220,7 @@ def _skinny_kernel(
         else:
             acc = tl.dot(w, x, acc)
         offs_k += BLOCK_K
+    let_next_kernel_in(PDL)
     if SPLIT_K == 1:
         factor = _row_factor(sq[None, :], rows_m[None, :], K, eps, x_scale_ptr, NORM, FP8)
         acc = _epilogue(acc, factor, w_scale, bias, res, FP8, HAS_BIAS, RESIDUAL)
@@ -270,8 +273,9 @@ def _gemv_kernel(
 def _splitk_reduce_kernel(
     ws_ptr, sq_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, res_ptr, y_ptr, M, N, K, eps,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, FP8: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    await_previous_kernel(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     m = tl.minimum(offs // N, M - 1)  # clamped: the row scales are read unmasked
@@ -512,10 +516,11 @@ def _launch(
         FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
         IEEE=x.dtype == torch.float32, TMA=descriptors is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(x.device),
     )  # fmt: skip
     if split:
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
             ws, sq, x_scale, w_scale, bias, residual, y, M, N, K, eps, **flags, FP8=scales is not None,
-            SPLIT_K=cfg.split_k, BLOCK=REDUCE_BLOCK, num_warps=4,
+            SPLIT_K=cfg.split_k, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl_launch(x.device),
         )  # fmt: skip
     return y.view(out_shape)
