@@ -9,13 +9,14 @@ Two forms. The one-row GEMV lets the next kernel in at its top (`await_previous_
 36 layers of the four fused GEMMs at one row: 3,868 -> 3,770 µs). The kernels of a step above one
 row (the 16-row MMA GEMM, its split-K reduce, the fused attention and its combine, quantize_rows)
 wait at their top (`wait_previous_kernel`) and let the next kernel in after their main loop
-(`let_next_kernel_in`), so that its launch overlaps their last loads and epilogue (the small
-reduce, combine and quantize kernels let it in at their top). H200, `bench --simulate-tau 6.5`,
-an A/B in one call against main (session 18): DFlash B=1 5.20/5.21 -> 5.12/5.12 ms, B=16
-10.22/10.18 -> 10.13/10.10, plain B=16 4.73 -> 4.64. Letting the next kernel in at the top of the
-MMA kernel lost (36-layer chain 3,957 -> 4,809 µs), and so did prefetching the first weight lines
-to L2 before the wait (README, Measured); an earlier try over the hot kernels, before rope and
-the K/V write fused into the attention, gained at B=1 and lost at B=16 (10.55 -> 10.73 ms).
+(`let_next_kernel_in`), so that its launch overlaps their last loads and epilogue; the small
+reduce, combine and quantize kernels let it in at their top. H200, `bench --simulate-tau 6.5`, an
+A/B in one call against main (session 18): DFlash B=1 5.20/5.21 -> 5.12/5.12 ms, B=16
+10.22/10.18 -> 10.13/10.10, plain B=16 4.73 -> 4.64. The GEMM letting the next kernel in at its
+top lost, before its wait (36-layer chain 3,957 -> 4,809 µs) and after it (with the attention
+too: DFlash B=1 5.06 -> 6.17 ms); so did prefetching the first weight lines to L2 before the wait
+(README, Measured); an earlier try over the hot kernels, before rope and the K/V write fused into
+the attention, gained at B=1 and lost at B=16 (10.55 -> 10.73 ms).
 BLOCKSPEC_PDL=0 launches plainly (for A/B runs)."""
 
 import functools
