@@ -16,8 +16,8 @@ context) the key range of each program is cut into `num_splits` chunks handled b
 programs, each writing a normalized partial output and its log-sum-exp; a second kernel
 combines them. The chunk boundaries are computed inside the kernel from the actual key range,
 so the launch grid depends only on shapes (B, S, M, Hkv): the call has no host sync and can be
-captured in a CUDA graph. The one-launch step kernel (`qkv_attention_triton`) and the combine launch
-with programmatic dependent launch (`blockspec.layers.kernels.pdl`).
+captured in a CUDA graph. The one-launch step kernel (`qkv_attention_triton`) and the combine
+launch with programmatic dependent launch (`blockspec.layers.kernels.pdl`).
 """
 
 import torch

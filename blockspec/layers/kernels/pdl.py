@@ -35,13 +35,6 @@ except ImportError:  # an older triton: no grid dependency control, kernels laun
 
 
 @triton.jit
-def await_previous_kernel(PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
 def wait_previous_kernel(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
@@ -51,6 +44,13 @@ def wait_previous_kernel(PDL: tl.constexpr):
 def let_next_kernel_in(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def await_previous_kernel(PDL: tl.constexpr):
+    """At a kernel's top: let the next kernel in, then wait for the previous one."""
+    let_next_kernel_in(PDL)
+    wait_previous_kernel(PDL)
 
 
 def pdl_launch(device: torch.device) -> dict:

@@ -42,10 +42,11 @@ wgmma granule on Hopper) and the few activation rows the narrow side (>= 16 for 
 M are clamped, not masked, and the store is masked). Its tiles load by TMA, from tensor descriptors
 made on the host (`_tma_sources`), wherever the tile rows are 16-byte aligned and not SwiGLU's
 interleaved rows; else by pointers. It launches with programmatic dependent launch, letting the
-next kernel in after its K loop (`blockspec.layers.kernels.pdl`: measured there). H200, the verify's 36 layers of 16-row GEMMs in one CUDA graph:
-3,768 -> 3,728 µs with o_proj and down_proj by TMA, -14 more with q|k|v (gate|up as two boxes, a
-gate and an up tile, lost 125); in the bench, DFlash B=1 5.25/5.26 -> 5.21/5.22 ms on one machine,
-5.13/5.14 both on another. An earlier TMA try (README, Measured) had come within 1%.
+next kernel in after its K loop (`blockspec.layers.kernels.pdl`: measured there). TMA, H200, the
+verify's 36 layers of 16-row GEMMs in one CUDA graph: 3,768 -> 3,728 µs with o_proj and down_proj
+by TMA, -14 more with q|k|v (gate|up as two boxes, a gate and an up tile, lost 125); in the bench,
+DFlash B=1 5.25/5.26 -> 5.21/5.22 ms on one machine, 5.13/5.14 both on another. An earlier TMA try
+(README, Measured) had come within 1%.
 
 Split-K: when the (M, N) tiles are too few to keep the SMs streaming (N = 1024..4096 at small M),
 the K range is cut into SPLIT_K chunks handled by separate programs, each writing an fp32 partial
@@ -53,9 +54,9 @@ tile to a workspace; a second kernel sums the partials in a fixed order (determi
 atomics) and applies the per-row factor (1 / rms from the splits' sums of squares, or x's scale),
 w's scale, bias, residual and cast. (Summing them in the split kernel's last program to arrive,
 with per-tile arrival counters, saved that launch but no measurable time: one drafter step's
-linears 535 -> 531 µs, and split-K still did not pay for bf16 at 16 rows.) Launch shapes depend only on (M, N, K), there is no host
-synchronisation, and the workspace comes from the caching allocator, so calls can be captured in
-CUDA graphs (warm up first: the first call compiles).
+linears 535 -> 531 µs, and split-K still did not pay for bf16 at 16 rows.) Launch shapes depend
+only on (M, N, K), there is no host synchronisation, and the workspace comes from the caching
+allocator, so calls can be captured in CUDA graphs (warm up first: the first call compiles).
 
 `dequantize_fp8` serves Fp8Linear's reference path on CUDA: one pass, float32 product rounded
 once, equal bit for bit to the torch reference."""
