@@ -230,13 +230,33 @@ PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programm
     "quantize": (quantize_rows._quantize_rows_kernel, lambda pdl: {"K": 4096, "NORM": True, "NORM_WEIGHT": False,
                  "BLOCK": quantize_rows.MAX_BLOCK, "PDL": pdl}, {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
 }  # fmt: skip
+LET_IN_AFTER_MAIN_LOOP = ("mma", "attention")  # at their top they lost (pdl.py): DFlash B=1 5.06 -> 6.17 ms
+# A PTX line that touches global memory (predicated or not): loads, stores, async and TMA copies, atomics.
+GLOBAL_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.|red\.)")
+
+
+def first_line(lines: list[str], found) -> int:
+    return next(i for i, line in enumerate(lines) if found(line))
 
 
 @pytest.mark.parametrize("name", PDL_KERNELS)
 @pytest.mark.parametrize("pdl", [True, False])
 def test_pdl_kernels_wait_for_the_previous_and_let_the_next_in(name, pdl):
-    """With PDL each of these kernels waits for the kernel before it (griddepcontrol.wait) and lets
-    the next one launch (griddepcontrol.launch_dependents); without it, neither instruction."""
+    """With PDL each of these kernels waits for the kernel before it (griddepcontrol.wait) before
+    it touches global memory, and lets the next one launch (griddepcontrol.launch_dependents):
+    the GEMM and the attention after their last MMA, the small kernels at their top; without PDL,
+    neither instruction."""
     fn, flags, pointers = PDL_KERNELS[name]
     ptx = compile_for_hopper(fn, flags(pdl), **pointers).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) is pdl and ("griddepcontrol.launch_dependents" in ptx) is pdl
+    if not pdl:
+        return
+    lines = ptx.splitlines()
+    wait = first_line(lines, lambda line: "griddepcontrol.wait" in line)
+    assert wait < first_line(lines, GLOBAL_ACCESS.match), f"{name} reads or writes memory before its wait"
+    let_in = first_line(lines, lambda line: "griddepcontrol.launch_dependents" in line)
+    if name in LET_IN_AFTER_MAIN_LOOP:
+        last_mma = max(i for i, line in enumerate(lines) if "wgmma.mma_async" in line)
+        assert let_in > last_mma, f"{name} lets the next kernel in before its main loop ends"
+    else:
+        assert let_in < wait, f"{name} lets the next kernel in after its wait"

@@ -494,13 +494,14 @@ def _launch(
     bias = weight if bias is None else bias
     norm_weight = weight if norm_weight is None else norm_weight
     residual = weight if residual is None else residual
+    pdl = pdl_launch(x.device)
     if cfg.block_m == 1:
         assert M == 1, f"the GEMV config serves one row, got {M}"
         k_iters = triton.cdiv(K, cfg.block_k)
         _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
             x2, weight, bias, norm_weight, residual, y, N, K, eps, x2.stride(1), weight.stride(0), weight.stride(1),
             k_iters, **fused, EVEN_K=K == k_iters * cfg.block_k, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
+            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )  # fmt: skip
         return y.view(out_shape)
     x_scale, w_scale = scales if scales is not None else (weight, weight)
@@ -517,11 +518,11 @@ def _launch(
         FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
         IEEE=x.dtype == torch.float32, TMA=descriptors is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(x.device),
+        **pdl,
     )  # fmt: skip
     if split:
         _splitk_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
             ws, sq, x_scale, w_scale, bias, residual, y, M, N, K, eps, **flags, FP8=scales is not None,
-            SPLIT_K=cfg.split_k, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl_launch(x.device),
+            SPLIT_K=cfg.split_k, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl,
         )  # fmt: skip
     return y.view(out_shape)
