@@ -40,7 +40,7 @@ from torch import nn
 
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import fast_path
-from blockspec.layers.kernels import kernel_module
+from blockspec.layers.kernels import is_hopper_or_later, kernel_module
 from blockspec.layers.linear import dense
 from blockspec.layers.norm import RMSNorm
 
@@ -110,7 +110,7 @@ def fp8_supported(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and kernel_module("skinny_linear") is not None
+    return is_hopper_or_later(device.index) and kernel_module("skinny_linear") is not None
 
 
 def resolve_fp8(setting: bool | str | None, device: torch.device | str, hidden_size: int) -> bool:
