@@ -25,6 +25,7 @@ from blockspec.layers.kernels.paged_attention import (
     fuses_qkv,
     paged_attention_triton,
     qkv_attention_triton,
+    step_grid,
 )
 from blockspec.layers.kernels.qk_norm_rope import qk_norm_rope_triton
 from blockspec.layers.rotary import qk_norm_rope, qk_norm_rope_ref
@@ -178,6 +179,18 @@ def test_choose_splits() -> None:
     assert choose_splits(128, 2048, 132) == 3
 
 
+def test_step_grid() -> None:
+    """(rows a program, query tiles, key splits) of the fused step launch, Qwen3-8B heads (8 kv
+    heads of 4 query heads) on 132 SMs."""
+    assert step_grid(1, 8, 64, 1024, 132) == (16, 4, 12)  # B=1 verify: tiles of 16 rows, 3 programs an SM
+    assert step_grid(1, 8, 64, 1536, 132) == (16, 4, 12)  # 24 splits of one tile become 12 of two at most
+    assert step_grid(1, 8, 64, 4096, 132) == (64, 1, 32)  # ... and no further: one tile of 64 rows
+    assert step_grid(4, 8, 64, 1024, 132) == (64, 1, 9)  # B=4: 16-row tiles would leave 3 splits
+    assert step_grid(16, 8, 64, 1024, 132) == (64, 1, 3)
+    assert step_grid(1, 8, 4, 1024, 132) == (16, 1, 16)  # decode: one tile of 4 rows, as before
+    assert step_grid(16, 8, 4, 1024, 132) == (16, 1, 3)
+
+
 @runs_kernel
 def test_out_buffer() -> None:
     case = make_case(*CASES["decode_g4_d128"], dtype=DTYPES[0])
@@ -310,6 +323,7 @@ def test_qk_norm_rope_kernel_writes_the_cache(
 
 
 @runs_kernel
+@pytest.mark.parametrize("block_m", [None, 64], ids=["step_grid", "one_tile"])
 @pytest.mark.parametrize("splits", [1, 3, 7])
 @pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
 @pytest.mark.parametrize(
@@ -318,12 +332,14 @@ def test_qk_norm_rope_kernel_writes_the_cache(
      "causal_window_3_s5", "tiny_model_d16_page_4"],
 )  # fmt: skip
 def test_qkv_attention_is_rope_and_write_then_attention(
-    name: str, weights: bool, splits: int, poisoned_partials
+    name: str, weights: bool, splits: int, block_m: int | None, poisoned_partials
 ) -> None:
     """The fused launch against qk_norm_rope_ref (with the K/V write) then paged_attention_ref, as
     a step runs them: rows at their positions (padding rows of a ragged batch at position 0, slot
     0), the new K/V written to their slots. Real rows' outputs and every real slot must agree.
-    With 7 splits most hold none of the keys (they write no partial)."""
+    With 7 splits most hold none of the keys (they write no partial). `step_grid` cuts these small
+    batches' rows into tiles of 16 (each tile's last split makes the new keys, the first tile
+    writes them); 64 keeps them in one tile."""
     starts, widths, (hq, hkv), d, page, *_ = CASES[name]
     case, dtype = make_case(*CASES[name], dtype=DTYPES[0]), DTYPES[0]
     gen = torch.Generator().manual_seed(5)
@@ -344,7 +360,7 @@ def test_qkv_attention_is_rope_and_write_then_attention(
     original = qkv.clone()
     assert fuses_qkv(qkv, caches[0])
     first = torch.tensor(starts, device=DEVICE)
-    got = qkv_attention_triton(qkv, *norms, 1e-6, cos, sin, first, slots, *caches, *ranges, splits)
+    got = qkv_attention_triton(qkv, *norms, 1e-6, cos, sin, first, slots, *caches, *ranges, splits, block_m)
     assert torch.equal(qkv, original)  # q and k rotated in registers only
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[real], expected[real], atol=tol, rtol=tol)

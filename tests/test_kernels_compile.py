@@ -169,7 +169,7 @@ def test_kv_write_compiles():
     [(1, True, True, False), (16, True, True, False), (16, False, False, False), (4, True, True, True)],
 )
 def test_qkv_attention_compiles(rows, split, norm, fp32):
-    flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": max(16, 4 * rows), "BLOCK_N": 32 if fp32 else 64}
+    flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": max(16, 4 * rows), "BLOCK_N": 32 if fp32 else 64, "TILES": 1}
     flags |= {"BLOCK_S": 16, "HAS_NORM": norm, "SPLIT": split, "PRECISION": "ieee" if fp32 else "tf32", "PDL": True}
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
     tensors = "*fp32" if fp32 else "*bf16"
@@ -191,19 +191,22 @@ def registers(compiled) -> tuple[int, int]:
     return int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)) if spills else 0
 
 
-def test_fused_attention_fits_three_programs_an_sm_at_decode():
+@pytest.mark.parametrize("rows", [1, 16], ids=["decode", "verify"])
+def test_fused_attention_fits_three_programs_an_sm_in_16_row_tiles(rows):
     """A decode step at batch 16 launches 16 sequences x 8 kv heads x 3 key splits = 384 programs
-    of one 16-row tile: at 3 an SM (<= 168 registers a thread, 4 warps) one wave on the H200's 132
+    of one 16-row tile, and a verify at batch 1 (16 rows x 4 heads in 4 tiles of 16, `step_grid`)
+    8 x 4 x 12 = 384: at 3 an SM (<= 168 registers a thread, 4 warps) one wave on the H200's 132
     SMs. The first version made the new keys after the key loop and took 197, 2 an SM: plain B=16
-    4.95-4.96 -> 5.15-5.16 ms a step. Compiled as the JIT specializes that launch (S = 1, unit
+    4.95-4.96 -> 5.15-5.16 ms a step. Compiled as the JIT specializes those launches (unit
     strides, aligned pointers) with the launcher's tiles."""
     tile = paged_attention._key_tile(torch.bfloat16, 128)  # BLOCK_N, PRECISION and the launch options
     options = {name: tile.pop(name) for name in ("num_warps", "num_stages")}
-    block_m, _ = paged_attention.query_tiles(1 * 4)  # one row of 4 query heads a kv head
-    flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": block_m, "BLOCK_S": 16, "HAS_NORM": True, "SPLIT": True}
-    flags["PDL"] = True  # as launched on Hopper
-    unit = ("S", "stride_tm", "stride_pb", "stride_mb", "stride_ms", "stride_sb", "stride_ss", "stride_eb", "stride_es")
-    flags |= tile | dict.fromkeys(unit, 1)
+    block_m, tiles, _ = paged_attention.step_grid(1 if rows > 1 else 16, 8, rows * 4, 1024, 132)
+    assert block_m == 16
+    flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": block_m, "TILES": tiles, "BLOCK_S": 16, "HAS_NORM": True}
+    flags |= {"SPLIT": True, "PDL": True}  # as launched on Hopper
+    unit = ("stride_tm", "stride_pb", "stride_mb", "stride_ms", "stride_sb", "stride_ss", "stride_eb", "stride_es")
+    flags |= tile | dict.fromkeys(unit, 1) | ({"S": 1} if rows == 1 else {})
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
     pointers |= {"lse_ptr": "*fp32", "out_ptr": "*fp32"}
     aligned = ("B", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_tb")
@@ -214,7 +217,7 @@ def test_fused_attention_fits_three_programs_an_sm_at_decode():
 
 def qkv_attention_flags(pdl: bool) -> dict:
     return {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_S": 16, "HAS_NORM": True,
-            "SPLIT": True, "PRECISION": "tf32", "PDL": pdl}  # fmt: skip
+            "SPLIT": True, "PRECISION": "tf32", "PDL": pdl, "TILES": 1}  # fmt: skip
 
 
 PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programmatic dependent launch

@@ -188,21 +188,23 @@ def _qkv_attention_kernel(
     stride_pb, stride_mb, stride_ms, stride_sb, stride_ss, stride_eb, stride_es, eps, qk_scale,
     G: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    TILES: tl.constexpr,
 ):  # fmt: skip
-    """`_attention_kernel` for a step of S <= BLOCK_S new rows at positions [pos0, pos0 + S) (one
-    query tile), reading the fused q|k|v projection itself: q is normed and rotated in registers,
-    the splits share the cached keys [lo, pos0), and the last split also makes the new keys (k
-    normed and rotated), writes them and their values to the cache and attends to them. It does so
-    before its cached keys: done after the key loop, the new keys' work held registers across it
-    (197 a thread rather than 154 at a decode launch, sm_90: 2 programs an SM instead of 3)."""
+    """`_attention_kernel` for a step of S <= BLOCK_S new rows at positions [pos0, pos0 + S), its
+    S * G query rows of a kv head in TILES tiles of BLOCK_M, reading the fused q|k|v projection
+    itself: q is normed and rotated in registers, the splits share the cached keys [lo, pos0), and
+    the last split also makes the new keys (k normed and rotated), attends to them and (tile 0)
+    writes them and their values to the cache. It does so before its cached keys: done after the
+    key loop, the new keys' work held registers across it (197 a thread rather than 154 at a decode
+    launch, sm_90: 2 programs an SM instead of 3)."""
     wait_previous_kernel(PDL)
-    bh, split = tl.program_id(0), tl.program_id(1)
+    bh, tile, split = tl.program_id(0) // TILES, tl.program_id(0) % TILES, tl.program_id(1)
     num_splits = tl.num_programs(1)
     b, kv_head = bh // Hkv, bh % Hkv
     D: tl.constexpr = 2 * HALF
     HQ = Hkv * G
     heads = HQ + 2 * Hkv
-    rows = tl.arange(0, BLOCK_M)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S * G
     s = tl.minimum(rows // G, S - 1)  # clamped: padding rows read a real row, never stored
     h = kv_head * G + rows % G
@@ -231,8 +233,9 @@ def _qkv_attention_kernel(
         k = _norm_rope_rows(k_rows, k_norm_ptr, cos_ptr + new * D, sin_ptr + new * D, eps, HAS_NORM, HALF)
         v = tl.load(k_rows[:, None] + Hkv * D + d[None, :])
         slot = tl.load(slot_ptr + b * stride_mb + tl.minimum(j, S - 1) * stride_ms).to(tl.int64)
-        tl.store(k_ptr + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], k, mask=j_ok[:, None])
-        tl.store(v_ptr + slot[:, None] * stride_vn + kv_head * stride_vh + d[None, :], v, mask=j_ok[:, None])
+        write = (j_ok & (tile == 0))[:, None]  # each tile makes the new keys, the first writes them
+        tl.store(k_ptr + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], k, mask=write)
+        tl.store(v_ptr + slot[:, None] * stride_vn + kv_head * stride_vh + d[None, :], v, mask=write)
         pos = pos0 + j
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = (pos[None, :] >= k_start[:, None]) & (pos[None, :] < k_end[:, None]) & j_ok[None, :]
@@ -287,10 +290,31 @@ def choose_splits(programs: int, max_keys: int, sms: int) -> int:
     return max(1, min(triton.cdiv(2 * sms, programs), max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
-def query_tiles(rows: int) -> tuple[int, int]:
-    """(rows per program, programs per (sequence, kv head)) for `rows` = S * G query rows."""
-    block_m = max(16, min(MAX_ROWS, triton.next_power_of_2(rows)))
+def query_tiles(rows: int, max_rows: int = MAX_ROWS) -> tuple[int, int]:
+    """(rows per program, programs per (sequence, kv head)) for `rows` = S * G query rows, at most
+    `max_rows` a program."""
+    block_m = max(16, min(max_rows, triton.next_power_of_2(rows)))
     return block_m, triton.cdiv(rows, block_m)
+
+
+def step_grid(batch: int, kv_heads: int, rows: int, max_keys: int, sms: int) -> tuple[int, int, int]:
+    """(rows per program, query tiles, key splits) of a step's fused launch (`qkv_attention_triton`)
+    for `rows` = S * G query rows of each (sequence, kv head): one tile of them, split by
+    `choose_splits`; or tiles of 16 rows, split until 3 programs an SM (one wave at <= 168
+    registers a thread), where that leaves each split at most twice the keys (B = 1 at Qwen3-8B's
+    8 kv heads). A program's work before its keys (q normed and rotated) is issued row by row, and
+    every split repeats it: a verify layer's attention at B = 1 in one 64-row tile and 23 splits
+    had q ready 3.0-3.6 us after it started and ended at 8.2-8.8 (H200, `%globaltimer` stamps).
+    In tiles of 16: DFlash B=1 5.11/5.11 -> 5.05/5.04 ms a step (H200, `bench --simulate-tau 6.5`,
+    against main in one call)."""
+    block_m, tiles = query_tiles(rows)
+    splits = choose_splits(batch * kv_heads * tiles, max_keys, sms)
+    small_m, small_tiles = query_tiles(rows, 16)
+    programs = batch * kv_heads * small_tiles
+    small_splits = min(3 * sms // programs, max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
+    if small_tiles > tiles and 2 * small_splits >= splits:
+        return small_m, small_tiles, small_splits
+    return block_m, tiles, splits
 
 
 def default_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> int:
@@ -389,15 +413,16 @@ def qkv_attention_triton(
     page_size: int,
     scale: float,
     num_splits: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """`qk_norm_rope` with the K/V write, then `paged_attention_triton`, in one launch (+ the
-    split-K combine), for a step whose rows sit at positions starts[b] + s and fit one query tile
-    (`fuses_qkv`). qkv [B, S, Hq + 2 Hkv, D] contiguous, left as it is (q and k are rotated in
+    split-K combine), for a step whose rows sit at positions starts[b] + s and fit one 64-row query
+    tile (`fuses_qkv`). qkv [B, S, Hq + 2 Hkv, D] contiguous, left as it is (q and k are rotated in
     registers); q_norm, k_norm [D] (or both None); cos, sin [B, S, D]; starts [B]; slot_mapping,
     k_start, k_end [B, S] (any integer dtype, any strides); caches [slots, Hkv, D] contiguous.
     Padding rows past a sequence's real ones may sit anywhere: the keys they make land at positions
     past every real row's k_end, in slots no real row reads (the engine's trash slot 0). Returns
-    [B, S, Hq, D]."""
+    [B, S, Hq, D]. `num_splits` and `block_m` (query rows a program, at most) override `step_grid`."""
     B, S, heads, D = qkv.shape
     Hkv = k_cache.shape[1]
     Hq = heads - 2 * Hkv
@@ -406,15 +431,19 @@ def qkv_attention_triton(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (Hkv, D)
     cos, sin = cos.expand(B, S, D).contiguous(), sin.expand(B, S, D).contiguous()
     out = torch.empty((B, S, Hq, D), dtype=qkv.dtype, device=qkv.device)
-    num_splits = num_splits or default_splits(out, k_cache, block_tables, page_size)
+    rows, max_keys, sms = S * (Hq // Hkv), block_tables.shape[1] * page_size, num_sms(qkv.device, interpreted=132)
+    chosen_m, tiles, chosen_splits = step_grid(B, Hkv, rows, max_keys, sms)
+    if block_m is not None:
+        chosen_m, tiles = query_tiles(rows, block_m)
+    num_splits = num_splits or chosen_splits
     part, lse = _partials(num_splits, out, D)
     norms = (q_norm, k_norm) if q_norm is not None else (cos, cos)  # unread without HAS_NORM
-    _qkv_attention_kernel[(B * Hkv, num_splits)](
+    _qkv_attention_kernel[(B * Hkv * tiles, num_splits)](
         qkv, *norms, cos, sin, starts, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, part, lse,
         B, S, Hkv, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), block_tables.stride(1), starts.stride(0), slot_mapping.stride(0),
         slot_mapping.stride(1), k_start.stride(0), k_start.stride(1), k_end.stride(0), k_end.stride(1), eps,
-        scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=query_tiles(S * (Hq // Hkv))[0],
+        scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=chosen_m, TILES=tiles,
         BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, SPLIT=num_splits > 1,
         **_key_tile(qkv.dtype, D), **pdl_launch(qkv.device),
     )  # fmt: skip
