@@ -122,6 +122,7 @@ def check(out: torch.Tensor, case: dict) -> None:
 CASES = {
     "decode_g4_d128": ([37, 5, 100], [1, 1, 1], (8, 2), 128, 16, "causal", None),
     "verify_g4_s16_ragged": ([50, 3], [16, 9], (4, 1), 128, 16, "causal", None),
+    "verify_g4_s7_ragged": ([50, 3], [7, 5], (4, 1), 128, 16, "causal", None),  # 28 rows: a part-filled tile of 16
     "draft_block_g3_d64": ([70, 20], [16, 16], (6, 2), 64, 16, "block", None),
     "draft_block_window_g1": ([90, 33], [4, 4], (2, 2), 64, 8, "block", 24),
     "causal_window_g3_s5": ([41, 12], [5, 3], (3, 1), 64, 16, "causal", 20),
@@ -328,8 +329,8 @@ def test_qk_norm_rope_kernel_writes_the_cache(
 @pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
 @pytest.mark.parametrize(
     "name",
-    ["decode_g4_d128", "verify_g4_s16_ragged", "draft_block_g3_d64", "draft_block_window_g1", "causal_window_g3_s5",
-     "causal_window_3_s5", "tiny_model_d16_page_4"],
+    ["decode_g4_d128", "verify_g4_s16_ragged", "verify_g4_s7_ragged", "draft_block_g3_d64", "draft_block_window_g1",
+     "causal_window_g3_s5", "causal_window_3_s5", "tiny_model_d16_page_4"],
 )  # fmt: skip
 def test_qkv_attention_is_rope_and_write_then_attention(
     name: str, weights: bool, splits: int, block_m: int | None, poisoned_partials

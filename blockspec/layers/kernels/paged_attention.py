@@ -5,7 +5,7 @@ One program handles one (sequence b, kv head, tile of query rows[, key split]). 
 are the S*G (row, head) pairs of that kv head, flattened as r = s*G + g (query head
 kv_head*G + g), so GQA heads share every K/V load; a tile holds up to 64 rows (padded to a power
 of two, at least 16 for tl.dot), so decode/verify (S <= 16) is one tile and long prefills use
-several. The program streams the keys of [min k_start, max k_end) over its rows in tiles of
+several (the fused step launch may cut a verify's rows into tiles of 16: `step_grid`). The program streams the keys of [min k_start, max k_end) over its rows in tiles of
 BLOCK_N positions: position k lives in slot block_tables[b, k // page_size] * page_size +
 k % page_size, looked up per key (pages need not be contiguous, and page_size need not divide
 BLOCK_N). Online softmax in fp32 (exp2, scale folded into log2 e), per-row masks from
@@ -301,8 +301,8 @@ def step_grid(batch: int, kv_heads: int, rows: int, max_keys: int, sms: int) -> 
     """(rows per program, query tiles, key splits) of a step's fused launch (`qkv_attention_triton`)
     for `rows` = S * G query rows of each (sequence, kv head): one tile of them, split by
     `choose_splits`; or tiles of 16 rows, split until 3 programs an SM (one wave at <= 168
-    registers a thread), where that leaves each split at most twice the keys (B = 1 at Qwen3-8B's
-    8 kv heads). A program's work before its keys (q normed and rotated) is issued row by row, and
+    registers a thread), where that leaves each split at most twice the keys (at Qwen3-8B's 8 kv
+    heads: a verify at B = 1 with tables under 1,600 keys, B = 2 and 3 under 832 and 576). A program's work before its keys (q normed and rotated) is issued row by row, and
     every split repeats it: a verify layer's attention at B = 1 in one 64-row tile and 23 splits
     had q ready 3.0-3.6 us after it started and ended at 8.2-8.8 (H200, `%globaltimer` stamps).
     In tiles of 16: DFlash B=1 5.11/5.11 -> 5.05/5.04 ms a step (H200, `bench --simulate-tau 6.5`,
@@ -422,7 +422,8 @@ def qkv_attention_triton(
     k_start, k_end [B, S] (any integer dtype, any strides); caches [slots, Hkv, D] contiguous.
     Padding rows past a sequence's real ones may sit anywhere: the keys they make land at positions
     past every real row's k_end, in slots no real row reads (the engine's trash slot 0). Returns
-    [B, S, Hq, D]. `num_splits` and `block_m` (query rows a program, at most) override `step_grid`."""
+    [B, S, Hq, D]. `num_splits` overrides `step_grid`'s splits, `block_m` (query rows a program, at
+    most) its tiling."""
     B, S, heads, D = qkv.shape
     Hkv = k_cache.shape[1]
     Hq = heads - 2 * Hkv
