@@ -5,11 +5,11 @@ One program handles one (sequence b, kv head, tile of query rows[, key split]). 
 are the S*G (row, head) pairs of that kv head, flattened as r = s*G + g (query head
 kv_head*G + g), so GQA heads share every K/V load; a tile holds up to 64 rows (padded to a power
 of two, at least 16 for tl.dot), so decode/verify (S <= 16) is one tile and long prefills use
-several (the fused step launch may cut a verify's rows into tiles of 16: `step_grid`). The program streams the keys of [min k_start, max k_end) over its rows in tiles of
-BLOCK_N positions: position k lives in slot block_tables[b, k // page_size] * page_size +
-k % page_size, looked up per key (pages need not be contiguous, and page_size need not divide
-BLOCK_N). Online softmax in fp32 (exp2, scale folded into log2 e), per-row masks from
-k_start/k_end.
+several (the fused step launch may cut a verify's rows into tiles of 16: `step_grid`). The
+program streams the keys of [min k_start, max k_end) over its rows in tiles of BLOCK_N
+positions: position k lives in slot block_tables[b, k // page_size] * page_size + k % page_size,
+looked up per key (pages need not be contiguous, and page_size need not divide BLOCK_N).
+Online softmax in fp32 (exp2, scale folded into log2 e), per-row masks from k_start/k_end.
 
 Split-K (flash-decoding): when there are too few programs to fill the GPU (small batch, long
 context) the key range of each program is cut into `num_splits` chunks handled by separate
@@ -302,8 +302,9 @@ def step_grid(batch: int, kv_heads: int, rows: int, max_keys: int, sms: int) -> 
     for `rows` = S * G query rows of each (sequence, kv head): one tile of them, split by
     `choose_splits`; or tiles of 16 rows, split until 3 programs an SM (one wave at <= 168
     registers a thread), where that leaves each split at most twice the keys (at Qwen3-8B's 8 kv
-    heads: a verify at B = 1 with tables under 1,600 keys, B = 2 and 3 under 832 and 576). A program's work before its keys (q normed and rotated) is issued row by row, and
-    every split repeats it: a verify layer's attention at B = 1 in one 64-row tile and 23 splits
+    heads: a verify at B = 1 with tables under 1,600 keys, B = 2 and 3 under 832 and 576). A
+    program's work before its keys (q normed and rotated) is issued row by row, and every split
+    repeats it: a verify layer's attention at B = 1 in one 64-row tile and 23 splits
     had q ready 3.0-3.6 us after it started and ended at 8.2-8.8 (H200, `%globaltimer` stamps).
     In tiles of 16: DFlash B=1 5.11/5.11 -> 5.05/5.04 ms a step (H200, `bench --simulate-tau 6.5`,
     against main in one call)."""
@@ -422,8 +423,8 @@ def qkv_attention_triton(
     k_start, k_end [B, S] (any integer dtype, any strides); caches [slots, Hkv, D] contiguous.
     Padding rows past a sequence's real ones may sit anywhere: the keys they make land at positions
     past every real row's k_end, in slots no real row reads (the engine's trash slot 0). Returns
-    [B, S, Hq, D]. `num_splits` overrides `step_grid`'s splits, `block_m` (query rows a program, at
-    most) its tiling."""
+    [B, S, Hq, D]. `block_m` (query rows a program, at most) replaces `step_grid`'s tiles (the
+    splits then follow `choose_splits`); `num_splits` replaces the splits."""
     B, S, heads, D = qkv.shape
     Hkv = k_cache.shape[1]
     Hq = heads - 2 * Hkv
@@ -433,10 +434,12 @@ def qkv_attention_triton(
     cos, sin = cos.expand(B, S, D).contiguous(), sin.expand(B, S, D).contiguous()
     out = torch.empty((B, S, Hq, D), dtype=qkv.dtype, device=qkv.device)
     rows, max_keys, sms = S * (Hq // Hkv), block_tables.shape[1] * page_size, num_sms(qkv.device, interpreted=132)
-    chosen_m, tiles, chosen_splits = step_grid(B, Hkv, rows, max_keys, sms)
-    if block_m is not None:
-        chosen_m, tiles = query_tiles(rows, block_m)
-    num_splits = num_splits or chosen_splits
+    if block_m is None:
+        block_m, tiles, splits = step_grid(B, Hkv, rows, max_keys, sms)
+    else:
+        block_m, tiles = query_tiles(rows, block_m)
+        splits = choose_splits(B * Hkv * tiles, max_keys, sms)
+    num_splits = num_splits or splits
     part, lse = _partials(num_splits, out, D)
     norms = (q_norm, k_norm) if q_norm is not None else (cos, cos)  # unread without HAS_NORM
     _qkv_attention_kernel[(B * Hkv * tiles, num_splits)](
@@ -444,7 +447,7 @@ def qkv_attention_triton(
         B, S, Hkv, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), block_tables.stride(1), starts.stride(0), slot_mapping.stride(0),
         slot_mapping.stride(1), k_start.stride(0), k_start.stride(1), k_end.stride(0), k_end.stride(1), eps,
-        scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=chosen_m, TILES=tiles,
+        scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=block_m, TILES=tiles,
         BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, SPLIT=num_splits > 1,
         **_key_tile(qkv.dtype, D), **pdl_launch(qkv.device),
     )  # fmt: skip
