@@ -21,6 +21,7 @@ from blockspec.layers.kernels import kernel_module
 from blockspec.layers.kernels import paged_attention as paged_attention_module
 from blockspec.layers.kernels.kv_write import write_kv_triton
 from blockspec.layers.kernels.paged_attention import (
+    ARRIVE_MAX_SPLITS,
     choose_splits,
     fuses_qkv,
     paged_attention_triton,
@@ -143,8 +144,8 @@ def test_matches_reference(name: str, dtype: torch.dtype) -> None:
 
 @pytest.fixture
 def poisoned_partials(monkeypatch) -> None:
-    """Split-K's partial outputs start as NaN: a split with none of a row's keys writes no partial
-    (only its lse, -inf), and whatever its slice of the workspace holds must not reach the output."""
+    """Split-K's partial outputs start as NaN: every split must write its partial of every row
+    (zeros and an lse of -inf where it holds none of the row's keys), or the NaN reaches the output."""
     real = paged_attention_module._partials
 
     def poisoned(num_splits: int, out: torch.Tensor, d_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,11 +158,16 @@ def poisoned_partials(monkeypatch) -> None:
 @runs_kernel
 @pytest.mark.parametrize("splits", [2, 3, 7])
 @pytest.mark.parametrize("name", ["decode_g4_d128", "draft_block_g3_d64", "verify_g4_s16_ragged"])
-def test_split_k_matches_reference(name: str, splits: int, poisoned_partials) -> None:
+def test_split_k_matches_reference(name: str, splits: int, poisoned_partials, monkeypatch) -> None:
     """Forced splits, including more splits than the short ranges fill (empty partials, over a
-    workspace poisoned with NaN)."""
+    workspace poisoned with NaN); up to ARRIVE_MAX_SPLITS combined by the last to arrive, whose
+    counters are back at zero for the next launch."""
+    monkeypatch.setattr(paged_attention_module, "_ARRIVALS", {})  # this test's counters only
     case = make_case(*CASES[name], dtype=DTYPES[0])
     check(paged_attention_triton(**case, num_splits=splits), case)
+    assert (splits <= ARRIVE_MAX_SPLITS) == bool(paged_attention_module._ARRIVALS)
+    for counters in paged_attention_module._ARRIVALS.values():
+        assert not counters[-1].any()
 
 
 @runs_kernel
@@ -338,7 +344,7 @@ def test_qkv_attention_is_rope_and_write_then_attention(
     """The fused launch against qk_norm_rope_ref (with the K/V write) then paged_attention_ref, as
     a step runs them: rows at their positions (padding rows of a ragged batch at position 0, slot
     0), the new K/V written to their slots. Real rows' outputs and every real slot must agree.
-    With 7 splits most hold none of the keys (they write no partial). `step_grid` cuts these small
+    With 7 splits most hold none of the keys (their partials are zeros); 3 combine as they arrive. `step_grid` cuts these small
     batches' rows into tiles of 16 (each tile's last split makes the new keys, the first tile
     writes them); 64 keeps them in one tile."""
     starts, widths, (hq, hkv), d, page, *_ = CASES[name]

@@ -133,14 +133,18 @@ def test_dequantize_compiles():
     compile_for_hopper(kernel._dequant_kernel, flags, q_ptr="*fp8e4nv", scale_ptr="*fp32")
 
 
-@pytest.mark.parametrize("split,fp32", [(True, False), (False, False), (True, True)])
-def test_paged_attention_compiles(split, fp32):
+SPLIT_POINTERS = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "arrivals_ptr": "*i32"}
+
+
+@pytest.mark.parametrize("split,arrive,fp32", [(True, True, False), (True, False, False), (False, False, False),
+                                               (True, True, True)])  # fmt: skip
+def test_paged_attention_compiles(split, arrive, fp32):
     flags = {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 32 if fp32 else 64, "SPLIT": split}
-    pointers = dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | {"lse_ptr": "*fp32"}
+    flags |= {"ARRIVE": arrive, "UNROLL": 1, "PRECISION": "ieee" if fp32 else "tf32"}
+    pointers = dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS
     if fp32:
-        pointers |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), "*fp32")
-    pointers["out_ptr"] = "*fp32" if split or fp32 else "*bf16"
-    compile_for_hopper(paged_attention._attention_kernel, flags | {"PRECISION": "ieee" if fp32 else "tf32"}, **pointers)
+        pointers |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*fp32")
+    compile_for_hopper(paged_attention._attention_kernel, flags, **pointers)
 
 
 def test_attention_combine_compiles():
@@ -165,16 +169,18 @@ def test_kv_write_compiles():
 
 
 @pytest.mark.parametrize(
-    "rows,split,norm,fp32",
-    [(1, True, True, False), (16, True, True, False), (16, False, False, False), (4, True, True, True)],
-)
-def test_qkv_attention_compiles(rows, split, norm, fp32):
+    "rows,split,arrive,norm,fp32",
+    [(1, True, True, True, False), (16, True, False, True, False), (16, False, False, False, False),
+     (4, True, True, True, True)],
+)  # fmt: skip
+def test_qkv_attention_compiles(rows, split, arrive, norm, fp32):
     flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": max(16, 4 * rows), "BLOCK_N": 32 if fp32 else 64, "TILES": 1}
     flags |= {"BLOCK_S": 16, "HAS_NORM": norm, "SPLIT": split, "PRECISION": "ieee" if fp32 else "tf32", "PDL": True}
+    flags |= {"ARRIVE": arrive, "UNROLL": 1}
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
     tensors = "*fp32" if fp32 else "*bf16"
     pointers |= dict.fromkeys(("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr"), tensors)
-    pointers |= {"lse_ptr": "*fp32", "out_ptr": "*fp32" if split else tensors}
+    pointers |= SPLIT_POINTERS | {"out_ptr": tensors}
     compile_for_hopper(paged_attention._qkv_attention_kernel, flags, **pointers)
 
 
@@ -201,14 +207,15 @@ def test_fused_attention_fits_three_programs_an_sm_in_16_row_tiles(rows):
     strides, aligned pointers) with the launcher's tiles."""
     tile = paged_attention._key_tile(torch.bfloat16, 128)  # BLOCK_N, PRECISION and the launch options
     options = {name: tile.pop(name) for name in ("num_warps", "num_stages")}
-    block_m, tiles, _ = paged_attention.step_grid(1 if rows > 1 else 16, 8, rows * 4, 1024, 132)
+    block_m, tiles, splits = paged_attention.step_grid(1 if rows > 1 else 16, 8, rows * 4, 1024, 132)
     assert block_m == 16
     flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": block_m, "TILES": tiles, "BLOCK_S": 16, "HAS_NORM": True}
-    flags |= {"SPLIT": True, "PDL": True}  # as launched on Hopper
+    _, split_flags = paged_attention._split_args(splits, torch.empty(0), 128, 1, block_m)  # as launched on Hopper
+    flags |= split_flags | {"PDL": True}
     unit = ("stride_tm", "stride_pb", "stride_mb", "stride_ms", "stride_sb", "stride_ss", "stride_eb", "stride_es")
     flags |= tile | dict.fromkeys(unit, 1) | ({"S": 1} if rows == 1 else {})
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
-    pointers |= {"lse_ptr": "*fp32", "out_ptr": "*fp32"}
+    pointers |= SPLIT_POINTERS
     aligned = ("B", "stride_kn", "stride_kh", "stride_vn", "stride_vh", "stride_tb")
     compiled = compile_for_hopper(paged_attention._qkv_attention_kernel, flags, aligned, options, **pointers)
     used, spilled = registers(compiled)
@@ -217,7 +224,7 @@ def test_fused_attention_fits_three_programs_an_sm_in_16_row_tiles(rows):
 
 def qkv_attention_flags(pdl: bool) -> dict:
     return {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_S": 16, "HAS_NORM": True,
-            "SPLIT": True, "PRECISION": "tf32", "PDL": pdl, "TILES": 1}  # fmt: skip
+            "SPLIT": True, "ARRIVE": True, "UNROLL": 1, "PRECISION": "tf32", "PDL": pdl, "TILES": 1}  # fmt: skip
 
 
 PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programmatic dependent launch
@@ -227,7 +234,7 @@ PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programm
                "FP8": False, "SPLIT_K": 2, "BLOCK": kernel.REDUCE_BLOCK, "PDL": pdl}, SCALES),
     "attention": (paged_attention._qkv_attention_kernel, qkv_attention_flags,
                   dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
-                  | {"lse_ptr": "*fp32", "out_ptr": "*fp32"}),
+                  | SPLIT_POINTERS),
     "combine": (paged_attention._combine_kernel, lambda pdl: {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128,
                 "D_PAD": 128, "PDL": pdl}, {"part_ptr": "*fp32", "lse_ptr": "*fp32"}),
     "quantize": (quantize_rows._quantize_rows_kernel, lambda pdl: {"K": 4096, "NORM": True, "NORM_WEIGHT": False,

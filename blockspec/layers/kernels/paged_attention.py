@@ -13,8 +13,12 @@ Online softmax in fp32 (exp2, scale folded into log2 e), per-row masks from k_st
 
 Split-K (flash-decoding): when there are too few programs to fill the GPU (small batch, long
 context) the key range of each program is cut into `num_splits` chunks handled by separate
-programs, each writing a normalized partial output and its log-sum-exp; a second kernel
-combines them. The chunk boundaries are computed inside the kernel from the actual key range,
+programs, each writing a normalized partial output and its log-sum-exp (zeros and -inf where it
+holds none of a row's keys, so that the combine's loads need not wait for the log-sum-exps to
+know which partials exist: DFlash B=1 5.03/5.03 -> 5.02/5.00 ms, H200, `bench --simulate-tau 6.5`);
+with up to ARRIVE_MAX_SPLITS splits the last split of a tile to finish combines them (each counts
+its arrival on a per-tile counter, which the last resets for the next launch), else a second
+kernel does. The chunk boundaries are computed inside the kernel from the actual key range,
 so the launch grid depends only on shapes (B, S, M, Hkv): the call has no host sync and can be
 captured in a CUDA graph. The one-launch step kernel (`qkv_attention_triton`) and the combine
 launch with programmatic dependent launch (`blockspec.layers.kernels.pdl`).
@@ -71,17 +75,49 @@ def _attend_cache(
 
 
 @triton.jit
+def _combined(part_ptr, lse_ptr, rows, num_splits, split_rows, row_ok, d, D_PAD: tl.constexpr, UNROLL: tl.constexpr):
+    """The splits' partial outputs of `rows` (split 0's flat indices) weighted by their
+    log-sum-exps, in one pass (a running max, as the online softmax); the loads are independent of
+    the running sums, so unrolled they are in flight together."""
+    m = tl.full(rows.shape, float("-inf"), tl.float32)
+    den = tl.zeros(rows.shape, tl.float32)
+    acc = tl.zeros([rows.shape[0], D_PAD], tl.float32)
+    for i in tl.range(0, num_splits, loop_unroll_factor=UNROLL):
+        at = i * split_rows + rows
+        lse = tl.load(lse_ptr + at, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(
+            part_ptr + at[:, None] * D_PAD + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
+        )
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, w = tl.exp2(m - m_safe), tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        den = den * alpha + w
+        m = m_new
+    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
+
+
+@triton.jit
 def _finish(
-    m_i, l_i, acc, out_ptr, lse_ptr, flat, o_ptrs, row_ok, d, d_ok, D_PAD: tl.constexpr, SPLIT: tl.constexpr
+    m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, group, split, num_splits, flat, split_rows, o_ptrs, row_ok, d,
+    d_ok, D_PAD: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """The rows' output: normalized, to o_ptrs; with SPLIT a partial to out_ptr [splits, B, S, Hq,
-    D_PAD] (fp32) and its log-sum-exp to lse_ptr [splits, B, S, Hq] (log2 domain) at `flat`."""
-    empty = l_i == 0.0  # only possible for a split that holds none of a row's keys
+    """The rows' output: normalized, to o_ptrs; with SPLIT a partial to part_ptr [splits, B, S, Hq,
+    D_PAD] (fp32; zeros where the split holds none of a row's keys) and its log-sum-exp to lse_ptr
+    [splits, B, S, Hq] (log2 domain) at `flat`, and the group's last split to arrive combines them."""
+    empty = l_i == 0.0  # only possible for a split that holds none of a row's keys (acc is 0 there)
     l_i = tl.where(empty, 1.0, l_i)
     out = acc / l_i[:, None]
     if SPLIT:
         tl.store(lse_ptr + flat, tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
-        tl.store(out_ptr + flat[:, None] * D_PAD + d[None, :], out, mask=(row_ok & ~empty)[:, None])
+        tl.store(part_ptr + flat[:, None] * D_PAD + d[None, :], out, mask=row_ok[:, None])
+        if ARRIVE:
+            tl.debug_barrier()  # every thread's partial is stored before the arrival releases them
+            if tl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(arrivals_ptr + group, 0)  # for the next launch (all splits have arrived)
+                out = _combined(part_ptr, lse_ptr, flat - split * split_rows, num_splits, split_rows, row_ok, d,
+                                D_PAD, UNROLL)  # fmt: skip
+                tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -95,7 +131,9 @@ def _attention_kernel(
     k_start_ptr,
     k_end_ptr,
     out_ptr,
+    part_ptr,
     lse_ptr,
+    arrivals_ptr,
     B,
     S,
     Hkv,
@@ -124,6 +162,8 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    ARRIVE: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -155,9 +195,12 @@ def _attention_kernel(
         q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, start, end, k_start, k_end,
         stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
     )  # fmt: skip
-    flat = ((split * B + b) * S + s) * (Hkv * G) + h
+    split_rows = B * S * Hkv * G
+    flat = split * split_rows + (b * S + s) * (Hkv * G) + h
     o_ptrs = out_ptr + b * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
-    _finish(m_i, l_i, acc, out_ptr, lse_ptr, flat, o_ptrs, row_ok, d, d_ok, D_PAD, SPLIT)
+    group = bh * tl.num_programs(0) + tile
+    _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, group, split, num_splits, flat, split_rows, o_ptrs,
+            row_ok, d, d_ok, D_PAD, SPLIT, ARRIVE, UNROLL)  # fmt: skip
 
 
 @triton.jit
@@ -184,11 +227,11 @@ def _norm_rope_rows(rows, w_ptr, cos_rows, sin_rows, eps, HAS_NORM: tl.constexpr
 @triton.jit
 def _qkv_attention_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, table_ptr, k_start_ptr,
-    k_end_ptr, out_ptr, lse_ptr, B, S, Hkv, stride_kn, stride_kh, stride_vn, stride_vh, stride_tb, stride_tm,
+    k_end_ptr, out_ptr, part_ptr, lse_ptr, arrivals_ptr, B, S, Hkv, stride_kn, stride_kh, stride_vn, stride_vh, stride_tb, stride_tm,
     stride_pb, stride_mb, stride_ms, stride_sb, stride_ss, stride_eb, stride_es, eps, qk_scale,
     G: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    TILES: tl.constexpr,
+    TILES: tl.constexpr, ARRIVE: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     """`_attention_kernel` for a step of S <= BLOCK_S new rows at positions [pos0, pos0 + S), its
     S * G query rows of a kv head in TILES tiles of BLOCK_M, reading the fused q|k|v projection
@@ -245,9 +288,11 @@ def _qkv_attention_kernel(
         stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
     )  # fmt: skip
     let_next_kernel_in(PDL)
-    flat = ((split * B + b) * S + s) * HQ + h
+    split_rows = B * S * HQ
+    flat = split * split_rows + token * HQ + h
     o_ptrs = out_ptr + (token * HQ + h)[:, None] * D + d[None, :]  # out [B, S, Hq, D] contiguous
-    _finish(m_i, l_i, acc, out_ptr, lse_ptr, flat, o_ptrs, row_ok, d, d_ok, D, SPLIT)
+    _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, tl.program_id(0), split, num_splits, flat, split_rows,
+            o_ptrs, row_ok, d, d_ok, D, SPLIT, ARRIVE, UNROLL)  # fmt: skip
 
 
 @triton.jit
@@ -274,8 +319,7 @@ def _combine_kernel(
     d = tl.arange(0, D_PAD)
     lse = tl.load(lse_ptr + sp * num_rows + row, mask=sp_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # every row has a key, so some split's lse is finite
-    used = sp_ok & (lse > float("-inf"))  # splits with none of the row's keys wrote no partial
-    part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=used[:, None], other=0.0)
+    part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
     out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     b, s, h = row // (S * Hq), (row // Hq) % S, row % Hq
     tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
@@ -340,6 +384,34 @@ def _partials(num_splits: int, out: torch.Tensor, d_pad: int) -> tuple[torch.Ten
     return part, torch.empty(part.shape[:-1], dtype=torch.float32, device=out.device)
 
 
+# Up to this many splits, the last split of a tile to arrive combines them (`_finish`); above, the
+# combine kernel does, its programs spread over the SMs: one program's serial pass over 12 or 16
+# splits (B=1) cost more than the launch it saves (H200, bench --simulate-tau 6.5, against main in
+# one call: DFlash B=1 5.03 -> 5.10-5.12 ms), at B=16 (3 splits) it gained (DFlash 10.17-10.19 ->
+# 10.06-10.11 ms against the same code combining by kernel).
+ARRIVE_MAX_SPLITS = 4
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrivals(device: torch.device, groups: int) -> torch.Tensor:
+    """Split-K's arrival counters, one per program group (the splits of one tile), zero between
+    launches: a group's last split resets its own. One set per device, kept for the process (a
+    CUDA graph holds their address); kernels on one stream share them, in turn."""
+    held = _ARRIVALS.setdefault(device, [])
+    if not held or held[-1].numel() < groups:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K arrival counters must be allocated before CUDA graph capture (run once first)")
+        held.append(torch.zeros(max(groups, 1024), dtype=torch.int32, device=device))
+    return held[-1]
+
+
+def _split_args(num_splits: int, out: torch.Tensor, d_pad: int, groups: int, block_m: int) -> tuple[list, dict]:
+    part, lse = _partials(num_splits, out, d_pad)
+    arrive = 1 < num_splits <= ARRIVE_MAX_SPLITS
+    counters = _arrivals(out.device, groups) if arrive else out
+    return [out, part, lse, counters], {"SPLIT": num_splits > 1, "ARRIVE": arrive, "UNROLL": max(1, 64 // block_m)}
+
+
 def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     num_splits, (B, S, Hq, D), d_pad = part.shape[0], out.shape, part.shape[-1]
     _combine_kernel[(B * S * Hq,)](
@@ -372,17 +444,16 @@ def paged_attention_triton(
     block_m, tiles = query_tiles(S * (Hq // Hkv))
     num_splits = num_splits or default_splits(q, k_cache, block_tables, page_size)
     d_pad = triton.next_power_of_2(D)
-    part, lse = _partials(num_splits, out, d_pad)
+    outputs, flags = _split_args(num_splits, out, d_pad, tiles * B * Hkv, block_m)
     _attention_kernel[(tiles, B * Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, k_start, k_end, part, lse, B, S, Hkv,
+        q, k_cache, v_cache, block_tables, k_start, k_end, *outputs, B, S, Hkv,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_tables.stride(0), block_tables.stride(1), k_start.stride(0), k_start.stride(1),
         k_end.stride(0), k_end.stride(1), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
-        G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, SPLIT=num_splits > 1,
-        **_key_tile(q.dtype, d_pad),
+        G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, **flags, **_key_tile(q.dtype, d_pad),
     )  # fmt: skip
-    if num_splits > 1:
-        _combine(part, lse, out)
+    if num_splits > 1 and not flags["ARRIVE"]:
+        _combine(*outputs[1:3], out)
     return out
 
 
@@ -440,17 +511,17 @@ def qkv_attention_triton(
         block_m, tiles = query_tiles(rows, block_m)
         splits = choose_splits(B * Hkv * tiles, max_keys, sms)
     num_splits = num_splits or splits
-    part, lse = _partials(num_splits, out, D)
+    outputs, flags = _split_args(num_splits, out, D, B * Hkv * tiles, block_m)
     norms = (q_norm, k_norm) if q_norm is not None else (cos, cos)  # unread without HAS_NORM
     _qkv_attention_kernel[(B * Hkv * tiles, num_splits)](
-        qkv, *norms, cos, sin, starts, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, part, lse,
+        qkv, *norms, cos, sin, starts, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, *outputs,
         B, S, Hkv, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), block_tables.stride(1), starts.stride(0), slot_mapping.stride(0),
         slot_mapping.stride(1), k_start.stride(0), k_start.stride(1), k_end.stride(0), k_end.stride(1), eps,
         scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=block_m, TILES=tiles,
-        BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, SPLIT=num_splits > 1,
+        BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, **flags,
         **_key_tile(qkv.dtype, D), **pdl_launch(qkv.device),
     )  # fmt: skip
-    if num_splits > 1:
-        _combine(part, lse, out)
+    if num_splits > 1 and not flags["ARRIVE"]:
+        _combine(*outputs[1:3], out)
     return out
