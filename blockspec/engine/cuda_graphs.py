@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from blockspec.layers.fast_path import fast_kernels
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 # Padding of (tokens/features, starts, lengths, block_tables[, forced accepted counts]): one row at
 # position 0, accepting nothing.
@@ -23,6 +25,19 @@ PAD = (0, 0, 1, 0, 0)
 def round_up(n: int, sizes) -> int:
     """The smallest of the ascending `sizes` that holds n (n itself past the largest)."""
     return next((s for s in sizes if s >= n), n)
+
+
+def fill_buffers(bufs: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...], pads: tuple, batch: int) -> None:
+    """Each input x into its buffer's first rows and columns (rows, pages past x: unread), and the
+    buffer's rows past `batch` (padding sequences) set to the padding value; on CUDA the integer
+    inputs in one launch (`kernels.graph_inputs`)."""
+    kernels = fast_kernels(xs[0], "graph_inputs")
+    ints = [i for i, x in enumerate(xs) if kernels is not None and x.dtype == torch.int64 and x.dim() <= 2]
+    for i in sorted(set(range(len(xs))) - set(ints)):
+        bufs[i][tuple(slice(n) for n in xs[i].shape)].copy_(xs[i], non_blocking=True)
+        bufs[i][batch:].fill_(pads[i])
+    if ints:
+        kernels.fill_buffers_triton(*([seq[i] for i in ints] for seq in (bufs, xs, pads)), batch)
 
 
 class GraphCache:
@@ -40,9 +55,7 @@ class GraphCache:
         if key not in self.graphs:
             self.graphs[key] = self.capture(fn, *key[1:], inputs)
         graph, static, out = self.graphs[key]
-        for buf, x, pad in zip(static, inputs, PAD):
-            buf[tuple(slice(n) for n in x.shape)].copy_(x, non_blocking=True)  # rows, pages past x: unread
-            buf[batch:].fill_(pad)
+        fill_buffers(static, inputs, PAD, batch)
         graph.replay()
         extra = key[2] - rows
 

@@ -258,7 +258,7 @@ class LLMEngine:
             return None
         widths_next, chosen = self.step_widths(seqs, bound)
         step = prev.step
-        launched = self.launch_step(seqs, widths_next, step.bonus[:, None], step.next_starts())
+        launched = self.launch_step(seqs, widths_next, step.bonus[:, None], step.next_starts)
         return Flight(launched, chosen, time.perf_counter(), True)
 
     def launch_step(

@@ -94,16 +94,21 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     widths: list[int]
-    starts: torch.Tensor  # [B] on the device: position of each block's anchor
-    # accepted and bonus, [B] on the device, are views of a fused step's graph output: read them
-    # (the next step launched from them does) before that graph replays again.
-    accepted: torch.Tensor
-    bonus: torch.Tensor  # the next step's anchors
-    host: torch.Tensor  # [B, 2 + S-1]: accepted, bonus, drafts
+    # [B, 3 + S-1] on the device (`pack_outcome`); a fused step's graph output: read it (the next
+    # step launched from it does) before that graph replays again.
+    packed: torch.Tensor
+    host: torch.Tensor  # its copy on the host
     ready: torch.cuda.Event | None
 
+    @property
+    def bonus(self) -> torch.Tensor:
+        """[B]: the next step's anchors."""
+        return self.packed[:, 1]
+
+    @property
     def next_starts(self) -> torch.Tensor:
-        return self.starts + self.accepted + 1
+        """[B]: the next step's starts (the positions after the accepted drafts)."""
+        return self.packed[:, 2]
 
 
 def simulated_counts(simulated: SimulatedAcceptance | None, seqs: list[Sequence], widths: list[int]) -> list:
@@ -136,8 +141,7 @@ def launch_step(
         name = "greedy_step" if simulated is None else "simulated_step"
         step = functools.partial(greedy_step_forward, runner)
         packed = runner.run(name, step, anchors.expand(-1, max(widths)), *inputs, *forced)
-        host, ready = runner.to_host(packed)
-        return LaunchedStep(seqs, widths, inputs[0], packed[:, 0], packed[:, 1], host, ready)
+        return LaunchedStep(seqs, widths, packed, *runner.to_host(packed))
     inputs, _ = runner.step_inputs(seqs, widths, starts)
     drafts, q = anchors[:, :0], [None] * len(seqs)
     if max(widths) > 1:
@@ -155,9 +159,11 @@ def launch_step(
         bonus = bonus.index_put((rows,), torch.stack([t for _, t in results]).to(bonus.dtype))
     # The step's one read of device results, copied before the context commit is queued, so that
     # the read does not wait for it.
-    host, ready = runner.to_host(pack_outcome(accepted, bonus, drafts))
-    runner.commit_context(features, inputs, accepted + 1)
-    return LaunchedStep(seqs, widths, inputs[0], accepted, bonus, host, ready)
+    committed = accepted + 1
+    packed = pack_outcome(accepted, bonus, inputs[0] + committed, drafts)
+    launched = LaunchedStep(seqs, widths, packed, *runner.to_host(packed))
+    runner.commit_context(features, inputs, committed)
+    return launched
 
 
 def greedy_outcome(
@@ -169,9 +175,13 @@ def greedy_outcome(
     return accepted, target_argmax.gather(1, accepted[:, None])[:, 0]
 
 
-def pack_outcome(accepted: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """[B, 2 + S-1]: accepted counts, bonus tokens and drafts, for one copy to the host."""
-    return torch.cat([accepted[:, None].long(), bonus[:, None].long(), drafts.long()], dim=1)
+def pack_outcome(
+    accepted: torch.Tensor, bonus: torch.Tensor, next_starts: torch.Tensor, drafts: torch.Tensor
+) -> torch.Tensor:
+    """[B, 3 + S-1]: accepted counts, bonus tokens, the next step's starts and the drafts, for one
+    copy to the host; a step launched ahead starts from its columns 1 and 2 (in a fused step they
+    come out of the step's CUDA graph: two eager adds between the graphs before)."""
+    return torch.cat([accepted[:, None].long(), bonus[:, None].long(), next_starts[:, None].long(), drafts.long()], 1)
 
 
 def greedy_step_forward(
@@ -190,9 +200,10 @@ def greedy_step_forward(
         drafts = argmax(runner.propose_forward(anchors, starts, runner.block_lengths(starts), block_tables))
     logits, features = runner.verify_forward(torch.cat([anchors[:, :1], drafts], dim=1), starts, lengths, block_tables)
     accepted, bonus = greedy_outcome(drafts, argmax(logits), lengths - 1, *forced)
+    committed = accepted + 1
     if runner.drafter is not None:
-        runner.context_forward(features, starts, accepted + 1, block_tables)
-    return pack_outcome(accepted, bonus, drafts)
+        runner.context_forward(features, starts, committed, block_tables)
+    return pack_outcome(accepted, bonus, starts + committed, drafts)
 
 
 def finish_step(step: LaunchedStep) -> list[StepOutput]:
@@ -200,4 +211,4 @@ def finish_step(step: LaunchedStep) -> list[StepOutput]:
     if step.ready is not None:
         step.ready.synchronize()
     rows = step.host.tolist()
-    return [StepOutput(r[2 : 2 + r[0]] + [r[1]], r[2 : 1 + w]) for r, w in zip(rows, step.widths)]
+    return [StepOutput(r[3 : 3 + r[0]] + [r[1]], r[3 : 2 + w]) for r, w in zip(rows, step.widths)]

@@ -1,0 +1,46 @@
+"""The one-launch copy of a CUDA graph's integer inputs into its static buffers
+(`kernels.graph_inputs`) against `fill_buffers`' reference, a copy and a fill per input. On the
+CPU it runs in Triton's interpreter, in a subprocess (see test_kernels_attention)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import CUDA, interpreter_test, runs_kernel
+
+from blockspec.engine.cuda_graphs import PAD, fill_buffers
+from blockspec.layers.fast_path import reference_ops
+from blockspec.layers.kernels.graph_inputs import fill_buffers_triton
+
+DEVICE = "cuda" if CUDA else "cpu"
+test_kernels_in_interpreter = interpreter_test(__file__)
+
+
+def step_inputs(batch: int, width: int, pages: int) -> tuple[torch.Tensor, ...]:
+    """A fused step's inputs as the engine passes them: anchors expanded over the width (stride 0)
+    and starts read from the step before's packed results (strided), block tables narrower than
+    their buffer and not contiguous."""
+    gen = torch.Generator().manual_seed(batch)
+    packed = torch.randint(0, 1000, (batch, 3 + width), generator=gen).to(DEVICE)
+    tables = torch.randint(1, 99, (batch, 2 * pages), generator=gen).to(DEVICE)[:, ::2]
+    lengths, forced = (torch.randint(1, width + 1, (batch,), generator=gen).to(DEVICE) for _ in range(2))
+    return packed[:, 1:2].expand(-1, width), packed[:, 2], lengths, tables, forced
+
+
+@runs_kernel
+@pytest.mark.parametrize("batch,bucket", [(1, 1), (3, 4), (4, 4)])
+def test_fill_buffers_kernel_matches_copies(batch: int, bucket: int) -> None:
+    """Every input in its buffer's first rows and columns, the padding rows set to PAD, the columns
+    past an input left as they were."""
+    xs = step_inputs(batch, width=5, pages=3)
+    shapes = [(bucket, 8), (bucket,), (bucket,), (bucket, 6), (bucket,)]
+    bufs = [torch.full(s, -7, dtype=torch.int64, device=DEVICE) for s in shapes]
+    expected = [b.clone() for b in bufs]
+    with reference_ops():
+        fill_buffers(expected, xs, PAD, batch)
+    fill_buffers_triton(bufs, list(xs), list(PAD), batch)
+    for got, want in zip(bufs, expected, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(bufs[0][:batch, 5:], torch.full((batch, 3), -7, device=DEVICE))  # past the width: as it was
+    assert torch.equal(bufs[3][batch:], torch.zeros(bucket - batch, 6, dtype=torch.int64, device=DEVICE))
