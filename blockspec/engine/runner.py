@@ -90,10 +90,21 @@ class ModelRunner:
         self.max_model_len = max_model_len  # positions a drafter block may write stay below it
         self.device = target.lm_head.weight.device
         self.capture = drafter.target_layer_ids if drafter is not None else ()
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def tensor(self, data: list | np.ndarray) -> torch.Tensor:
+        """Host integers on the device. On CUDA copied on a stream of its own, which the current one
+        waits for: a step launched ahead is queued while the step before runs, and its inputs then
+        cross during that step instead of after it, between the two steps' graphs."""
         host = torch.as_tensor(np.asarray(data, dtype=np.int64))
-        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        if self.device.type != "cuda":
+            return host
+        with torch.cuda.stream(self.copy_stream):  # allocated there, so no pending kernel still reads the memory
+            device = host.pin_memory().to(self.device, non_blocking=True)
+        current = torch.cuda.current_stream()
+        current.wait_stream(self.copy_stream)
+        device.record_stream(current)  # not reused before the current stream is done with it
+        return device
 
     def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying x to the host; the copy is complete once the event (None on the CPU) passed."""
