@@ -17,6 +17,7 @@ from conftest import CUDA, INTERPRETED, interpreter_test, make_drafter, make_tar
 from blockspec import LLM, SamplingParams
 from blockspec.layers import attention as attention_module
 from blockspec.layers.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.kernels import kernel_module
 from blockspec.layers.kernels import paged_attention as paged_attention_module
 from blockspec.layers.kernels.kv_write import write_kv_triton
@@ -28,8 +29,8 @@ from blockspec.layers.kernels.paged_attention import (
     qkv_attention_triton,
     step_grid,
 )
-from blockspec.layers.kernels.qk_norm_rope import qk_norm_rope_triton
-from blockspec.layers.rotary import qk_norm_rope, qk_norm_rope_ref
+from blockspec.layers.kernels.qk_norm_rope import layers_kv_write_triton, qk_norm_rope_triton
+from blockspec.layers.rotary import layers_kv_write, qk_norm_rope, qk_norm_rope_ref
 
 test_kernels_in_interpreter = interpreter_test(__file__)
 
@@ -327,6 +328,33 @@ def test_qk_norm_rope_kernel_writes_the_cache(
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for c, r in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(c.float(), r.float(), rtol=tol, atol=tol)
+
+
+@runs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layers_kv_write_kernel_matches_reference(dtype: torch.dtype) -> None:
+    """The drafter's context commit in one launch (`layers_kv_write_triton`): every layer's k heads,
+    normed with its own weight row and rotated, and its v heads, read from one GEMM's output rows,
+    into that layer's caches; against the reference (`layers_k`, then `write_kv` a layer).
+    Padding rows go to the trash slot 0, which is not compared."""
+    gen = torch.Generator().manual_seed(3)
+    layers, hkv, d = 3, 2, 32
+    rows = torch.randn(2, 4, layers * 2 * hkv * d, generator=gen).to(DEVICE, dtype)
+    kv = rows.view(2, 4, layers, 2, hkv, d).movedim(-4, 0)
+    weight = (torch.rand(layers, d, generator=gen) + 0.5).to(DEVICE, dtype)
+    angles = torch.rand(2, 4, 1, generator=gen) * 9 / (1 + torch.arange(d // 2))
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    slot_mapping = torch.tensor([[7, 8, 9, 0], [33, 1, 2, 0]], device=DEVICE)
+    caches = [tuple(torch.zeros(40, hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)) for _ in range(layers)]
+    expected = [tuple(c.clone() for c in pair) for pair in caches]
+    with torch.no_grad(), reference_ops():
+        layers_kv_write(expected, kv, weight, 1e-6, cos, sin, slot_mapping)
+    layers_kv_write_triton(caches, kv, weight, 1e-6, cos, sin, slot_mapping)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for pair, want in zip(caches, expected, strict=True):
+        for c, e in zip(pair, want, strict=True):
+            assert e[33].abs().sum() > 0  # the reference wrote the rows compared
+            torch.testing.assert_close(c[1:].float(), e[1:].float(), rtol=tol, atol=tol)
 
 
 @runs_kernel

@@ -299,7 +299,7 @@ def quantize_linears(module: nn.Module, names_filter=None) -> list[str]:
 def quantize_drafter(drafter: nn.Module, lm_head: nn.Linear | None = None, patterns=DRAFTER_FP8_PATTERNS) -> list[str]:
     """FP8 for a loaded `DFlashDrafter` (after `fuse_kv`, i.e. after `load_drafter`). Its
     projections (`patterns`) become Fp8Linear. If the drafter reads `fused_kv_fp8` (its `fuse_kv`
-    sets that attribute to None, and `context_kv` uses it when set), the stacked K/V weight
+    sets that attribute to None, and `context_rows` uses it when set), the stacked K/V weight
     becomes one Fp8Linear there and the bf16 copy is dropped; otherwise the context K/V GEMM stays
     bf16. With `lm_head` (the target's), an FP8 copy for the drafter's logits is stored as
     `drafter.lm_head_fp8` (the target keeps its own; the runner must choose to use it). Returns the

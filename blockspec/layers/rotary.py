@@ -102,3 +102,33 @@ def qk_norm_rope(qkv: torch.Tensor, *args, kv_write: KVWrite | None = None) -> t
     kernels = fast_kernels(qkv, "qk_norm_rope")
     op = kernels.qk_norm_rope_triton if kernels is not None else qk_norm_rope_ref
     return op(qkv, *args, kv_write=kv_write)
+
+
+def layers_kv_write(
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Every layer's K and V from kv [L, ..., 2, Hkv, D] into its caches at slot_mapping [...]: the
+    k heads RMS-normed with the layer's row of k_weight [L, D] and rotated (`layers_k`), the v heads
+    as they are (the DFlash drafter's context commit); on CUDA without grad one Triton launch for
+    all layers instead of a norm + rope launch and a write per layer."""
+    kernels = fast_kernels(kv, "qk_norm_rope")
+    if kernels is not None:
+        return kernels.layers_kv_write_triton(caches, kv, k_weight, eps, cos, sin, slot_mapping)
+    k = layers_k(kv, k_weight, eps, cos, sin)
+    for i, (k_cache, v_cache) in enumerate(caches):
+        write_kv(k_cache, v_cache, k[i], kv[i, ..., 1, :, :], slot_mapping)
+
+
+def layers_k(
+    kv: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The k heads of kv [L, ..., 2, Hkv, D], each layer's normed with its row of k_weight [L, D]
+    and rotated: [L, ..., Hkv, D]."""
+    weight = k_weight.view(k_weight.shape[0], *[1] * (kv.dim() - 3), k_weight.shape[1])
+    return norm_rope(kv[..., 0, :, :], weight, eps, cos, sin)

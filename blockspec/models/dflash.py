@@ -11,10 +11,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from blockspec.layers.attention import AttentionMetadata, write_kv
+from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.rotary import RotaryEmbedding, norm_rope
+from blockspec.layers.rotary import RotaryEmbedding, layers_k, layers_kv_write
 from blockspec.models.llama import DecoderLayer, KVCache, decoder_stack, layer_spec, layer_types, sliding_window
 
 
@@ -67,9 +67,9 @@ class DFlashDrafter(nn.Module):
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])  # [L, D]
         self.fused_kv_fp8 = None  # an Fp8Linear of the same rows once quantize_drafter ran
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's context K and V, each [L, *positions.shape, Hkv, D], from features
-        [*positions.shape, n*H_t] in one GEMM. Differentiable when `fuse_kv` ran under autograd."""
+    def context_rows(self, features: torch.Tensor) -> torch.Tensor:
+        """Every layer's context k and v heads before k's norm and rope, [L, *lead, 2, Hkv, D] (a
+        view of one GEMM's output), from features [*lead, n*H_t]."""
         s = self.spec
         c = self.fc(features)  # hidden_norm(c) is the fused K/V GEMM's prologue
         fp8 = self.fused_kv_fp8
@@ -77,18 +77,22 @@ class DFlashDrafter(nn.Module):
             kv = fp8(c, norm=self.hidden_norm)
         else:
             kv = linear(c, self.fused_kv_weight, self.fused_kv_bias, norm=self.hidden_norm)
-        kv = kv.view(*c.shape[:-1], len(self.layers), 2, s.num_kv_heads, s.head_dim).movedim(-4, 0)
-        k = kv[..., 0, :, :]
-        weight = self.k_norm_weight.view(len(self.layers), *[1] * (k.dim() - 2), s.head_dim)
-        return norm_rope(k, weight, s.eps, *self.rotary(positions, c.dtype)), kv[..., 1, :, :]
+        return kv.view(*c.shape[:-1], len(self.layers), 2, s.num_kv_heads, s.head_dim).movedim(-4, 0)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's context K and V, each [L, *positions.shape, Hkv, D], from features
+        [*positions.shape, n*H_t] in one GEMM. Differentiable when `fuse_kv` ran under autograd."""
+        kv = self.context_rows(features)
+        k = layers_k(kv, self.k_norm_weight, self.spec.eps, *self.rotary(positions, kv.dtype))
+        return k, kv[..., 1, :, :]
 
     def write_context(
         self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv_caches: list[KVCache]
     ) -> None:
         """Append context K/V for committed positions. features: [N, n*H_t]; positions, slots: [N]."""
-        k, v = self.context_kv(features, positions)
-        for i, (k_cache, v_cache) in enumerate(kv_caches):
-            write_kv(k_cache, v_cache, k[i], v[i], slot_mapping)
+        kv = self.context_rows(features)
+        rope = self.rotary(positions, kv.dtype)
+        layers_kv_write(kv_caches, kv, self.k_norm_weight, self.spec.eps, *rope, slot_mapping)
 
     def forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_caches: list[KVCache]

@@ -121,3 +121,67 @@ def qk_norm_rope_triton(
             HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2),
         )  # fmt: skip
     return qkv
+
+
+@triton.jit
+def _store_halves(ptrs, y1, y2, mask, HALF: tl.constexpr):
+    tl.store(ptrs, y1.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, y2.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layers_kv_write_kernel(
+    kv_ptr, weight_ptr, cos_ptr, sin_ptr, slot_ptr, k_caches, v_caches, stride_l, stride_t, stride_cos, eps,
+    NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (token t, layer, head h): layer's k head h (h < Hkv; normed with the layer's weight
+    row and rotated) or v head h - Hkv, from kv (rows [2 * Hkv, D]: k heads, then v heads), to
+    that layer's cache slot of t."""
+    t, layer, h = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    row = kv_ptr + layer * stride_l + t * stride_t + h * (2 * HALF)
+    x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    is_k = h < NUM_KV_HEADS
+    if is_k:
+        w = weight_ptr + layer * (2 * HALF)
+        w1, w2 = tl.load(w + offs, mask=mask).to(tl.float32), tl.load(w + HALF + offs, mask=mask).to(tl.float32)
+        x1, x2 = rms_norm_halves(x1, x2, w1, w2, eps, kv_ptr.dtype.element_ty, 2 * HALF)
+        c1 = tl.load(cos_ptr + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_cos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * stride_cos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = rotate_halves(x1, x2, c1, c2, s1, s2)
+    y1, y2 = x1.to(kv_ptr.dtype.element_ty), x2.to(kv_ptr.dtype.element_ty)  # as the reference rounds them
+    at = (tl.load(slot_ptr + t).to(tl.int64) * NUM_KV_HEADS + h % NUM_KV_HEADS) * (2 * HALF) + offs
+    for i in tl.static_range(len(k_caches)):  # the caches are separate tensors: one branch a layer
+        if layer == i:
+            _store_halves(k_caches[i] + at, y1, y2, mask & is_k, HALF)
+            _store_halves(v_caches[i] + at, y1, y2, mask & ~is_k, HALF)
+
+
+def layers_kv_write_triton(
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """kv [L, ..., 2, Hkv, D] (rows of 2 * Hkv * D contiguous elements), k_weight [L, D], cos/sin
+    [..., D], slot_mapping [...]: every layer's K and V into its caches [slots, Hkv, D] (contiguous)."""
+    L, d, hkv = kv.shape[0], kv.shape[-1], kv.shape[-2]
+    rows = kv.reshape(L, -1, 2 * hkv * d)  # a view: the GEMM's output rows
+    cos2, sin2, slots = cos.reshape(-1, d), sin.reshape(-1, d), slot_mapping.reshape(-1)
+    assert len(caches) == L and k_weight.shape == (L, d) and k_weight.is_contiguous()
+    assert rows.data_ptr() == kv.data_ptr() and rows.stride(2) == 1 and rows.shape[1] == slots.numel()
+    assert cos2.shape[0] == slots.numel() and cos2.stride() == sin2.stride() and cos2.stride(1) == 1
+    assert all(c.is_contiguous() and c.shape[1:] == (hkv, d) for pair in caches for c in pair)
+    if slots.numel():
+        _layers_kv_write_kernel[(slots.numel(), L, 2 * hkv)](
+            rows, k_weight, cos2, sin2, slots, tuple(k for k, _ in caches), tuple(v for _, v in caches),
+            rows.stride(0), rows.stride(1), cos2.stride(0), eps, NUM_KV_HEADS=hkv, HALF=d // 2,
+            BLOCK=triton.next_power_of_2(d // 2),
+        )  # fmt: skip
