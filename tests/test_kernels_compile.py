@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 
-from blockspec.layers.kernels import argmax, kv_write, paged_attention, qk_norm_rope, quantize_rows
+from blockspec.layers.kernels import argmax, graph_inputs, kv_write, paged_attention, qk_norm_rope, quantize_rows
 from blockspec.layers.kernels import skinny_linear as kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -182,6 +182,20 @@ def test_qkv_attention_compiles(rows, split, arrive, norm, fp32):
     pointers |= dict.fromkeys(("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr"), tensors)
     pointers |= SPLIT_POINTERS | {"out_ptr": tensors}
     compile_for_hopper(paged_attention._qkv_attention_kernel, flags, **pointers)
+
+
+def test_graph_inputs_compiles():
+    """Five int64 inputs (a fused step's), passed as tuples of pointers and sizes."""
+    five = {name: ("*i64",) * 5 for name in ("bufs", "xs")} | {
+        name: ("i32",) * 5 for name in ("widths", "cols", "pads")
+    }
+    compile_for_hopper(graph_inputs._fill_kernel, {"BLOCK": graph_inputs.BLOCK}, x_strides=("i32",) * 10, **five)
+
+
+def test_layers_kv_write_compiles():
+    flags = {"NUM_KV_HEADS": 8, "HALF": 64, "BLOCK": 64}
+    caches = dict.fromkeys(("k_caches", "v_caches"), ("*bf16",) * 5)  # the drafter's 5 layers
+    compile_for_hopper(qk_norm_rope._layers_kv_write_kernel, flags, slot_ptr="*i64", **caches)
 
 
 def registers(compiled) -> tuple[int, int]:

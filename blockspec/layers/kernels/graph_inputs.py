@@ -4,7 +4,10 @@ per input). Between two replays of a step's graph those were five copies (the an
 lengths, block tables and forced counts), each a launch and a gap on the device's critical path.
 Program (r, j) writes columns [j * BLOCK, (j + 1) * BLOCK) of row r of every buffer: x's row r
 where r < batch (the columns x has; the rest are left as they are, unread), the padding value
-where r >= batch."""
+where r >= batch. The sizes and strides come as floats, which Triton does not specialize on: as
+integers in a tuple it would compile a variant for each pattern of ones and multiples of 16 among
+them, even with do_not_specialize, and the block tables widen as contexts grow (a compile in the
+middle of a run: seen as a 10 ms phase in the bench's first run)."""
 
 import torch
 import triton
@@ -13,14 +16,15 @@ import triton.language as tl
 BLOCK = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch"])
 def _fill_kernel(bufs, xs, widths, x_strides, cols, pads, batch, BLOCK: tl.constexpr):
-    row, col = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, col = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    real = row < batch
     for i in tl.static_range(len(bufs)):
-        real = row < batch
-        x = tl.load(xs[i] + row * x_strides[2 * i] + col * x_strides[2 * i + 1], mask=real & (col < cols[i]))
-        value = tl.where(real, x, pads[i])
-        tl.store(bufs[i] + row * widths[i] + col, value, mask=col < tl.where(real, cols[i], widths[i]))
+        width, n = tl.cast(widths[i], tl.int64), tl.cast(cols[i], tl.int64)
+        at = row * tl.cast(x_strides[2 * i], tl.int64) + col * tl.cast(x_strides[2 * i + 1], tl.int64)
+        value = tl.where(real, tl.load(xs[i] + at, mask=real & (col < n)), tl.cast(pads[i], tl.int64))
+        tl.store(bufs[i] + row * width + col, value, mask=col < tl.where(real, n, width))
 
 
 def fill_buffers_triton(bufs: list[torch.Tensor], xs: list[torch.Tensor], pads: list[int], batch: int) -> None:
@@ -28,8 +32,8 @@ def fill_buffers_triton(bufs: list[torch.Tensor], xs: list[torch.Tensor], pads: 
     bufs, xs = [b.view(b.shape[0], -1) for b in bufs], [x.view(x.shape[0], -1) if x.dim() == 1 else x for x in xs]
     assert all(b.is_contiguous() and b.dtype == x.dtype == torch.int64 for b, x in zip(bufs, xs, strict=True))
     assert all(x.shape[0] == batch and x.shape[1] <= b.shape[1] for b, x in zip(bufs, xs)), "inputs past their buffers"
-    widths = tuple(b.shape[1] for b in bufs)
+    widths, cols, strides = [b.shape[1] for b in bufs], [x.shape[1] for x in xs], [s for x in xs for s in x.stride()]
+    assert all(0 <= n < 2**24 for n in widths + strides + list(pads)), "sizes past float32's exact integers"
     _fill_kernel[(bufs[0].shape[0], triton.cdiv(max(widths), BLOCK))](
-        tuple(bufs), tuple(xs), widths, tuple(s for x in xs for s in x.stride()), tuple(x.shape[1] for x in xs),
-        tuple(pads), batch, BLOCK=BLOCK,
-    )  # fmt: skip
+        tuple(bufs), tuple(xs), *(tuple(map(float, v)) for v in (widths, strides, cols, pads)), batch, BLOCK=BLOCK
+    )
