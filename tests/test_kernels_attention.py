@@ -156,19 +156,25 @@ def poisoned_partials(monkeypatch) -> None:
     monkeypatch.setattr(paged_attention_module, "_partials", poisoned)
 
 
+@pytest.fixture
+def arrivals(monkeypatch):
+    """This test's split-K arrival counters (the last split of a tile to arrive combines), checked
+    back at zero, ready for the next launch, once it ends."""
+    monkeypatch.setattr(paged_attention_module, "_ARRIVALS", {})
+    yield paged_attention_module._ARRIVALS
+    for counters in paged_attention_module._ARRIVALS.values():
+        assert not counters[-1].any()
+
+
 @runs_kernel
 @pytest.mark.parametrize("splits", [2, 3, 7])
 @pytest.mark.parametrize("name", ["decode_g4_d128", "draft_block_g3_d64", "verify_g4_s16_ragged"])
-def test_split_k_matches_reference(name: str, splits: int, poisoned_partials, monkeypatch) -> None:
+def test_split_k_matches_reference(name: str, splits: int, poisoned_partials, arrivals) -> None:
     """Forced splits, including more splits than the short ranges fill (empty partials, over a
-    workspace poisoned with NaN); up to ARRIVE_MAX_SPLITS combined by the last to arrive, whose
-    counters are back at zero for the next launch."""
-    monkeypatch.setattr(paged_attention_module, "_ARRIVALS", {})  # this test's counters only
+    workspace poisoned with NaN); up to ARRIVE_MAX_SPLITS combined by the last to arrive."""
     case = make_case(*CASES[name], dtype=DTYPES[0])
     check(paged_attention_triton(**case, num_splits=splits), case)
-    assert (splits <= ARRIVE_MAX_SPLITS) == bool(paged_attention_module._ARRIVALS)
-    for counters in paged_attention_module._ARRIVALS.values():
-        assert not counters[-1].any()
+    assert (splits <= ARRIVE_MAX_SPLITS) == bool(arrivals)
 
 
 @runs_kernel
@@ -367,7 +373,7 @@ def test_layers_kv_write_kernel_matches_reference(dtype: torch.dtype) -> None:
      "causal_window_g3_s5", "causal_window_3_s5", "tiny_model_d16_page_4"],
 )  # fmt: skip
 def test_qkv_attention_is_rope_and_write_then_attention(
-    name: str, weights: bool, splits: int, block_m: int | None, poisoned_partials
+    name: str, weights: bool, splits: int, block_m: int | None, poisoned_partials, arrivals
 ) -> None:
     """The fused launch against qk_norm_rope_ref (with the K/V write) then paged_attention_ref, as
     a step runs them: rows at their positions (padding rows of a ragged batch at position 0, slot

@@ -185,11 +185,10 @@ def test_qkv_attention_compiles(rows, split, arrive, norm, fp32):
 
 
 def test_graph_inputs_compiles():
-    """Five int64 inputs (a fused step's), passed as tuples of pointers and sizes."""
-    five = {name: ("*i64",) * 5 for name in ("bufs", "xs")} | {
-        name: ("i32",) * 5 for name in ("widths", "cols", "pads")
-    }
-    compile_for_hopper(graph_inputs._fill_kernel, {"BLOCK": graph_inputs.BLOCK}, x_strides=("i32",) * 10, **five)
+    """Five int64 inputs (a fused step's): tuples of pointers, and of sizes and strides as floats."""
+    pointers = dict.fromkeys(("bufs", "xs"), ("*i64",) * 5)
+    sizes = dict.fromkeys(("widths", "cols", "pads"), ("fp32",) * 5) | {"x_strides": ("fp32",) * 10}
+    compile_for_hopper(graph_inputs._fill_kernel, {"BLOCK": graph_inputs.BLOCK}, **pointers, **sizes)
 
 
 def test_layers_kv_write_compiles():

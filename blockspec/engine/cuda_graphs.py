@@ -32,7 +32,9 @@ def fill_buffers(bufs: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...], p
     buffer's rows past `batch` (padding sequences) set to the padding value; on CUDA the integer
     inputs in one launch (`kernels.graph_inputs`)."""
     kernels = fast_kernels(xs[0], "graph_inputs")
-    ints = [i for i, x in enumerate(xs) if kernels is not None and x.dtype == torch.int64 and x.dim() <= 2]
+    ints = [
+        i for i, x in enumerate(xs) if kernels is not None and x.is_cuda and x.dtype == torch.int64 and x.dim() <= 2
+    ]
     for i in sorted(set(range(len(xs))) - set(ints)):
         bufs[i][tuple(slice(n) for n in xs[i].shape)].copy_(xs[i], non_blocking=True)
         bufs[i][batch:].fill_(pads[i])

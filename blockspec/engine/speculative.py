@@ -103,7 +103,7 @@ class LaunchedStep:
     @property
     def bonus(self) -> torch.Tensor:
         """[B]: the next step's anchors."""
-        return self.packed[:, 1]
+        return self.packed[:, 0]
 
     @property
     def next_starts(self) -> torch.Tensor:
@@ -178,10 +178,11 @@ def greedy_outcome(
 def pack_outcome(
     accepted: torch.Tensor, bonus: torch.Tensor, next_starts: torch.Tensor, drafts: torch.Tensor
 ) -> torch.Tensor:
-    """[B, 3 + S-1]: accepted counts, bonus tokens, the next step's starts and the drafts, for one
-    copy to the host; a step launched ahead starts from its columns 1 and 2 (in a fused step they
-    come out of the step's CUDA graph: two eager adds between the graphs before)."""
-    return torch.cat([accepted[:, None].long(), bonus[:, None].long(), next_starts[:, None].long(), drafts.long()], 1)
+    """[B, 3 + S-1]: bonus tokens, accepted counts, the next step's starts and the drafts, for one
+    copy to the host; a step launched ahead starts from its columns 0 and 2 (in a fused step they
+    come out of the step's CUDA graph: two eager adds between the graphs before), which are 16-byte
+    aligned as the host's inputs are (Triton compiles a kernel variant per alignment)."""
+    return torch.cat([bonus[:, None].long(), accepted[:, None].long(), next_starts[:, None].long(), drafts.long()], 1)
 
 
 def greedy_step_forward(
@@ -211,4 +212,4 @@ def finish_step(step: LaunchedStep) -> list[StepOutput]:
     if step.ready is not None:
         step.ready.synchronize()
     rows = step.host.tolist()
-    return [StepOutput(r[3 : 3 + r[0]] + [r[1]], r[3 : 2 + w]) for r, w in zip(rows, step.widths)]
+    return [StepOutput(r[3 : 3 + r[1]] + [r[0]], r[3 : 2 + w]) for r, w in zip(rows, step.widths)]

@@ -175,7 +175,8 @@ def layers_kv_write_triton(
     L, d, hkv = kv.shape[0], kv.shape[-1], kv.shape[-2]
     rows = kv.reshape(L, -1, 2 * hkv * d)  # a view: the GEMM's output rows
     cos2, sin2, slots = cos.reshape(-1, d), sin.reshape(-1, d), slot_mapping.reshape(-1)
-    assert len(caches) == L and k_weight.shape == (L, d) and k_weight.is_contiguous()
+    assert len(caches) == L and k_weight.shape == (L, d) and k_weight.is_contiguous() and d % 2 == 0
+    assert slots.stride(0) == 1, "slot_mapping's rows read as one contiguous run"
     assert rows.data_ptr() == kv.data_ptr() and rows.stride(2) == 1 and rows.shape[1] == slots.numel()
     assert cos2.shape[0] == slots.numel() and cos2.stride() == sin2.stride() and cos2.stride(1) == 1
     assert all(c.is_contiguous() and c.shape[1:] == (hkv, d) for pair in caches for c in pair)
