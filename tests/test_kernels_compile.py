@@ -223,8 +223,7 @@ def test_fused_attention_fits_three_programs_an_sm_in_16_row_tiles(rows):
     block_m, tiles, splits = paged_attention.step_grid(1 if rows > 1 else 16, 8, rows * 4, 1024, 132)
     assert block_m == 16
     flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": block_m, "TILES": tiles, "BLOCK_S": 16, "HAS_NORM": True}
-    _, split_flags = paged_attention._split_args(splits, torch.empty(0), 128, 1, block_m)  # as launched on Hopper
-    flags |= split_flags | {"PDL": True}
+    flags |= paged_attention.split_flags(splits, block_m) | {"PDL": True}  # as launched on Hopper
     unit = ("stride_tm", "stride_pb", "stride_mb", "stride_ms", "stride_sb", "stride_ss", "stride_eb", "stride_es")
     flags |= tile | dict.fromkeys(unit, 1) | ({"S": 1} if rows == 1 else {})
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")

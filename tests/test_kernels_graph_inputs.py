@@ -18,14 +18,14 @@ test_kernels_in_interpreter = interpreter_test(__file__)
 
 
 def step_inputs(batch: int, width: int, pages: int) -> tuple[torch.Tensor, ...]:
-    """A fused step's inputs as the engine passes them: anchors expanded over the width (stride 0)
-    and starts read from the step before's packed results (strided), block tables narrower than
-    their buffer and not contiguous."""
+    """A fused step's inputs as a step launched ahead passes them: anchors expanded over the width
+    (stride 0) and starts, both read from the step before's packed outcome (strided: columns 0 and
+    2), block tables narrower than their buffer and not contiguous."""
     gen = torch.Generator().manual_seed(batch)
     packed = torch.randint(0, 1000, (batch, 3 + width), generator=gen).to(DEVICE)
     tables = torch.randint(1, 99, (batch, 2 * pages), generator=gen).to(DEVICE)[:, ::2]
     lengths, forced = (torch.randint(1, width + 1, (batch,), generator=gen).to(DEVICE) for _ in range(2))
-    return packed[:, 1:2].expand(-1, width), packed[:, 2], lengths, tables, forced
+    return packed[:, :1].expand(-1, width), packed[:, 2], lengths, tables, forced
 
 
 @runs_kernel

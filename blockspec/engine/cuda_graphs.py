@@ -11,6 +11,7 @@ next row class (the widths adaptive steps run at; padding rows, past a sequence'
 write to the trash page too), so captures stay few whatever the widths of a step."""
 
 from collections.abc import Callable
+from itertools import compress
 
 import torch
 
@@ -32,14 +33,13 @@ def fill_buffers(bufs: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...], p
     buffer's rows past `batch` (padding sequences) set to the padding value; on CUDA the integer
     inputs in one launch (`kernels.graph_inputs`)."""
     kernels = fast_kernels(xs[0], "graph_inputs")
-    ints = [
-        i for i, x in enumerate(xs) if kernels is not None and x.is_cuda and x.dtype == torch.int64 and x.dim() <= 2
-    ]
-    for i in sorted(set(range(len(xs))) - set(ints)):
-        bufs[i][tuple(slice(n) for n in xs[i].shape)].copy_(xs[i], non_blocking=True)
-        bufs[i][batch:].fill_(pads[i])
-    if ints:
-        kernels.fill_buffers_triton(*([seq[i] for i in ints] for seq in (bufs, xs, pads)), batch)
+    fused = [kernels is not None and x.is_cuda and x.dtype == torch.int64 and x.dim() <= 2 for x in xs]
+    for buf, x, pad, f in zip(bufs, xs, pads, fused):
+        if not f:
+            buf[tuple(slice(n) for n in x.shape)].copy_(x, non_blocking=True)
+            buf[batch:].fill_(pad)
+    if any(fused):
+        kernels.fill_buffers_triton(*(list(compress(seq, fused)) for seq in (bufs, xs, pads)), batch)
 
 
 class GraphCache:

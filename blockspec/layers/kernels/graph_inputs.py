@@ -29,7 +29,7 @@ def _fill_kernel(bufs, xs, widths, x_strides, cols, pads, batch, BLOCK: tl.const
 
 def fill_buffers_triton(bufs: list[torch.Tensor], xs: list[torch.Tensor], pads: list[int], batch: int) -> None:
     """bufs [bucket] or [bucket, W] contiguous, xs [batch] or [batch, <= W] (any strides), all int64."""
-    bufs, xs = [b.view(b.shape[0], -1) for b in bufs], [x.view(x.shape[0], -1) if x.dim() == 1 else x for x in xs]
+    bufs, xs = ([t.view(t.shape[0], -1) for t in ts] for ts in (bufs, xs))  # [rows, columns]
     assert all(b.is_contiguous() and b.dtype == x.dtype == torch.int64 for b, x in zip(bufs, xs, strict=True))
     assert all(x.shape[0] == batch and x.shape[1] <= b.shape[1] for b, x in zip(bufs, xs)), "inputs past their buffers"
     widths, cols, strides = [b.shape[1] for b in bufs], [x.shape[1] for x in xs], [s for x in xs for s in x.stride()]

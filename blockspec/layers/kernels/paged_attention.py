@@ -405,14 +405,23 @@ def _arrivals(device: torch.device, groups: int) -> torch.Tensor:
     return held[-1]
 
 
-def _split_args(num_splits: int, out: torch.Tensor, d_pad: int, groups: int, block_m: int) -> tuple[list, dict]:
+def split_flags(num_splits: int, block_m: int) -> dict:
+    """The attention kernels' split-K constexprs: split or not, combined by the last split to arrive
+    or not, and how many splits that one's combine loads at once (64 rows of partials)."""
+    return {"SPLIT": num_splits > 1, "ARRIVE": 1 < num_splits <= ARRIVE_MAX_SPLITS, "UNROLL": max(1, 64 // block_m)}
+
+
+def _split_outputs(num_splits: int, out: torch.Tensor, d_pad: int, groups: int, flags: dict) -> list[torch.Tensor]:
+    """[out, partials, lse, arrival counters] as the kernels take them (unsplit: out in every place, unread)."""
     part, lse = _partials(num_splits, out, d_pad)
-    arrive = 1 < num_splits <= ARRIVE_MAX_SPLITS
-    counters = _arrivals(out.device, groups) if arrive else out
-    return [out, part, lse, counters], {"SPLIT": num_splits > 1, "ARRIVE": arrive, "UNROLL": max(1, 64 // block_m)}
+    return [out, part, lse, _arrivals(out.device, groups) if flags["ARRIVE"] else out]
 
 
-def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+def _combine(outputs: list[torch.Tensor], flags: dict) -> None:
+    """The combine kernel, where the keys were split and the splits did not combine as they arrived."""
+    if not flags["SPLIT"] or flags["ARRIVE"]:
+        return
+    out, part, lse, _ = outputs
     num_splits, (B, S, Hq, D), d_pad = part.shape[0], out.shape, part.shape[-1]
     _combine_kernel[(B * S * Hq,)](
         part, lse, out, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2), NUM_SPLITS=num_splits,
@@ -444,7 +453,8 @@ def paged_attention_triton(
     block_m, tiles = query_tiles(S * (Hq // Hkv))
     num_splits = num_splits or default_splits(q, k_cache, block_tables, page_size)
     d_pad = triton.next_power_of_2(D)
-    outputs, flags = _split_args(num_splits, out, d_pad, tiles * B * Hkv, block_m)
+    flags = split_flags(num_splits, block_m)
+    outputs = _split_outputs(num_splits, out, d_pad, tiles * B * Hkv, flags)
     _attention_kernel[(tiles, B * Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, k_start, k_end, *outputs, B, S, Hkv,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
@@ -452,8 +462,7 @@ def paged_attention_triton(
         k_end.stride(0), k_end.stride(1), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
         G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, **flags, **_key_tile(q.dtype, d_pad),
     )  # fmt: skip
-    if num_splits > 1 and not flags["ARRIVE"]:
-        _combine(*outputs[1:3], out)
+    _combine(outputs, flags)
     return out
 
 
@@ -511,7 +520,8 @@ def qkv_attention_triton(
         block_m, tiles = query_tiles(rows, block_m)
         splits = choose_splits(B * Hkv * tiles, max_keys, sms)
     num_splits = num_splits or splits
-    outputs, flags = _split_args(num_splits, out, D, B * Hkv * tiles, block_m)
+    flags = split_flags(num_splits, block_m)
+    outputs = _split_outputs(num_splits, out, D, B * Hkv * tiles, flags)
     norms = (q_norm, k_norm) if q_norm is not None else (cos, cos)  # unread without HAS_NORM
     _qkv_attention_kernel[(B * Hkv * tiles, num_splits)](
         qkv, *norms, cos, sin, starts, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, *outputs,
@@ -522,6 +532,5 @@ def qkv_attention_triton(
         BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, **flags,
         **_key_tile(qkv.dtype, D), **pdl_launch(qkv.device),
     )  # fmt: skip
-    if num_splits > 1 and not flags["ARRIVE"]:
-        _combine(*outputs[1:3], out)
+    _combine(outputs, flags)
     return out

@@ -50,6 +50,13 @@ def _norm_rope(x1, x2, h, t, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, offs,
 
 
 @triton.jit
+def _store_halves(ptrs, y1, y2, mask, HALF: tl.constexpr):
+    """A head's halves y1, y2 to ptrs (its first half's lanes), cast to the pointers' dtype."""
+    tl.store(ptrs, y1.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, y2.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_t, stride_h, stride_cos, eps,
@@ -72,15 +79,11 @@ def _qk_norm_rope_kernel(
         y1, y2 = _norm_rope(x1.to(tl.float32), x2.to(tl.float32), h, t, q_weight_ptr, k_weight_ptr, cos_ptr,
                             sin_ptr, offs, mask, stride_cos, eps, qkv_ptr.dtype.element_ty, NUM_HEADS, HAS_WEIGHT, HALF)  # fmt: skip
         y1, y2 = y1.to(qkv_ptr.dtype.element_ty), y2.to(qkv_ptr.dtype.element_ty)
-        tl.store(row + offs, y1, mask=mask)
-        tl.store(row + HALF + offs, y2, mask=mask)
+        _store_halves(row + offs, y1, y2, mask, HALF)
         if WRITE:  # a k head also to the cache (q heads: masked off)
-            is_k = h >= NUM_HEADS
-            tl.store(k_cache_ptr + cache_offs, y1.to(k_cache_ptr.dtype.element_ty), mask=mask & is_k)
-            tl.store(k_cache_ptr + cache_offs + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=mask & is_k)
+            _store_halves(k_cache_ptr + cache_offs, y1, y2, mask & (h >= NUM_HEADS), HALF)
     elif WRITE:  # a v head: copied to the cache
-        tl.store(v_cache_ptr + cache_offs, x1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + cache_offs + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        _store_halves(v_cache_ptr + cache_offs, x1, x2, mask, HALF)
 
 
 def qk_norm_rope_triton(
@@ -124,12 +127,6 @@ def qk_norm_rope_triton(
 
 
 @triton.jit
-def _store_halves(ptrs, y1, y2, mask, HALF: tl.constexpr):
-    tl.store(ptrs, y1.to(ptrs.dtype.element_ty), mask=mask)
-    tl.store(ptrs + HALF, y2.to(ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _layers_kv_write_kernel(
     kv_ptr, weight_ptr, cos_ptr, sin_ptr, slot_ptr, k_caches, v_caches, stride_l, stride_t, stride_cos, eps,
     NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
@@ -144,15 +141,10 @@ def _layers_kv_write_kernel(
     x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     is_k = h < NUM_KV_HEADS
-    if is_k:
+    if is_k:  # `_norm_rope` with no q heads: the k weight, the layer's row
         w = weight_ptr + layer * (2 * HALF)
-        w1, w2 = tl.load(w + offs, mask=mask).to(tl.float32), tl.load(w + HALF + offs, mask=mask).to(tl.float32)
-        x1, x2 = rms_norm_halves(x1, x2, w1, w2, eps, kv_ptr.dtype.element_ty, 2 * HALF)
-        c1 = tl.load(cos_ptr + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + t * stride_cos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + t * stride_cos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        x1, x2 = rotate_halves(x1, x2, c1, c2, s1, s2)
+        x1, x2 = _norm_rope(x1, x2, h, t, w, w, cos_ptr, sin_ptr, offs, mask, stride_cos, eps,
+                            kv_ptr.dtype.element_ty, 0, True, HALF)  # fmt: skip
     y1, y2 = x1.to(kv_ptr.dtype.element_ty), x2.to(kv_ptr.dtype.element_ty)  # as the reference rounds them
     at = (tl.load(slot_ptr + t).to(tl.int64) * NUM_KV_HEADS + h % NUM_KV_HEADS) * (2 * HALF) + offs
     for i in tl.static_range(len(k_caches)):  # the caches are separate tensors: one branch a layer
