@@ -1,6 +1,6 @@
 """Engine configuration."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -18,6 +18,9 @@ class SpeculativeConfig:
     # Each step picks the block width (1, 2, 4, ... up to the widest) that maximises committed
     # tokens per second, from running acceptance rates and measured step times (engine/adaptive.py).
     adaptive_width: bool = True
+    # Benchmarks only: blocks accepted at this mean acceptance length at the full block, the drafter
+    # still run (`proposers.simulated`), so that random weights can be timed at a realistic tau.
+    simulate_tau: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("dflash", "ngram"):
@@ -28,6 +31,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.simulate_tau is not None and (self.method != "dflash" or self.simulate_tau < 1):
+            raise ValueError("simulate_tau is a mean acceptance length (>= 1) of a dflash drafter")
 
     @classmethod
     def from_dict(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -37,6 +42,18 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
         return cls(**value)
+
+
+@dataclass
+class KernelConfig:
+    """Switches of the CUDA fast paths, all on by default; off, each falls back to its reference
+    (for A/B runs). The engine puts them in force when it is built
+    (`blockspec.layers.fast_path.use_kernels`), where BLOCKSPEC_TRITON_LINEAR, BLOCKSPEC_PDL and
+    BLOCKSPEC_FP8_KERNEL (0 or 1) override them."""
+
+    triton_linear: bool = True  # few-row bf16/fp16 linears by the Triton skinny GEMM (off: cuBLAS, ops apart)
+    pdl: bool = True  # the kernels that can launch with programmatic dependent launch do (Hopper+)
+    fp8_kernel: bool = True  # FP8 linears on FP8 tensor cores (off: their reference, weights dequantized)
 
 
 @dataclass
@@ -54,17 +71,12 @@ class EngineConfig:
     # model up to one rounding of those weights, and the fused GEMMs skip a multiply; None: where
     # those GEMMs run (CUDA with the Triton kernels on).
     fold_norms: bool | None = None
-    simulate_tau: float | None = None  # benchmarks only: draw acceptance with this mean at the full block
-    # A greedy step (drafts, verify, acceptance, the drafter's context commit) as one forward, so one
-    # CUDA graph; False: those phases apart, as a step with sampled rows runs them (the bench times
-    # the phases so).
-    fused_steps: bool = True
+    # The CUDA fast paths' switches, put in force for the process when the engine is built.
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "page_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.simulate_tau is not None and self.simulate_tau < 1:
-            raise ValueError("simulate_tau is a mean acceptance length: >= 1")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError("num_pages must be >= 2 (page 0 is reserved)")

@@ -1,6 +1,15 @@
-"""Sampling parameters, the target/drafter token distributions they define, and the
-acceptance rules of speculative decoding (greedy prefix match; rejection sampling)."""
+"""Sampling parameters, the token distributions they define, counter-based random draws, and the
+acceptance rules of speculative decoding (greedy prefix match; rejection sampling), batched over
+rows whose parameters differ.
 
+Randomness is a function of (request seed, token position, purpose), hashed on the device: a
+sampled row's draws do not depend on which rows share its step, no host generator is carried per
+request, and nothing waits for the device. A purpose (`Stream`) separates the uniforms that draw a
+draft, accept it, and draw the residual or bonus token at the same position. Every uniform decides
+a token not yet committed, and none decides two: after a rejection at position t, the uniforms of
+positions past t decided only discarded drafts, so they are fresh for the next step."""
+
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -74,34 +83,87 @@ class SamplingParams:
         return self.temperature == 0
 
 
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p")  # a row's parameters, as `sampling_row` packs them
+
+
+def sampling_row(params: SamplingParams) -> list[float]:
+    """A request's parameters as one row of a step's float32 [B, 4] sampling tensor."""
+    return [params.temperature, max(params.top_k, 0), params.top_p, params.min_p]
+
+
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution sampling draws from: softmax(logits / T), restricted to the top-k
-    tokens, then to the smallest top set with mass >= top_p, then to the tokens with at least
-    min_p times the top probability (transformers' order). logits: [..., V]."""
+    """`probs` of logits [..., V] under one request's parameters."""
+    row = torch.tensor(sampling_row(params), device=logits.device)
+    return probs(logits, row.expand(*logits.shape[:-1], len(SAMPLING_COLUMNS)))
+
+
+def probs(logits: torch.Tensor, sampling: torch.Tensor, filters: bool = True) -> torch.Tensor:
+    """The distributions sampling draws from, a row's parameters in `sampling` [..., 4]
+    (`SAMPLING_COLUMNS`): softmax(logits / T), restricted to the top-k tokens, then to the smallest
+    top set with mass >= top_p, then to the tokens with at least min_p times the top probability
+    (transformers' order). logits: [..., V]. Rows of temperature 0 (greedy: never drawn from) get
+    T = 1. `filters=False` skips top-k and top-p (and their sort) where no row asks for them."""
     logits = logits.float()
+    temperature, top_k, top_p, min_p = (c[..., None] for c in sampling.float().unbind(-1))
     # Shifted so the top score is 0 before dividing: a tiny T sends the others to -inf (the
     # argmax limit), where logits / T would overflow to inf and softmax to NaN.
-    scores = (logits - logits.amax(-1, keepdim=True)) / params.temperature
-    if 0 < params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+    scores = (logits - logits.amax(-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)
+    vocab = scores.shape[-1]
+    if filters:
+        ranked, order = scores.sort(dim=-1, descending=True)
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+        kth = ranked.gather(-1, k.expand(*scores.shape[:-1], 1) - 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    p = torch.softmax(scores, dim=-1)
+    if filters:
+        ranked_p = p.gather(-1, order)
+        outside = (ranked_p.cumsum(-1) - ranked_p >= top_p) & (top_p < 1)
+        p = p.scatter(-1, order, ranked_p.masked_fill(outside, 0))
+        p = p / p.sum(-1, keepdim=True)
+    p = p.masked_fill(p < min_p * p.amax(-1, keepdim=True), 0)
+    return p / p.sum(-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of probs [R, V], drawn as torch.multinomial(probs, 1) draws it, by the
-    exponential race argmax(p / E) with E ~ Exp(1) (the same tokens and generator state, bit for
-    bit), but without multinomial's check of probs, whose .item() waits for the device."""
-    return argmax(probs / torch.empty_like(probs).exponential_(1, generator=generator))
+class Stream(enum.IntEnum):
+    """What a uniform decides at its token position (`uniform`)."""
+
+    DRAFT = 0  # the drafter's draw of a draft
+    ACCEPT = 1  # the accept/reject test of a draft
+    RESIDUAL = 2  # the draw after a rejection, or the bonus token
+    SIMULATED = 3  # benchmarks: the simulated acceptance of a block
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 x in [0, 2**32); the products stay
+    below 2**63, so int64 arithmetic is exact on every device."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    return (x >> 16) ^ x
+
+
+def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """32 random bits a (seed, position, stream), int64 in [0, 2**32); seeds are 63-bit."""
+    h = mix32((positions * 8 + stream) & MASK32)
+    h = mix32(h ^ (seeds & MASK32))
+    return mix32(h ^ (seeds >> 32))
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """Float64 uniforms in [0, 1) with 53 random bits, one per (seed, position) pair (broadcast)."""
+    high = random_bits(seeds, positions, stream)
+    low = random_bits(seeds, positions, stream + len(Stream)) >> 11
+    return (high * 2**21 + low).double() * 2**-53
+
+
+def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of (unnormalized) p [..., V] by inverse CDF at u [...]: the first token whose
+    cumulative mass exceeds u times the total; tokens of zero mass are never drawn."""
+    cdf = p.double().cumsum(-1)
+    token = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0]
+    return token.clamp_max(p.shape[-1] - 1)  # u * total rounded up to the total
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -121,21 +183,37 @@ def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts:
     return match.int().cumprod(dim=1).sum(dim=1)
 
 
-def rejection_sample(
-    drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling for one sequence: accept d_i with probability min(1, p/q); on the
-    first rejection draw from normalize(max(p - q, 0)); if all are accepted, the bonus is
-    drawn from p's last row. drafts: [R]; p: [R+1, V]; q: [R, V]. Returns (accepted, token)
-    as device scalars: nothing here waits for the device."""
-    R = len(drafts)
-    rows = torch.arange(R, device=p.device)
-    u = torch.rand(R, generator=generator, device=p.device)
-    accepted = (u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum()
-    row = accepted.view(1)  # a 1-d index: p[0-d tensor] would read it on the host first
-    # Past the last draft q counts as zero, so "all accepted" is the same rule: max(p[R] - 0, 0).
-    q_row = torch.where(row < R, q[row.clamp(max=R - 1)], 0.0) if R else 0.0
-    residual = (p[row] - q_row).clamp_min(0)
-    # max(p - q, 0) is all zero only when p == q, where rejection has probability 0.
-    residual = torch.where(residual.sum() > 0, residual, p[row])
-    return accepted, sample(residual / residual.sum(), generator)[0]
+def point_mass_or(q: torch.Tensor | None, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The proposal distributions [B, S-1, V]: q, or where a proposer has none (its drafts are
+    certain: n-gram lookup), point masses at the drafts."""
+    return q if q is not None else torch.nn.functional.one_hot(drafts, vocab).float()
+
+
+def sampled_accept(
+    drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, num_drafts: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """Accepted drafts per sequence under speculative sampling: draft i is accepted with probability
+    min(1, p(d_i) / q(d_i)), i.e. when u_i * q(d_i) < p(d_i), up to the first rejection. drafts,
+    u: [B, S-1]; p: [B, S, V]; q: [B, S-1, V]; num_drafts: [B]."""
+    p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0].double()
+    q_d = q.gather(-1, drafts[..., None])[..., 0].double()
+    cols = torch.arange(drafts.shape[1], device=drafts.device)
+    ok = (u * q_d < p_d) & (cols < num_drafts[:, None])
+    return ok.int().cumprod(dim=1).sum(dim=1)
+
+
+def residual_tokens(
+    accepted: torch.Tensor, p: torch.Tensor, q: torch.Tensor, num_drafts: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """The token after the accepted drafts [B]: after a rejection at row a, drawn from
+    normalize(max(p_a - q_a, 0)); with every draft accepted, from p's row after the last (past the
+    last draft q counts as zero, so it is the same rule). p: [B, S, V]; q: [B, S-1, V]; u: [B]."""
+    vocab = p.shape[-1]
+    p_row = p.gather(1, accepted[:, None, None].expand(-1, 1, vocab))[:, 0]
+    if q.shape[1]:
+        q_row = q.gather(1, accepted.clamp_max(q.shape[1] - 1)[:, None, None].expand(-1, 1, vocab))[:, 0]
+        residual = (p_row - q_row).clamp_min(0)
+        # max(p - q, 0) is all zero only when p == q, where a rejection has probability 0.
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
+        p_row = torch.where((accepted < num_drafts)[:, None], residual, p_row)
+    return draw(p_row, u)

@@ -13,6 +13,7 @@ import blockspec.engine.engine as engine_module
 from blockspec.loading.dflash import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import DFlashDrafter
+from blockspec.proposers.base import Proposal, Proposer
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -124,22 +125,33 @@ def add_word_tokenizer(path: Path, vocab: int) -> Path:
     return path
 
 
+class OracleProposer(Proposer):
+    """Proposes the plain-greedy continuation `answers[prompt]`, except at every 5th position:
+    acceptance is long and rejections land at varied rows."""
+
+    on_device = False
+
+    def __init__(self, answers: dict[tuple, list[int]]) -> None:
+        self.answers = answers
+
+    def host_drafts(self, token_ids: list[list[int]], widths: list[int]) -> list[list[int]]:
+        drafts = []
+        for tokens, width in zip(token_ids, widths):
+            prompt = next(p for p in self.answers if tuple(tokens[: len(p)]) == p)
+            full, generated = self.answers[prompt], len(tokens) - len(prompt)
+            ks = range(generated, generated + width - 1)  # indices in `full` of the tokens after the anchor
+            drafts.append([full[k] if k < len(full) and (k + 1) % 5 else (k * 13) % 128 for k in ks])
+        return drafts
+
+    def propose(self, runner, inputs) -> Proposal:
+        return Proposal(inputs.tokens[:, 1:])
+
+
 @pytest.fixture
 def oracle(monkeypatch):
-    """A proposer that knows the plain-greedy continuation and proposes it, except at every
-    5th position: acceptance is long and rejections land at varied rows."""
+    """The engine's DFlash proposer replaced by an `OracleProposer` of the answers filled in."""
     answers: dict[tuple, list[int]] = {}
-
-    def propose(runner, seqs, widths, anchors, inputs):
-        drafts = torch.zeros(len(seqs), max(widths) - 1, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            full = answers[tuple(s.token_ids[: s.num_prompt_tokens])]
-            for r in range(widths[i] - 1):
-                k = s.num_generated + r  # index in `full` of the token r+1 rows after the anchor
-                drafts[i, r] = full[k] if k < len(full) and (k + 1) % 5 else (k * 13) % 128
-        return drafts, [None] * len(seqs), widths
-
-    monkeypatch.setattr(engine_module, "dflash_draft", propose)
+    monkeypatch.setattr(engine_module, "DFlashProposer", lambda drafter, window: OracleProposer(answers))
     return answers
 
 

@@ -6,11 +6,13 @@ import random
 import time
 
 import pytest
+import torch
 from conftest import make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
 from blockspec.engine.adaptive import AdaptiveWidth, width_classes
-from blockspec.engine.speculative import SimulatedAcceptance
+from blockspec.proposers.base import Proposer
+from blockspec.proposers.simulated import SimulatedProposer
 
 
 def run(policy: AdaptiveWidth, cost, accept_rate: float, steps: int, batch: int = 1) -> list[int]:
@@ -96,41 +98,40 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
 
 
 def test_simulated_acceptance_has_its_mean_at_the_full_block() -> None:
-    """The bench's simulated drafter: mean tau at the full block, geometric runs (so a narrower
-    block commits fewer tokens, as with a real drafter), every length possible; low-discrepancy
-    draws per request, so that a 20-step bench sees about tau for every request and every step
-    (21 requests: a shared stream dealt round-robin gave one request six 1s, then 16s)."""
-    simulated = SimulatedAcceptance(6.5, max_drafts=15)
-    full = [simulated(15, "a") + 1 for _ in range(20000)]
-    narrow = [simulated(7, "b") + 1 for _ in range(20000)]
-    assert abs(sum(full) / len(full) - 6.5) < 0.1
-    assert sum(narrow) / len(narrow) < 5.5  # about 5.0: the runs past 8 are cut
-    assert min(full) == 1 and max(full) == 16
-    batch = SimulatedAcceptance(6.5, max_drafts=15)
-    steps = [[batch(15, f"r{b}") + 1 for b in range(21)] for _ in range(20)]
-    per_request = [sum(step[b] for step in steps) / 20 for b in range(21)]
-    assert all(abs(m - 6.5) < 0.9 for m in per_request), per_request  # random draws: 5.1 to 9.5
-    assert all(abs(sum(step) / 21 - 6.5) < 1.2 for step in steps)
-    assert SimulatedAcceptance(16, max_drafts=15)(15, "a") == 15 and SimulatedAcceptance(1, max_drafts=15)(15, "a") == 0
+    """The bench's simulated proposer: mean tau at the full block, geometric runs (so a narrower
+    block commits fewer tokens, as with a real drafter), every length possible, drawn per (request
+    seed, block position)."""
+    simulated = SimulatedProposer(Proposer(), 6.5, max_drafts=15)
+    seeds, starts = torch.arange(20000) * 7919 % 2**40, torch.arange(20000) % 777
+    full = simulated.accepted(seeds, starts, torch.full_like(starts, 15)) + 1
+    narrow = simulated.accepted(seeds, starts, torch.full_like(starts, 7)) + 1
+    assert abs(full.double().mean() - 6.5) < 0.1
+    assert narrow.double().mean() < 5.5  # about 5.0: the runs past 8 are cut
+    assert full.min() == 1 and full.max() == 16
+    again = simulated.accepted(seeds, starts, torch.full_like(starts, 15)) + 1
+    assert torch.equal(full, again)  # a function of (seed, position): the same on every device and run
+    fifteen = torch.full((4,), 15)
+    assert SimulatedProposer(Proposer(), 16, 15).accepted(seeds[:4], starts[:4], fifteen).tolist() == [15] * 4
+    assert SimulatedProposer(Proposer(), 1, 15).accepted(seeds[:4], starts[:4], fifteen).tolist() == [0] * 4
     with pytest.raises(ValueError, match="simulated tau"):
-        SimulatedAcceptance(17, max_drafts=15)
+        SimulatedProposer(Proposer(), 17, max_drafts=15)
 
 
-def test_simulated_acceptance_draws_at_the_widths_the_ngram_proposer_filled(tmp_path) -> None:
-    """The n-gram proposer drafts only what it finds, often nothing: each simulated count is drawn
-    for the drafts the step verifies, never more, through the fused greedy step (drafter) and the
-    step run apart (n-gram) alike."""
+def test_simulated_acceptance_draws_at_the_widths_the_steps_run(tmp_path) -> None:
+    """Each simulated count is drawn for the drafts the step verifies, never more: at the full block
+    and with adaptive width's narrower steps, launched ahead and not."""
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for spec in ({"method": "ngram", "num_speculative_tokens": 5}, {"model": str(d)}):
-        llm = LLM(str(t), spec, device="cpu", page_size=4, simulate_tau=5.0)
+    for adaptive, async_steps in ((False, False), (True, True)):
+        spec = {"model": str(d), "simulate_tau": 5.0, "adaptive_width": adaptive}
+        llm = LLM(str(t), spec, device="cpu", page_size=4, async_steps=async_steps)
         out = llm.generate([list(range(1, 30)), [3, 4] * 6], params)
         for o in out:
             assert len(o.outputs[0].token_ids) == 40 and sum(o.metrics.acceptance_lengths) == 40
             assert max(o.metrics.acceptance_lengths) <= llm.engine.max_width
-        drafts = [a - 1 for o in out for a in o.metrics.acceptance_lengths]
-        assert 0 < sum(drafts)  # the simulation accepted drafts at all
+        lengths = [a for o in out for a in o.metrics.acceptance_lengths]
+        assert max(lengths) > 1 and 2 < sum(lengths) / len(lengths) < 8  # random drafts of 128 tokens would not be
 
 
 def test_a_step_left_in_flight_by_finished_sequences_is_not_timed(tmp_path) -> None:

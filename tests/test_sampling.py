@@ -12,8 +12,10 @@ from conftest import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine import speculative
-from blockspec.sampling import rejection_sample, sample, token_probs
+from blockspec.engine import step
+from blockspec.engine.step import accept
+from blockspec.proposers.base import Proposal
+from blockspec.sampling import SAMPLING_COLUMNS, Stream, draw, probs, sampling_row, token_probs, uniform
 
 VOCAB, PROMPT, N = 6, [1, 4, 3], 3000
 CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.2)]
@@ -95,22 +97,32 @@ def test_mixed_block_widths_keep_the_target_distribution(pair, monkeypatch):
     assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) > 1e-3
 
 
-def wrong_rejection_sample(drafts, p, q, generator):
+def wrong_residual_tokens(accepted, p, q, num_drafts, u):
     """The classic mistake: after a rejection, sample from p instead of max(p - q, 0)."""
-    rows = torch.arange(len(drafts))
-    u = torch.rand(len(drafts), generator=generator)
-    accepted = (u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum()
-    return accepted, sample(p[accepted][None], generator)[0]
+    return draw(p.gather(1, accepted[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0], u)
 
 
 def test_wrong_acceptance_rule_is_detected(pair, monkeypatch):
-    monkeypatch.setattr(speculative, "rejection_sample", wrong_rejection_sample)
+    monkeypatch.setattr(step, "residual_tokens", wrong_residual_tokens)
     t, d = pair
     llm = LLM(
         str(t), {"model": str(d), "num_speculative_tokens": 2, "adaptive_width": False}, device="cpu", max_num_seqs=512
     )
     counts, _ = sampled_counts(llm, CASES[0])
     assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) < 1e-6
+
+
+def test_greedy_and_sampled_rows_share_a_step(pair):
+    """A batch of greedy and sampled requests runs one step for all: the greedy ones give plain
+    greedy decoding's tokens, the seeded sampled ones what they give alone."""
+    t, d = pair
+    llm = LLM(str(t), {"model": str(d), "num_speculative_tokens": 2, "adaptive_width": False}, device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=5, max_tokens=10, ignore_eos=True, seed=3)
+    plain = LLM(str(t), None, device="cpu").generate([PROMPT], greedy)[0].outputs[0].token_ids
+    alone = llm.generate([PROMPT], sampled)[0].outputs[0].token_ids
+    mixed = llm.generate([PROMPT, PROMPT, [2, 5]], [greedy, sampled, greedy])
+    assert mixed[0].outputs[0].token_ids == plain and mixed[1].outputs[0].token_ids == alone
 
 
 def test_token_probs_top_k_top_p_min_p():
@@ -143,30 +155,77 @@ def test_seeded_sampling_is_reproducible(pair):
     assert a == b and other.outputs[0].token_ids != a  # the seed, not greedy decoding, fixed it
 
 
-def test_sample_draws_what_multinomial_draws() -> None:
-    """`sample` is torch.multinomial(probs, 1) without its device-waiting check: the same tokens
-    and the same generator state after, for every seed; zero-probability tokens are never drawn."""
-    torch.manual_seed(0)
-    probs = torch.softmax(torch.randn(4, 1000) * 3, -1)
-    probs[:, :500] = 0  # a top-k/top-p cut
-    probs = probs / probs.sum(-1, keepdim=True)
-    for seed in range(100):
-        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        tokens = sample(probs, ours)
-        assert torch.equal(tokens, torch.multinomial(probs, 1, generator=theirs)[:, 0])
-        assert torch.equal(ours.get_state(), theirs.get_state()) and bool((tokens >= 500).all())
+def test_probs_without_filters_equals_probs_where_no_row_filters():
+    """The sort of top-k / top-p is skipped where no row asks for them: the same distributions."""
+    logits = torch.randn(3, 5, 50)
+    rows = torch.tensor(
+        [sampling_row(SamplingParams(temperature=t, min_p=m)) for t, m in ((0.7, 0), (1.3, 0.1), (0, 0))]
+    )
+    assert rows.shape[-1] == len(SAMPLING_COLUMNS)
+    torch.testing.assert_close(probs(logits, rows[:, None], False), probs(logits, rows[:, None], True))
+
+
+def test_uniforms_are_uniform_and_independent_across_positions_seeds_and_streams():
+    """Counter-based uniforms: a function of (seed, position, stream), reproducible; pairs of them
+    (the next position, another stream, a neighbouring seed) fill a 10 x 10 grid evenly
+    (chi-square), and their 53 bits cover [0, 1)."""
+    seeds = torch.arange(4000) * 1_000_003 % 2**63
+    positions = torch.arange(4000) % 97 + 5
+    u = uniform(seeds, positions, Stream.DRAFT)
+    assert torch.equal(u, uniform(seeds, positions, Stream.DRAFT)) and u.dtype == torch.float64
+    assert 0 <= u.min() and u.max() < 1 and (u * 2**53 % 2 == 1).any()  # low bits are random too
+    for other in (
+        uniform(seeds, positions + 1, Stream.DRAFT),
+        uniform(seeds, positions, Stream.ACCEPT),
+        uniform(seeds + 1, positions, Stream.DRAFT),
+    ):
+        cells = (u * 10).long() * 10 + (other * 10).long()
+        counts = torch.bincount(cells, minlength=100).double()
+        stat = float(((counts - 40) ** 2 / 40).sum())
+        assert float(torch.special.gammaincc(torch.tensor(99 / 2, dtype=torch.float64), torch.tensor(stat / 2))) > 1e-4
+
+
+def test_draw_is_the_inverse_cdf():
+    """`draw` takes the first token whose cumulative mass exceeds u x total: unnormalized rows work,
+    zero-mass tokens are never drawn, and uniform u reproduce the distribution."""
+    p = torch.tensor([[0.0, 2.0, 0.0, 6.0, 2.0]])
+    for u, token in ((0.0, 1), (0.2 - 1e-12, 1), (0.2, 3), (0.8, 4), (1 - 2**-53, 4)):
+        assert draw(p, torch.tensor([u], dtype=torch.float64)).tolist() == [token], u
+    u = uniform(torch.arange(20000), torch.zeros(20000, dtype=torch.long), Stream.RESIDUAL)
+    tokens = draw(p.expand(20000, -1), u)
+    assert torch.bincount(tokens, minlength=5).tolist()[0::2] == [0, 0, tokens.eq(4).sum()]
+    assert abs(tokens.eq(3).double().mean() - 0.6) < 0.02
+
+
+def test_accept_mixes_greedy_and_sampled_rows():
+    """`accept` on a batch of one greedy and one sampled row: the greedy row's counts and bonus are
+    the prefix match's, whatever the sampled row does."""
+    logits = torch.randn(2, 4, 9)
+    drafts = logits.argmax(-1)[:, :3]
+    drafts[0, 2] = (drafts[0, 2] + 1) % 9  # the greedy row's third draft is wrong
+    rows = torch.tensor([sampling_row(SamplingParams(temperature=0)), sampling_row(SamplingParams(temperature=1))])
+    inputs = step.StepInputs(
+        drafts[:, :1], torch.tensor([3, 3]), torch.tensor([4, 4]), torch.zeros(2, 1, dtype=torch.long),
+        torch.tensor([1, 2]), torch.from_numpy(rows.float().numpy().view("int64")),
+    )  # fmt: skip
+    accepted, bonus = accept(Proposal(drafts, torch.softmax(logits[:, :3], -1)), logits, inputs)
+    assert accepted[0] == 2 and bonus[0] == logits[0, 2].argmax()
+    assert 0 <= accepted[1] <= 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sampling_never_waits_for_the_device() -> None:
-    """A step may read the device once; sampling and rejection sampling queue work only."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    p = torch.softmax(torch.randn(5, 1000, device="cuda"), -1)
-    q = torch.softmax(torch.randn(4, 1000, device="cuda"), -1)
-    drafts = torch.randint(0, 1000, (4,), device="cuda")
+    """A step may read the device once; the draws and the acceptance queue work only."""
+    logits = torch.randn(2, 5, 1000, device="cuda")
+    drafts = torch.randint(0, 1000, (2, 4), device="cuda")
+    rows = torch.tensor([sampling_row(SamplingParams(temperature=0.7, top_p=0.9))] * 2).numpy().view("int64")
+    inputs = step.StepInputs(
+        drafts[:, :1], torch.tensor([3, 9], device="cuda"), torch.tensor([5, 5], device="cuda"),
+        torch.zeros(2, 1, dtype=torch.long, device="cuda"), torch.tensor([1, 2], device="cuda"),
+        torch.from_numpy(rows).cuda(), filters=True,
+    )  # fmt: skip
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sample(p, gen)
-        rejection_sample(drafts, p, q, gen)
+        accept(Proposal(drafts, torch.softmax(logits[:, :4], -1)), logits, inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")

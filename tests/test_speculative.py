@@ -11,7 +11,7 @@ from conftest import add_word_tokenizer, count_launches_ahead, make_drafter, mak
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.ngram import lookup
+from blockspec.proposers.ngram import lookup
 
 PROMPTS = [[5], [9, 3, 7, 11, 40], list(range(20, 37)), [(7 * i) % 120 for i in range(33)]]
 MAX_TOKENS = [20, 7, 25, 12]

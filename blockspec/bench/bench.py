@@ -1,15 +1,19 @@
 """`blockspec bench`: decoding throughput of the engine, speculative vs plain, in one run.
 
 Per batch size: tok/s of plain decoding and of speculative decoding on the same engine, the
-step time split into drafter, target verify, context commit and the rest (host, and the gaps
-between phases: timed on steps that run them apart, `measure`), and the weight-read floor
-(weight bytes read per step / device copy bandwidth measured in this run). With random
-weights, `--simulate-tau` forces the acceptance pattern; the output says so."""
+step time split into drafter, target verify, acceptance, context commit and the rest (host, and
+the gaps between steps), from events recorded inside the step (`PhaseMarks`), and the weight-read
+floor (weight bytes read per step / device copy bandwidth measured in this run). With random
+weights, `--simulate-tau` sets the acceptance pattern (`proposers.simulated`); the output says so.
+`--temperature` > 0 times sampled decoding."""
 
 import argparse
+import itertools
 import json
+import shlex
+import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -17,13 +21,12 @@ from blockspec.bench.presets import is_preset, random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
-from blockspec.engine.runner import ModelRunner
 from blockspec.llm import resolve_device, resolve_dtype
 from blockspec.loading.dflash import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams
 
-PHASES = {"propose": "drafter", "verify": "verify", "commit_context": "context"}
+PHASES = ("drafter", "verify", "accept", "context")  # each from the mark before it (`step_forward`)
 PHASE_STEPS = 10
 
 
@@ -31,6 +34,7 @@ PHASE_STEPS = 10
 class Result:
     mode: str  # "plain" or "dflash"
     batch_size: int
+    temperature: float
     tok_per_s: float
     step_ms: float
     tau: float
@@ -39,37 +43,31 @@ class Result:
     tau_histogram: dict[int, int] = field(default_factory=dict)
 
 
-class PhaseTimer:
-    """Device time of the runner's phases, from CUDA events (wall clock on the CPU)."""
+class PhaseMarks:
+    """A step's phase boundaries (`ModelRunner.mark`), as CUDA events recorded inside the step, in its
+    CUDA graph too (external events: a replay records them), or host clock readings on the CPU. Each
+    mark is one event, so read them (`phases`) after each step, before the next one replays."""
 
-    def __init__(self, runner: ModelRunner, cuda: bool) -> None:
-        self.cuda, self.totals, self.pending = cuda, dict.fromkeys(PHASES.values(), 0.0), []
-        for method, phase in PHASES.items():
-            setattr(runner, method, self.wrap(getattr(runner, method), phase))
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.events = {} if cuda else None
+        self.times: dict[str, float] = {}
 
-    def wrap(self, fn, phase: str):
-        def timed(*args, **kwargs):
-            if not self.cuda:
-                start = time.perf_counter()
-                out = fn(*args, **kwargs)
-                self.totals[phase] += (time.perf_counter() - start) * 1e3
-                return out
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn(*args, **kwargs)
-            end.record()
-            self.pending.append((phase, start, end))
-            return out
+    def record(self, name: str) -> None:
+        if not self.cuda:
+            self.times[name] = time.perf_counter() * 1e3
+            return
+        if name not in self.events:
+            self.events[name] = torch.cuda.Event(enable_timing=True, external=True)
+        self.events[name].record()
 
-        return timed
-
-    def collect(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        for phase, start, end in self.pending:
-            self.totals[phase] += start.elapsed_time(end)
-        self.pending.clear()
-        return self.totals
+    def phases(self) -> dict[str, float]:
+        """Milliseconds from each mark to the next, of the last step."""
+        names = ("start", *PHASES)
+        if not self.cuda:
+            return {b: self.times[b] - self.times[a] for a, b in itertools.pairwise(names)}
+        torch.cuda.synchronize()
+        return {b: self.events[a].elapsed_time(self.events[b]) for a, b in itertools.pairwise(names)}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
@@ -112,8 +110,8 @@ def weight_bytes(target, drafter) -> int:
 
 
 def total_steps(steps: int, warmup: int) -> int:
-    """Steps a measurement runs: warmup, the timed steps, then warmup and PHASE_STEPS unfused."""
-    return 2 * warmup + steps + PHASE_STEPS
+    """Steps a measurement runs: warmup, the timed steps, then PHASE_STEPS read one by one."""
+    return warmup + steps + PHASE_STEPS
 
 
 def run_steps(engine: LLMEngine, steps: int) -> float:
@@ -126,27 +124,30 @@ def run_steps(engine: LLMEngine, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: int, cuda: bool) -> dict:
-    """Step time as the engine runs; the drafter / verify / context split from PHASE_STEPS more steps
-    run with the phases apart (a greedy step is one forward, one CUDA graph, so it cannot be timed
-    by phase), and the rest (host, and the gaps between phases) as the step time less those."""
-    vocab = engine.vocab_size
+def measure(engine: LLMEngine, batch: int, args, warmup: int, marks: PhaseMarks) -> dict:
+    """Step time as the engine runs; the drafter / verify / accept / context split from PHASE_STEPS
+    more steps, each read before the next launches (the marks of a step are overwritten by the
+    next), and the rest (host, and the gaps between steps) as the step time less those."""
     gen = torch.Generator().manual_seed(batch)
-    max_tokens = (total_steps(steps, warmup) + 4) * engine.max_width
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    max_tokens = (total_steps(args.steps, warmup) + 4) * engine.max_width
+    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(torch.randint(0, vocab - 1, (prompt_len,), generator=gen).tolist(), params)
+        engine.add_request(torch.randint(0, engine.vocab_size - 1, (args.prompt_len,), generator=gen).tolist(), params)
     run_steps(engine, warmup)  # prefill, graph captures, adaptive exploration
     seqs = list(engine.scheduler.running)
     before = [len(s.acceptance_lengths) for s in seqs]
-    elapsed = run_steps(engine, steps)
+    elapsed = run_steps(engine, args.steps)
     taus = [a for s, n in zip(seqs, before) for a in s.acceptance_lengths[n:]]
-    engine.config = replace(engine.config, fused_steps=False)
-    run_steps(engine, warmup)  # the phases' graphs
-    timer = PhaseTimer(engine.runner, cuda)
-    run_steps(engine, PHASE_STEPS)
-    phases = {k: v / PHASE_STEPS for k, v in timer.collect().items()}
-    phases["host"] = max(0.0, elapsed * 1e3 / steps - sum(phases.values()))
+    run_ahead, engine.run_ahead = engine.run_ahead, False
+    run_steps(engine, 1)  # completes the step in flight
+    totals = dict.fromkeys(PHASES, 0.0)
+    for _ in range(PHASE_STEPS):
+        run_steps(engine, 1)
+        for name, ms in marks.phases().items():
+            totals[name] += ms
+    engine.run_ahead = run_ahead
+    phases = {k: v / PHASE_STEPS for k, v in totals.items()}
+    phases["host"] = max(0.0, elapsed * 1e3 / args.steps - sum(phases.values()))
     for s in seqs:
         engine.abort(s.request_id)
     return {"tokens": sum(taus), "elapsed": elapsed, "taus": taus, "phases": phases}
@@ -154,7 +155,12 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmup: 
 
 def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) -> Result:
     spec = (
-        SpeculativeConfig(num_speculative_tokens=args.block_size - 1, fp8=args.fp8, adaptive_width=args.adaptive_width)
+        SpeculativeConfig(
+            num_speculative_tokens=args.block_size - 1,
+            fp8=args.fp8,
+            adaptive_width=args.adaptive_width,
+            simulate_tau=args.simulate_tau,
+        )
         if drafter is not None
         else None
     )
@@ -167,11 +173,11 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
         max_model_len=max_len,
         cuda_graphs=not args.no_cuda_graphs,
         async_steps=False if args.lock_step else None,
-        simulate_tau=args.simulate_tau if drafter is not None else None,
         num_pages=batch * (-(-max_len // 16) + 2) + 1,
     )
     engine = LLMEngine(target, drafter, spec, config)
-    m = measure(engine, batch, args.prompt_len, args.steps, warmup, cuda)
+    marks = engine.runner.phase_marks = PhaseMarks(cuda)  # before any step: graphs capture the marks
+    m = measure(engine, batch, args, warmup, marks)
     step_ms = m["elapsed"] * 1e3 / args.steps
     hist = {}
     for t in m["taus"]:
@@ -183,6 +189,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
     return Result(
         "dflash" if drafter is not None else "plain",
         batch,
+        args.temperature,
         m["tokens"] / m["elapsed"],
         step_ms,
         sum(m["taus"]) / max(1, len(m["taus"])),
@@ -208,15 +215,14 @@ def report(results: list[Result], bandwidth: float, simulated: bool) -> None:
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s" + ("; acceptance SIMULATED (random weights)" if simulated else "")
     )
     print(
-        f"{'mode':7} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'tau':>5} "
-        f"{'drafter':>8} {'verify':>8} {'context':>8} {'host':>8}"
+        f"{'mode':7} {'batch':>5} {'T':>4} {'tok/s':>9} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'tau':>5} "
+        + " ".join(f"{p:>8}" for p in (*PHASES, "host"))
     )
     for r in results:
-        p = r.phases_ms
         print(
-            f"{r.mode:7} {r.batch_size:5d} {r.tok_per_s:9.1f} {r.step_ms:8.2f} {r.floor_ms:8.2f} "
-            f"{r.step_ms / r.floor_ms:7.2f} {r.tau:5.2f} {p['drafter']:8.2f} {p['verify']:8.2f} "
-            f"{p['context']:8.2f} {p['host']:8.2f}"
+            f"{r.mode:7} {r.batch_size:5d} {r.temperature:4.2g} {r.tok_per_s:9.1f} {r.step_ms:8.2f} {r.floor_ms:8.2f} "
+            f"{r.step_ms / r.floor_ms:7.2f} {r.tau:5.2f} "
+            + " ".join(f"{r.phases_ms[p]:8.3f}" for p in (*PHASES, "host"))
         )
 
 
@@ -250,9 +256,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--simulate-tau", type=float, default=None, help="force this mean acceptance length")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-cuda-graphs", action="store_true")
@@ -289,6 +296,7 @@ def run(args: argparse.Namespace) -> None:
         "draft": args.draft,
         "bandwidth_Bps": bandwidth,
         "simulated_tau": args.simulate_tau,
+        "command": " ".join(["python -m blockspec.bench.bench", *map(shlex.quote, sys.argv[1:])]),
     }
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)

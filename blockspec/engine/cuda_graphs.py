@@ -1,26 +1,24 @@
-"""CUDA graphs for the fixed-shape forwards of a decoding step (a whole greedy step, or a sampled
-step's propose, verify and context).
+"""CUDA graphs of the decoding step, one per (step mode, batch bucket, row class).
 
-A forward is captured once per (name, batch bucket, row class) on static input buffers and
-replayed with new inputs copied in. Batches are padded up to the bucket with sequences of
-one padding row that write only to the trash page, so a replay never touches a real
-sequence's cache outside its own rows. Attention reads its lengths from device tensors, so
-one capture serves every context length up to `max_pages` pages (a step's block tables are
-as wide as its longest sequence's; the columns past them are never read); rows are padded up to the
-next row class (the widths adaptive steps run at; padding rows, past a sequence's length,
-write to the trash page too), so captures stay few whatever the widths of a step."""
+A step is captured on static input buffers (a `StepInputs` of them) and replayed with new inputs
+copied in. Batches are padded up to the bucket with sequences of one padding row that write only
+to the trash page, so a replay never touches a real sequence's cache outside its own rows.
+Attention reads its lengths from device tensors, so one capture serves every context length up to
+`max_pages` pages (a step's block tables are as wide as its longest sequence's; the columns past
+them are never read); rows are padded up to the next row class (the widths adaptive steps run at;
+padding rows, past a sequence's length, write to the trash page too), so captures stay few
+whatever the widths of a step."""
 
+import dataclasses
 from collections.abc import Callable
 from itertools import compress
 
 import torch
 
+from blockspec.engine.step import StepInputs
 from blockspec.layers.fast_path import fast_kernels
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-# Padding of (tokens/features, starts, lengths, block_tables[, forced accepted counts]): one row at
-# position 0, accepting nothing.
-PAD = (0, 0, 1, 0, 0)
 
 
 def round_up(n: int, sizes) -> int:
@@ -42,44 +40,51 @@ def fill_buffers(bufs: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...], p
         kernels.fill_buffers_triton(*(list(compress(seq, fused)) for seq in (bufs, xs, pads)), batch)
 
 
+def tensor_fields(inputs: StepInputs) -> dict[str, torch.Tensor]:
+    """The inputs' tensors by field name (a greedy step has no sampling tensor)."""
+    return {f.name: v for f in dataclasses.fields(inputs) if isinstance(v := getattr(inputs, f.name), torch.Tensor)}
+
+
 class GraphCache:
     def __init__(self, max_batch: int, max_pages: int, row_classes: tuple[int, ...], warmup: int = 2) -> None:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.max_pages, self.row_classes = max_pages, sorted(row_classes)
         self.warmup = warmup
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple, object]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor]] = {}
 
-    def run(self, name: str, fn: Callable, inputs: tuple[torch.Tensor, ...]):
-        """inputs[0] is [B, S, ...] (rows per sequence); outputs come back as [B, S - k, ...]."""
-        batch, rows = inputs[0].shape[:2]
+    def run(self, name: str, fn: Callable[[StepInputs], torch.Tensor], inputs: StepInputs) -> torch.Tensor:
+        """fn(inputs) -> [B, k + w-1] (w: the step's width, rows per sequence), replayed."""
+        batch, rows = inputs.tokens.shape
         key = (name, round_up(batch, self.buckets), round_up(rows, self.row_classes))
         if key not in self.graphs:
             self.graphs[key] = self.capture(fn, *key[1:], inputs)
         graph, static, out = self.graphs[key]
-        fill_buffers(static, inputs, PAD, batch)
+        xs = tensor_fields(inputs)
+        bufs = tensor_fields(static)
+        fill_buffers(tuple(bufs.values()), tuple(xs.values()), tuple(StepInputs.PAD[n] for n in xs), batch)
         graph.replay()
-        extra = key[2] - rows
+        return out[:batch, : out.shape[1] - (key[2] - rows)]
 
-        def trim(o: torch.Tensor | None) -> torch.Tensor | None:
-            return None if o is None else o[:batch, : o.shape[1] - extra]
-
-        return tuple(trim(o) for o in out) if isinstance(out, tuple) else trim(out)
-
-    def static_inputs(self, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def static_inputs(self, bucket: int, width: int, inputs: StepInputs) -> StepInputs:
         """The capture's input buffers: `bucket` sequences of `width` rows, filled with padding."""
-        shapes = [(bucket, width, *inputs[0].shape[2:]), (bucket,), (bucket,), (bucket, self.max_pages), (bucket,)]
-        return tuple(torch.full(s, pad, dtype=x.dtype, device=x.device) for s, x, pad in zip(shapes, inputs, PAD))
+        widths = {"tokens": width, "block_tables": self.max_pages}
 
-    def capture(self, fn: Callable, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]):
+        def buffer(name: str, x: torch.Tensor) -> torch.Tensor:
+            shape = (bucket, *([widths[name]] if name in widths else x.shape[1:]))
+            return torch.full(shape, StepInputs.PAD[name], dtype=x.dtype, device=x.device)
+
+        return dataclasses.replace(inputs, **{n: buffer(n, x) for n, x in tensor_fields(inputs).items()})
+
+    def capture(self, fn: Callable[[StepInputs], torch.Tensor], bucket: int, width: int, inputs: StepInputs):
         static = self.static_inputs(bucket, width, inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):  # first calls allocate, autotune and compile kernels
-                fn(*static)
+                fn(static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = fn(*static)
+            out = fn(static)
         return graph, static, out

@@ -1,6 +1,7 @@
 """The engine: requests in, steps of batched speculative decoding, outputs out. The LLM
 facade and the HTTP server both drive it through add_request / step / abort."""
 
+import secrets
 import time
 from dataclasses import dataclass, replace
 
@@ -11,24 +12,19 @@ from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.detokenizer import append_text, find_stop
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
-from blockspec.engine.ngram import NgramProposer
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, fresh_request_id
-from blockspec.engine.speculative import (
-    LaunchedStep,
-    Proposer,
-    SimulatedAcceptance,
-    StepOutput,
-    dflash_draft,
-    finish_step,
-    launch_step,
-)
+from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_step
 from blockspec.layers.linear import fused_gemms_on
 from blockspec.layers.quantization import quantize_drafter, resolve_fp8
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from blockspec.proposers.base import Proposer
+from blockspec.proposers.dflash import DFlashProposer
+from blockspec.proposers.ngram import NgramProposer
+from blockspec.proposers.simulated import SimulatedProposer
 from blockspec.sampling import SamplingParams
 
 CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
@@ -73,15 +69,15 @@ class LLMEngine:
             if self.device.type == "cuda" and config.cuda_graphs
             else None
         )
-        window = spec.window if spec else None
-        self.runner = ModelRunner(model, drafter, *caches, config.page_size, window, graphs, self.max_model_len)
-        self.simulated = SimulatedAcceptance(config.simulate_tau, self.max_width - 1) if config.simulate_tau else None
+        self.runner = ModelRunner(
+            model, self.proposer, drafter, *caches, config.page_size, graphs, self.max_model_len
+        )
         self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the
         # device: true of the drafter and plain decoding, not of the n-gram proposer (host tokens).
         run_ahead = config.async_steps if config.async_steps is not None else self.device.type == "cuda"
-        self.run_ahead = run_ahead and self.proposer is dflash_draft
+        self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
         self.in_flight: Flight | None = None
         self.last_completion = 0.0
         fold = config.fold_norms if config.fold_norms is not None else fused_gemms_on(self.device)
@@ -89,8 +85,9 @@ class LLMEngine:
             model.fold_norms()
         self.norms_folded = model.norms_folded
 
-    def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer]:
-        """The widest block a step verifies (anchor + drafts) and the proposer of the drafts."""
+    def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer | None]:
+        """The widest block a step verifies (anchor + drafts) and the proposer of the drafts (None:
+        plain decoding)."""
         drafter = self.drafter
         if drafter is not None:
             if resolve_fp8(spec.fp8, self.device, drafter.spec.hidden_size) and drafter.fused_kv_fp8 is None:
@@ -101,12 +98,14 @@ class LLMEngine:
                     f"num_speculative_tokens {n} is more than the drafter proposes: its block_size is "
                     f"{drafter.block_size}, so at most {drafter.block_size - 1} drafts a step"
                 )
-            return n + 1, dflash_draft
-        if spec is not None and spec.method == "ngram":
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, self.vocab_size)
-            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else NGRAM_DRAFTS
+            proposer = DFlashProposer(drafter, spec.window)
+            if spec.simulate_tau is not None:
+                proposer = SimulatedProposer(proposer, spec.simulate_tau, n)
             return n + 1, proposer
-        return 1, dflash_draft  # plain decoding: nothing is proposed
+        if spec is not None and spec.method == "ngram":
+            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else NGRAM_DRAFTS
+            return n + 1, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return 1, None
 
     def kv_cache(self, model, num_pages: int) -> list:
         s, dtype = model.spec, self.target.model.lm_head.weight.dtype
@@ -177,10 +176,10 @@ class LLMEngine:
             )
         if params.max_tokens is None:  # as vLLM: until the context is full
             params = replace(params, max_tokens=self.max_model_len - len(ids))
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+        # 63 bits (device integers are signed 64-bit); an unseeded request draws its own
+        seed = params.seed % 2**63 if params.seed is not None else secrets.randbits(63)
         request_id = request_id if request_id is not None else fresh_request_id(self.requests)
-        seq = Sequence(text, ids, params, generator, request_id)
+        seq = Sequence(text, ids, params, seed, request_id)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq
@@ -238,8 +237,7 @@ class LLMEngine:
             return None
         widths, chosen = self.step_widths(seqs, [self.width(s) for s in seqs])
         started = time.perf_counter()
-        anchors = self.runner.tensor([s.anchor for s in seqs])[:, None]
-        step = self.launch_step(seqs, widths, anchors, None)
+        step = launch_step(self.runner, seqs, widths, None, None)
         return Flight(step, chosen, started, not pending)  # a prefill's device time is not the step's
 
     def launch_ahead(self, prev: Flight) -> Flight | None:
@@ -257,17 +255,9 @@ class LLMEngine:
         if not self.scheduler.allocate_ahead(seqs, ends):
             return None
         widths_next, chosen = self.step_widths(seqs, bound)
-        step = prev.step
-        launched = self.launch_step(seqs, widths_next, step.bonus[:, None], step.next_starts)
+        outcome = prev.step.outcome
+        launched = launch_step(self.runner, seqs, widths_next, outcome.bonus[:, None], outcome.next_starts)
         return Flight(launched, chosen, time.perf_counter(), True)
-
-    def launch_step(
-        self, seqs: list[Sequence], widths: list[int], anchors: torch.Tensor, starts: torch.Tensor | None
-    ) -> LaunchedStep:
-        """`speculative.launch_step` with this engine's proposer, simulated acceptance and fusing."""
-        return launch_step(
-            self.runner, seqs, widths, anchors, starts, self.proposer, self.simulated, self.config.fused_steps
-        )
 
     def complete(self, flight: Flight) -> list[Sequence]:
         """Read a step's results and commit them (sequences finished meanwhile are skipped)."""

@@ -9,7 +9,6 @@ from collections import deque
 import torch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-TRASH_PAGE = 0
 
 
 def allocate_kv_cache(

@@ -8,8 +8,6 @@ import enum
 import itertools
 from collections.abc import Container
 
-import torch
-
 from blockspec.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -32,7 +30,7 @@ class Sequence:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        generator: torch.Generator,
+        seed: int,
         request_id: str | None = None,
     ) -> None:
         self.request_id = request_id if request_id is not None else fresh_request_id()
@@ -40,7 +38,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.generator = generator
+        self.seed = seed  # 63 bits: keys the counter-based draws of its sampled tokens
         self.status = Status.WAITING
         self.num_cached = 0
         self.block_table: list[int] = []

@@ -1,0 +1,198 @@
+"""One batched decoding step: propose -> verify -> accept -> commit context, greedy and sampled
+rows alike, as one forward on the device (so one CUDA graph).
+
+Width w (rows per sequence) = anchor + w-1 drafts; w = 1 is plain decoding through the same
+path. Greedy rows accept the longest prefix of drafts the target's argmax agrees with; sampled
+rows run exact speculative sampling with counter-based uniforms of (request seed, position)
+(`blockspec.sampling`), so a seeded request's output does not depend on what it is batched with.
+A step is launched (`launch_step`) and later finished (`finish_step`, its one read of device
+results); in between, the engine may launch the next step from this one's results still on the
+device."""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from blockspec.engine.sequence import Sequence
+from blockspec.proposers.base import Proposal
+from blockspec.sampling import (
+    Stream,
+    argmax,
+    greedy_accept,
+    point_mass_or,
+    probs,
+    residual_tokens,
+    sampled_accept,
+    uniform,
+)
+
+if TYPE_CHECKING:
+    from blockspec.engine.runner import ModelRunner
+
+
+@dataclass
+class StepInputs:
+    tokens: torch.Tensor  # [B, w]: column 0 the anchors; then the host's drafts, or the anchors repeated
+    starts: torch.Tensor  # [B] position of each anchor
+    lengths: torch.Tensor  # [B] rows to verify: the anchor and the drafts (at most w)
+    block_tables: torch.Tensor  # [B, M] page ids, padded with the trash page 0
+    seeds: torch.Tensor  # [B] 63-bit request seeds
+    # [B, 2] int64 holding float32 [B, 4] bitwise (`sampling_params`); None: every row is greedy
+    sampling: torch.Tensor | None = None
+    filters: bool = False  # some sampled row uses top-k or top-p (their sort runs)
+
+    # A CUDA graph's rows past the batch: sequences of one greedy row at position 0, writing to the
+    # trash page (0.0 is all zero bits).
+    PAD: ClassVar[dict[str, int]] = {
+        "tokens": 0,
+        "starts": 0,
+        "lengths": 1,
+        "block_tables": 0,
+        "seeds": 0,
+        "sampling": 0,
+    }
+
+    @property
+    def mode(self) -> str:
+        """The step's kind (its CUDA graphs' name): what its rows need computed."""
+        return "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
+
+    @property
+    def sampling_params(self) -> torch.Tensor:
+        """[B, 4] float32 (`blockspec.sampling.SAMPLING_COLUMNS`)."""
+        return self.sampling.view(torch.float32)
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        """[B] whether each row is greedy (temperature 0)."""
+        return self.sampling_params[:, 0] == 0
+
+
+class StepOutcome:
+    """A step's results as named views of one int64 tensor [B, 3 + w-1] (one copy to the host):
+    bonus tokens | accepted counts | the next step's starts | the drafts. A step launched ahead reads
+    its anchors and starts from columns 0 and 2, 16-byte aligned as the host's inputs are (Triton
+    compiles a kernel variant per alignment)."""
+
+    BONUS, ACCEPTED, NEXT_STARTS, DRAFTS = 0, 1, 2, 3
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed
+
+    @staticmethod
+    def pack(
+        bonus: torch.Tensor, accepted: torch.Tensor, next_starts: torch.Tensor, drafts: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.cat(
+            [bonus[:, None].long(), accepted[:, None].long(), next_starts[:, None].long(), drafts.long()], 1
+        )
+
+    @property
+    def bonus(self) -> torch.Tensor:
+        return self.packed[:, self.BONUS]
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self.packed[:, self.ACCEPTED]
+
+    @property
+    def next_starts(self) -> torch.Tensor:
+        return self.packed[:, self.NEXT_STARTS]
+
+    @property
+    def drafts(self) -> torch.Tensor:
+        return self.packed[:, self.DRAFTS :]
+
+
+def step_forward(runner: "ModelRunner", inputs: StepInputs) -> torch.Tensor:
+    """A step on the device alone, so that one CUDA graph holds it whole -> `StepOutcome.pack`."""
+    proposer = runner.proposer
+    runner.mark("start")
+    proposal = Proposal(inputs.tokens[:, 1:])
+    if inputs.tokens.shape[1] > 1:
+        proposal = proposer.propose(runner, inputs)
+    runner.mark("drafter")
+    block = torch.cat([inputs.tokens[:, :1], proposal.drafts], dim=1)
+    hidden, features = runner.target_forward(block, inputs.starts, inputs.lengths, inputs.block_tables)
+    logits = runner.target.compute_logits(hidden)
+    runner.mark("verify")
+    accepted, bonus = accept(proposal, logits, inputs)
+    committed = accepted + 1
+    runner.mark("accept")
+    if proposer is not None:
+        proposer.commit(runner, features, inputs.starts, committed, inputs.block_tables)
+    runner.mark("context")
+    return StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts)
+
+
+def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts [B], the token after them [B]) of every row: greedy rows by prefix match
+    with the target's argmax, sampled rows by speculative sampling; a simulated proposal's counts
+    replace the acceptance rule."""
+    drafts, num_drafts = proposal.drafts, inputs.lengths - 1
+    target_argmax = argmax(logits)
+    accepted = proposal.accepted
+    if accepted is None:
+        accepted = greedy_accept(drafts, target_argmax, num_drafts)
+    greedy_bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
+    if inputs.sampling is None:
+        return accepted, greedy_bonus
+    p = probs(logits, inputs.sampling_params[:, None], inputs.filters)
+    q = point_mass_or(proposal.q, drafts, p.shape[-1])
+    greedy, seeds = inputs.greedy, inputs.seeds
+    if proposal.accepted is None:
+        positions = inputs.starts[:, None] + 1 + torch.arange(drafts.shape[1], device=drafts.device)
+        sampled = sampled_accept(drafts, p, q, num_drafts, uniform(seeds[:, None], positions, Stream.ACCEPT))
+        accepted = torch.where(greedy, accepted, sampled)
+    u = uniform(seeds, inputs.starts + accepted + 1, Stream.RESIDUAL)
+    return accepted, torch.where(greedy, greedy_bonus, residual_tokens(accepted, p, q, num_drafts, u))
+
+
+@dataclass
+class StepOutput:
+    new_token_ids: list[int]  # accepted drafts followed by the bonus token
+    draft_token_ids: list[int]  # what the proposer proposed this step
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device: its results reach the host in `host` once
+    `ready` (None: already there) has passed."""
+
+    seqs: list[Sequence]
+    widths: list[int]
+    # On the device; with CUDA graphs a graph's output: read it (the next step launched from it
+    # does) before that graph replays again.
+    outcome: StepOutcome
+    host: torch.Tensor  # its packed copy on the host
+    ready: torch.cuda.Event | None
+
+
+def launch_step(
+    runner: "ModelRunner",
+    seqs: list[Sequence],
+    widths: list[int],
+    anchors: torch.Tensor | None,
+    starts: torch.Tensor | None,
+) -> LaunchedStep:
+    """Queue a step for blocks anchored at `anchors` [B, 1] on the device (None: the sequences'
+    anchors, from the host) at positions `starts` [B] (None: the committed lengths); a step launched
+    ahead passes both while the step before is still computing them. A host proposer's drafts
+    are looked up first; they set the widths."""
+    proposer, host_drafts = runner.proposer, None
+    if proposer is not None and not proposer.on_device and max(widths) > 1:
+        host_drafts = proposer.host_drafts([s.token_ids for s in seqs], widths)
+        widths = [len(d) + 1 for d in host_drafts]
+    inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts)
+    packed = runner.step(inputs)
+    return LaunchedStep(seqs, widths, StepOutcome(packed), *runner.to_host(packed))
+
+
+def finish_step(step: LaunchedStep) -> list[StepOutput]:
+    """Wait for the step's results and return them per sequence."""
+    if step.ready is not None:
+        step.ready.synchronize()
+    rows = step.host.tolist()
+    a, b, d = StepOutcome.ACCEPTED, StepOutcome.BONUS, StepOutcome.DRAFTS
+    return [StepOutput(r[d : d + r[a]] + [r[b]], r[d : d + w - 1]) for r, w in zip(rows, step.widths)]

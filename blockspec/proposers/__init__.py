@@ -1,0 +1,1 @@
+"""Proposers: what makes a step's drafts. One file a kind, behind `base.Proposer`."""

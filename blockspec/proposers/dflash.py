@@ -1,0 +1,47 @@
+"""The DFlash drafter as a proposer: one forward over the block [anchor, MASK, ...] that attends to
+the drafter's context K/V of the committed positions, then the target's LM head."""
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.engine.batch import key_ranges, make_batch
+from blockspec.layers.attention import AttentionMetadata
+from blockspec.models.dflash import DFlashDrafter
+from blockspec.proposers.base import Proposal, Proposer, draft_from_logits
+
+if TYPE_CHECKING:
+    from blockspec.engine.runner import ModelRunner
+    from blockspec.engine.step import StepInputs
+
+
+class DFlashProposer(Proposer):
+    def __init__(self, drafter: DFlashDrafter, window: int | None = None) -> None:
+        self.drafter = drafter
+        self.window = window  # the drafter sees only the last `window` context positions
+        self.capture_layers = drafter.target_layer_ids
+
+    def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
+        return draft_from_logits(self.logits(runner, inputs), inputs)
+
+    def logits(self, runner: "ModelRunner", inputs: "StepInputs") -> torch.Tensor:
+        """Drafter logits [B, w-1, V] of block rows 1..w-1 (w: the step's width). The drafter runs its
+        whole block, [anchor, MASK, ...] up to the context's end, the layout it was trained on: cut
+        to w rows, the same drafts come out less accurate."""
+        d = self.drafter
+        width = inputs.tokens.shape[1]
+        block = F.pad(inputs.tokens[:, :1], (0, d.block_size - 1), value=d.mask_token_id)
+        lengths = (runner.max_model_len - inputs.starts).clamp_max(d.block_size)
+        b = make_batch(inputs.starts, lengths, inputs.block_tables, d.block_size, runner.page_size)
+        ctx_start = (b.starts - self.window).clamp_min(0) if self.window is not None else torch.zeros_like(b.starts)
+        block_range = (ctx_start[:, None].expand_as(b.positions), b.ends[:, None].expand_as(b.positions))
+        ranges = key_ranges(b, block_range, d.sliding_window)
+        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, runner.page_size, b.starts)
+        hidden = d(runner.target.embed(block), b.positions, attn, runner.drafter_cache)
+        return d.compute_logits(hidden[:, 1:width], runner.target)
+
+    def commit(self, runner, features, starts, counts, block_tables) -> None:
+        """Drafter context K/V for the first counts[b] rows (the committed ones)."""
+        b = make_batch(starts, counts, block_tables, features.shape[1], runner.page_size)
+        self.drafter.write_context(features, b.positions, b.slot_mapping, runner.drafter_cache)

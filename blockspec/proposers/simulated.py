@@ -1,0 +1,56 @@
+"""Benchmarks only: a proposer whose blocks are accepted at a chosen mean acceptance length, so
+that random weights can be timed at a realistic tau. It runs the real drafter (the step costs what
+a real one does) and imposes its acceptance count instead of the acceptance rule: drafts of a
+random drafter are never the target's tokens. Output tokens are then not the target's.
+
+Each draft is accepted with one probability p, given the ones before it were (p solves
+1 + p + ... + p^max_drafts = tau): as with real drafters, long runs are rarer than short ones and
+narrower blocks commit fewer tokens. The draws are counter-based uniforms of (request seed, block
+position), made on the device."""
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from blockspec.proposers.base import Proposal, Proposer
+from blockspec.sampling import Stream, uniform
+
+if TYPE_CHECKING:
+    from blockspec.engine.runner import ModelRunner
+    from blockspec.engine.step import StepInputs
+
+
+def acceptance_probability(tau: float, max_drafts: int) -> float:
+    """p with 1 + p + ... + p^max_drafts = tau (bisection: the mean grows with p)."""
+    if not 1 <= tau <= max_drafts + 1:
+        raise ValueError(f"a simulated tau must lie in [1, {max_drafts + 1}] (the block width), got {tau}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        p = (low + high) / 2
+        low, high = (p, high) if sum(p**k for k in range(max_drafts + 1)) < tau else (low, p)
+    return low
+
+
+class SimulatedProposer(Proposer):
+    def __init__(self, inner: Proposer, tau: float, max_drafts: int) -> None:
+        self.inner, self.tau = inner, tau
+        p = acceptance_probability(tau, max_drafts)
+        self.log_p = math.log(p) if p > 0 else None
+        self.capture_layers = inner.capture_layers
+
+    def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
+        proposal = self.inner.propose(runner, inputs)
+        proposal.accepted = self.accepted(inputs.seeds, inputs.starts, inputs.lengths - 1)
+        return proposal
+
+    def accepted(self, seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+        """Drafts accepted of blocks at `starts`, P(accepted >= j) = p^j for j <= num_drafts:
+        floor(log(1 - u) / log p), capped (p < 1 always; p = 0 at tau 1)."""
+        if self.log_p is None:
+            return torch.zeros_like(starts)
+        u = uniform(seeds, starts, Stream.SIMULATED)
+        return torch.minimum((torch.log1p(-u) / self.log_p).long(), num_drafts)
+
+    def commit(self, runner, features, starts, counts, block_tables) -> None:
+        self.inner.commit(runner, features, starts, counts, block_tables)
