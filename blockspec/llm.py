@@ -9,7 +9,10 @@ import torch
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.detokenizer import streamable_text
 from blockspec.engine.engine import LLMEngine
+from blockspec.layers.linear import fused_gemms_on
 from blockspec.loading.dflash import load_drafter
+from blockspec.loading.finish import LoadOptions
+from blockspec.loading.fp8 import resolve_fp8
 from blockspec.loading.hf import load_target
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import SamplingParams
@@ -49,7 +52,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def native_cpu_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 decoding is
-    ~1.7x faster than fp32 (measured on an AVX512-BF16 EPYC, README)."""
+    faster than fp32."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
@@ -97,14 +100,20 @@ class LLM:
         unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        target = load_target(model, self.dtype, self.device)
+        config = EngineConfig(**engine_args)
+        # The derived weights are made at load: norms folded where the GEMMs that fuse them run,
+        # the drafter's FP8 copies as `SpeculativeConfig.fp8` resolves.
+        fold = config.fold_norms if config.fold_norms is not None else fused_gemms_on(self.device)
+        target = load_target(model, self.dtype, self.device, LoadOptions(fold_norms=fold))
         spec = resolve_speculative_config(speculative_config, model)
         drafter = None
         if spec is not None and spec.method == "dflash":
             if spec.model is None:
                 raise ValueError("speculative_config needs 'model': the DFlash drafter directory")
-            drafter = load_drafter(spec.model, target.model, self.dtype, self.device)
-        self.engine = LLMEngine(target, drafter, spec, EngineConfig(**engine_args))
+            fp8 = resolve_fp8(spec.fp8, self.device, target.model.spec.hidden_size)  # a drafter's is its target's
+            options = LoadOptions(fp8=fp8, fp8_lm_head=fp8 and spec.fp8_lm_head)
+            drafter = load_drafter(spec.model, target.model, self.dtype, self.device, options)
+        self.engine = LLMEngine(target, drafter, spec, config)
         self.tokenizer = target.tokenizer
 
     def generate(

@@ -15,6 +15,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.loading.dflash import load_drafter, save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import DFlashDrafter, default_target_layer_ids
+from blockspec.proposers.dflash import DFlashProposer
 from blockspec.sampling import SamplingParams
 
 EPS = 1e-6
@@ -74,18 +75,19 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
     page = 4
     tc = allocate_kv_cache(6, 32, page, 2, 16, torch.float32, "cpu")
     dc = allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu")
-    runner = ModelRunner(target, drafter, tc, dc, page, window=window)
+    proposer = DFlashProposer(drafter, window)
+    runner = ModelRunner(target, proposer, drafter, tc, dc, page)
     alloc = PageAllocator(32, page)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in (13, 6)]
     widths = [4, 2]  # different context lengths and widths in one batch, both narrower than the block
     # Each is drafted as the whole block (6 rows, as trained), cut to its first drafts.
-    seqs = [Sequence(None, p, SamplingParams(), torch.Generator()) for p in prompts]
+    seqs = [Sequence(None, p, SamplingParams(), 0) for p in prompts]
     for s, g in zip(seqs, widths):
         alloc.allocate(s.block_table, len(s.token_ids) + drafter.block_size)
     runner.prefill(seqs)
-    anchors = torch.tensor([[s.anchor] for s in seqs])
-    logits = runner.propose(anchors, runner.step_inputs(seqs, widths, None)[0], max(widths))
+    with torch.inference_mode():
+        logits = proposer.logits(runner, runner.step_inputs(seqs, widths, None, None))
     for i, (ids, g) in enumerate(zip(prompts, widths)):
         with torch.no_grad():
             hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states

@@ -107,12 +107,15 @@ def test_mismatched_drafters(tmp_path, pair):
     small_vocab = make_target(tmp_path / "sv", "qwen3", vocab=64)
     with pytest.raises(CheckpointError, match="mask_token_id 127 is outside the target vocabulary"):
         LLM(str(small_vocab), {"model": str(d)}, device="cpu")
-    with pytest.raises(CheckpointError, match="architecture Qwen3ForCausalLM is not a DFlash drafter"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"architecture Qwen3ForCausalLM is not a supported drafter \(supported: DFlashDraftModel\)",
+    ):
         LLM(str(t), {"model": str(t)}, device="cpu")
     unnamed = copy(d, tmp_path / "unnamed")
     cfg = json.loads((unnamed / "config.json").read_text())
     (unnamed / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "architectures"}))
-    with pytest.raises(CheckpointError, match="config.json names no architecture, so it is not a DFlash drafter"):
+    with pytest.raises(CheckpointError, match="config.json names no architecture, so it is not a supported drafter"):
         LLM(str(t), {"model": str(unnamed)}, device="cpu")
     with pytest.raises(ValueError, match="speculative method 'eagle' is not supported"):
         LLM(str(t), {"method": "eagle", "model": str(d)}, device="cpu")

@@ -19,6 +19,7 @@ from blockspec.cli import main as cli_main
 from blockspec.layers.attention import DenseAttention
 from blockspec.llm import LLM
 from blockspec.loading.dflash import load_drafter, save_drafter
+from blockspec.loading.finish import LoadOptions
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError
 from blockspec.models.dflash import DFlashDrafter
@@ -249,9 +250,9 @@ def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
         build_drafter(target, config(target_dir, data, tmp_path), VOCAB)
     with pytest.raises(ValueError, match="num_attention_heads 3 is not a multiple of num_key_value_heads 2"):
         build_drafter(target, config(target_dir, data, tmp_path, num_heads=3, num_kv_heads=2), VOCAB - 1)
-    target.fold_norms()  # as an engine on CUDA leaves it
+    folded = load_target(str(target_dir), torch.float32, CPU, LoadOptions(fold_norms=True))  # as LLM on CUDA
     with pytest.raises(ValueError, match="norm weights are folded"):
-        build_drafter(target, config(target_dir, data, tmp_path), VOCAB - 1)
+        build_drafter(folded.model, config(target_dir, data, tmp_path), VOCAB - 1)
     with pytest.raises(ValueError, match="attention=flex needs CUDA"):  # before any data is generated
         train(config(target_dir, None, tmp_path / "flex", attention="flex"))
     assert not (tmp_path / "flex" / "data.jsonl").exists()

@@ -5,9 +5,11 @@
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
+from blockspec.loading.finish import AS_STORED, LoadOptions, finish_drafter, finish_target
 from blockspec.loading.hf import Target
-from blockspec.models.dflash import DFlashDrafter
-from blockspec.models.llama import CausalLM
+from blockspec.models.causal_lm import CausalLM
+from blockspec.models.dflash import ARCHITECTURE
+from blockspec.models.registry import Drafter, drafter_kind_for, family_for
 
 TARGETS = {
     "Qwen3-8B": lambda: Qwen3Config(
@@ -68,6 +70,7 @@ DRAFTERS = {
         rope_theta=1000000.0,
         block_size=16,
         dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+        architectures=[ARCHITECTURE],
     ),
     "small-DFlash": lambda: Qwen3Config(
         vocab_size=8192,
@@ -80,6 +83,7 @@ DRAFTERS = {
         max_position_embeddings=4096,
         block_size=16,
         dflash_config={"mask_token_id": 8191},
+        architectures=[ARCHITECTURE],
     ),
 }
 
@@ -88,13 +92,14 @@ def is_preset(name: str | None) -> bool:
     return name is not None and name.startswith("random:")
 
 
-def build_random(cls, *args, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def build_random(build, *args, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """build(*args) in `dtype` on `device`, its weights as the modules initialize them."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            module = cls(*args)
-        return module.to(device).eval()  # buffers made on the CPU (rope tables) follow
+            module = build(*args)
+        return module.to(device)  # buffers made on the CPU (rope tables) follow
     finally:
         torch.set_default_dtype(previous)
 
@@ -106,17 +111,19 @@ def preset(table: dict, name: str):
     return table[key]()
 
 
-def random_target(name: str, dtype: torch.dtype, device: torch.device) -> Target:
+def random_target(name: str, dtype: torch.dtype, device: torch.device, options: LoadOptions = AS_STORED) -> Target:
+    """A target preset, ready as `load_target` leaves a checkpoint's (`finish_target`)."""
     torch.manual_seed(0)
-    model = build_random(CausalLM, preset(TARGETS, name), dtype=dtype, device=device)
-    return Target(model, None, [], name)
+    config = preset(TARGETS, name)
+    model = build_random(family_for(config).build, config, dtype=dtype, device=device)
+    return Target(finish_target(model, options), None, [], name)
 
 
-def random_drafter(name: str, target: CausalLM, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+def random_drafter(
+    name: str, target: CausalLM, dtype: torch.dtype, device: torch.device, options: LoadOptions = AS_STORED
+) -> Drafter:
+    """A drafter preset for `target`, ready as `load_drafter` leaves a checkpoint's (`finish_drafter`)."""
     torch.manual_seed(1)
-    tc = target.config
-    drafter = build_random(
-        DFlashDrafter, preset(DRAFTERS, name), tc.num_hidden_layers, tc.hidden_size, dtype=dtype, device=device
-    )
-    drafter.fuse_kv()
-    return drafter
+    config = preset(DRAFTERS, name)
+    drafter = build_random(drafter_kind_for(config).build, config, target, dtype=dtype, device=device)
+    return finish_drafter(drafter, target, options)

@@ -6,10 +6,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, pack, read_json
-from blockspec.models.llama import CausalLM, packed_sizes
-
-TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from blockspec.loading.finish import AS_STORED, LoadOptions, finish_target
+from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, read_json
+from blockspec.models.causal_lm import CausalLM
+from blockspec.models.registry import TargetFamily, family_for
 
 
 @dataclass
@@ -61,49 +61,64 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
         raise CheckpointError(f"{path}: the tokenizer files do not load ({type(e).__name__}: {e})") from e
 
 
+def target_family(config, source: Path) -> TargetFamily:
+    """The registered family of `config`, and a config it can build (else CheckpointError naming `source`)."""
+    try:
+        family = family_for(config)
+    except ValueError as e:  # the registry's one error: no family of that architecture
+        raise CheckpointError(f"{source}: {e}") from None
+    problems = family.problems(config)
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
+    return family
+
+
 def build_target(
-    config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, source: Path
+    family: TargetFamily,
+    config,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    source: Path,
+    options: LoadOptions,
 ) -> CausalLM:
+    """The target of `config` (of `family`, `target_family`) with the checkpoint tensors `weights`,
+    ready (`finish_target`)."""
+    weights = family.weights.to_model(weights, family.layer_spec(config), source)
     head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
     if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
         config.tie_word_embeddings = False  # as transformers does: the file's own, different head is kept
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = family.build(config)
     # A tied pair is one tensor, loaded (and checked) under the name the file stores it by: the
     # embedding, or the head where the file holds only that (it serves both, as in transformers).
     names = ("model.embed_tokens.weight", "lm_head.weight")
     kept, other = names[::-1] if embed is None and head is not None else names
     tied = (other,) if config.tie_word_embeddings else ()
-    weights = {n: t for n, t in weights.items() if n not in tied and "rotary_emb" not in n}
-    fill_module(model, pack(weights, source, packed_sizes(model.spec)), dtype, device, source, optional=tied)
+    fill_module(model, {n: t for n, t in weights.items() if n not in tied}, dtype, device, source, optional=tied)
     if tied:  # one Parameter under both names
         owner, _, attr = other.rpartition(".")
         setattr(model.get_submodule(owner), attr, model.get_parameter(kept))
     model.rotary.to(device)
-    return model.eval()
+    return finish_target(model, options)
 
 
-def architecture(config) -> str | None:
-    """The class config.json names, or None where it names none (transformers then goes by model_type)."""
-    return (getattr(config, "architectures", None) or [None])[0]
-
-
-def load_target(path: str | Path | None, dtype: torch.dtype, device: torch.device) -> Target:
-    """A Hugging Face model directory, a .gguf file, or None: the embedded default (SmolLM2)."""
+def load_target(
+    path: str | Path | None, dtype: torch.dtype, device: torch.device, options: LoadOptions = AS_STORED
+) -> Target:
+    """A Hugging Face model directory, a .gguf file, or None: the embedded default (SmolLM2); its
+    derived weights made as `options` ask (`finish_target`)."""
     if path is None or str(path).endswith(".gguf"):
         from blockspec.loading.gguf import default_gguf_path, load_gguf  # gguf is only needed here
 
         path = Path(path) if path is not None else default_gguf_path()
         ckpt = load_gguf(path, dtype)
-        model = build_target(ckpt.config, ckpt.state_dict, dtype, device, path)
+        family = target_family(ckpt.config, path)
+        model = build_target(family, ckpt.config, ckpt.state_dict, dtype, device, path, options)
         return Target(model, ckpt.tokenizer, ckpt.eos_token_ids, path.stem)
     path = Path(path)
     config = load_config(path)
-    arch = architecture(config)
-    if arch is not None and arch not in TARGET_ARCHITECTURES:  # None: model_type decides (layer_spec)
-        raise CheckpointError(
-            f"{path}: architecture {arch} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})"
-        )
+    family = target_family(config, path)  # first: an unsupported model fails before anything loads
     tokenizer = load_tokenizer(path)  # before the weights: a broken tokenizer fails fast
-    model = build_target(config, load_weights(path), dtype, device, path)
+    model = build_target(family, config, load_weights(path), dtype, device, path, options)
     return Target(model, tokenizer, eos_token_ids(path, config), path.name)

@@ -1,7 +1,10 @@
-"""Safetensors checkpoints: reading (single file or sharded with an index), filling a model
-built on the meta device, and writing shards of bounded size."""
+"""Safetensors checkpoints: reading (single file or sharded with an index), mapping their tensor
+names to a model's (`WeightMapping`), filling a model built on the meta device, and writing shards
+of bounded size."""
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,11 +12,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from blockspec.layers.decoder import LayerSpec, Packing, packed_parts
+
 INDEX = "model.safetensors.index.json"
-
-
-# Checkpoint tensors that the models hold as one packed projection (one GEMM instead of several).
-PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class CheckpointError(ValueError):
@@ -131,18 +132,18 @@ def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: 
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def pack(weights: dict[str, torch.Tensor], source: Path, sizes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """Concatenate q/k/v and gate/up tensors into the models' packed projections; sizes: packed
-    name -> the row count each part must have (checked per part: a sum could hide a wrong split)."""
+def pack(weights: dict[str, torch.Tensor], source: Path, packing: Packing) -> dict[str, torch.Tensor]:
+    """Concatenate the parts of each packed projection (q/k/v, gate/up) into it; packing: packed
+    name -> its parts and the rows each must have (checked per part: a sum could hide a wrong split)."""
     out = dict(weights)
-    for packed, parts in PACKED.items():
-        first = f".{parts[0]}."
+    for packed, parts in packing.items():
+        first = f".{parts[0][0]}."
         for name in [n for n in weights if first in n]:
-            names = [name.replace(first, f".{p}.") for p in parts]
+            names = [name.replace(first, f".{part}.") for part, _ in parts]
             missing = [n for n in names if n not in weights]
             if missing:
                 raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing}")
-            for part, rows in zip(names, sizes[packed]):
+            for part, (_, rows) in zip(names, parts):
                 if weights[part].dim() == 0 or weights[part].shape[0] != rows:
                     raise CheckpointError(
                         f"{source}: {part} has shape {tuple(weights[part].shape)}, expected {rows} rows"
@@ -156,14 +157,35 @@ def pack(weights: dict[str, torch.Tensor], source: Path, sizes: dict[str, list[i
     return out
 
 
-def unpack(weights: dict[str, torch.Tensor], sizes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """The inverse of `pack`, for writing checkpoints; sizes: packed name -> row counts of its parts."""
+def unpack(weights: dict[str, torch.Tensor], packing: Packing) -> dict[str, torch.Tensor]:
+    """The inverse of `pack`, for writing checkpoints."""
     out = {}
     for name, tensor in weights.items():
-        packed = next((p for p in PACKED if f".{p}." in name), None)
+        packed = next((p for p in packing if f".{p}." in name), None)
         if packed is None:
             out[name] = tensor
             continue
-        for part, chunk in zip(PACKED[packed], tensor.split(sizes[packed])):
+        parts = packing[packed]
+        for (part, _), chunk in zip(parts, tensor.split([rows for _, rows in parts])):
             out[name.replace(f".{packed}.", f".{part}.")] = chunk
     return out
+
+
+def stored_name(name: str) -> str | None:
+    """A checkpoint tensor's name as the model's parameter: the same, but for the rotary tables that
+    some checkpoints hold (None: not loaded; computed here from the config)."""
+    return None if "rotary_emb" in name else name
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """A checkpoint's tensor names -> a model's parameters: `rename` maps each name (None: the
+    tensor is not loaded), then the parts of each packed projection are concatenated (`packing` of
+    the model's layer spec)."""
+
+    rename: Callable[[str], str | None] = stored_name
+    packing: Callable[[LayerSpec], Packing] = packed_parts
+
+    def to_model(self, weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
+        renamed = {new: t for name, t in weights.items() if (new := self.rename(name)) is not None}
+        return pack(renamed, source, self.packing(spec))

@@ -6,19 +6,25 @@ Context K/V: for each committed position t, c[t] = hidden_norm(fc(feat[t])) and 
 K = rope(k_norm(k_proj(c))), V = v_proj(c). All layers read the same c, so their k/v
 projections are stacked into one weight and computed with one GEMM (`fused_kv`)."""
 
-import dataclasses
-
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from blockspec.layers.attention import AttentionMetadata
+from blockspec.layers.decoder import DecoderLayer, KVCache, decoder_stack
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, layers_k, layers_kv_write
-from blockspec.models.llama import DecoderLayer, KVCache, decoder_stack, layer_spec, layer_types, sliding_window
+from blockspec.models.causal_lm import CausalLM
+from blockspec.models.hf_config import config_problems, decoder_layer_kinds, sliding_window
+from blockspec.models.qwen3 import layer_spec
+from blockspec.models.registry import DrafterKind
+from blockspec.sampling import is_int, is_number
+
+ARCHITECTURE = "DFlashDraftModel"
 
 
-def dflash_value(config, name: str, default=None):
+def dflash_value(config: PretrainedConfig, name: str, default=None):
     """A DFlash field: `dflash_config` first, then the top level (both forms are published)."""
     dflash = getattr(config, "dflash_config", None) or {}
     return dflash.get(name, getattr(config, name, default))
@@ -35,14 +41,20 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, config, num_target_layers: int, target_hidden_size: int) -> None:
+    """`fp8`: its projections and context K/V weight are FP8 copies (made at load,
+    `blockspec.loading.finish`), and `lm_head_fp8`, where not None, the target's LM head's."""
+
+    proposer = "dflash"
+
+    def __init__(self, config: PretrainedConfig, num_target_layers: int, target_hidden_size: int) -> None:
         super().__init__()
         self.config = config
-        self.spec = dataclasses.replace(layer_spec(config), qk_norm=True)
+        self.spec = layer_spec(config)
         n = config.num_hidden_layers
-        self.layer_types = layer_types(config)
-        self.sliding_window = sliding_window(config)
-        self.layers = nn.ModuleList(DecoderLayer(self.spec, t) for t in self.layer_types)
+        kinds = decoder_layer_kinds(config)
+        self.layer_types = [k.attention for k in kinds]
+        self.sliding_window = sliding_window(config, kinds)
+        self.layers = nn.ModuleList(DecoderLayer(self.spec, k) for k in kinds)
         ids = dflash_value(config, "target_layer_ids")
         self.target_layer_ids = tuple(ids if ids is not None else default_target_layer_ids(num_target_layers, n))
         h = self.spec.hidden_size
@@ -55,6 +67,7 @@ class DFlashDrafter(nn.Module):
         self.input_embedding_scale = float(dflash_value(config, "input_embedding_scale", 1.0))
         self.output_multiplier = float(dflash_value(config, "output_multiplier", 1.0))
         self.logit_softcap = dflash_value(config, "final_logit_softcapping")
+        self.fp8, self.lm_head_fp8 = False, None
 
     def fuse_kv(self) -> None:
         """Stack every layer's k/v projection (rows [K0; V0; K1; V1; ...]) and k_norm weight.
@@ -65,7 +78,7 @@ class DFlashDrafter(nn.Module):
         biased = attns[0].qkv_proj.bias is not None
         self.fused_kv_bias = torch.cat([a.qkv_proj.bias[q:] for a in attns]) if biased else None
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])  # [L, D]
-        self.fused_kv_fp8 = None  # an Fp8Linear of the same rows once quantize_drafter ran
+        self.fused_kv_fp8 = None  # an Fp8Linear of the same rows once `quantize_drafter` ran
 
     def context_rows(self, features: torch.Tensor) -> torch.Tensor:
         """Every layer's context k and v heads before k's norm and rope, [L, *lead, 2, Hkv, D] (a
@@ -102,13 +115,70 @@ class DFlashDrafter(nn.Module):
         rope = self.rotary(positions, x.dtype)
         return decoder_stack(self.layers, x, rope, kv_caches, attn, self.norm)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        """Logits through the target's LM head, or its FP8 copy (`quantize_drafter`), in the head's
-        dtype; in fp32 where the config scales or caps them."""
-        fp8 = getattr(self, "lm_head_fp8", None)
+    def compute_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        """Logits through the target's LM head, or its FP8 copy, in the head's dtype; in fp32 where
+        the config scales or caps them."""
+        fp8 = self.lm_head_fp8
         logits = fp8(hidden) if fp8 is not None else target.compute_logits(hidden)
         if self.output_multiplier != 1.0:
             logits = logits.float() * self.output_multiplier
         if self.logit_softcap:
             logits = torch.tanh(logits.float() / self.logit_softcap) * self.logit_softcap
         return logits
+
+
+def dflash_problems(config: PretrainedConfig, target: PretrainedConfig) -> list[str]:
+    """What a DFlash drafter's config asks for that it cannot do against a target of config
+    `target`: the DFlash fields' presence and types, then their fit, then its layers' own."""
+    problems = []
+    ids, mask = dflash_value(config, "target_layer_ids"), dflash_value(config, "mask_token_id")
+    if ids is not None and not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)):
+        problems.append(f"target_layer_ids must be a non-empty list of integers, got {ids!r}")
+    elif ids is not None and not all(0 <= i < target.num_hidden_layers for i in ids):
+        problems.append(f"target_layer_ids {ids} must be in 0..{target.num_hidden_layers - 1}")
+    if mask is None:
+        problems.append("dflash_config.mask_token_id is missing")
+    elif not is_int(mask):
+        problems.append(f"mask_token_id must be an integer, got {mask!r}")
+    elif not 0 <= mask < target.vocab_size:
+        problems.append(f"mask_token_id {mask} is outside the target vocabulary (size {target.vocab_size})")
+    block = dflash_value(config, "block_size")
+    if not (is_int(block) and block >= 2):
+        problems.append(
+            "block_size is missing" if block is None else f"block_size must be an integer >= 2, got {block!r}"
+        )
+    n = dflash_value(config, "num_target_layers")
+    if n is not None and n != target.num_hidden_layers:
+        problems.append(f"trained for a target of {n} layers, this target has {target.num_hidden_layers}")
+    if config.hidden_size != target.hidden_size:
+        problems.append(
+            f"drafter hidden_size {config.hidden_size} != target hidden_size {target.hidden_size} "
+            "(the drafter reads the target's embedding and LM head)"
+        )
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab != target.vocab_size:
+        problems.append(f"drafter vocab_size {vocab} != target vocab_size {target.vocab_size}")
+    for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        value = dflash_value(config, name)
+        if value is not None and not is_number(value):
+            problems.append(f"{name} must be a number, got {value!r}")
+    return problems + config_problems(config, decoder_layer_kinds(config))
+
+
+def fc_problems(drafter: DFlashDrafter, weights: dict[str, torch.Tensor]) -> list[str]:
+    """A checkpoint's `fc` that reads other features than the target's (another target's layers or width)."""
+    fc, n = weights.get("fc.weight"), len(drafter.target_layer_ids)
+    expected = drafter.fc.in_features
+    if fc is None or fc.shape[-1] == expected:
+        return []
+    return [
+        (
+            f"fc.weight takes {fc.shape[-1]} inputs but {n} target layers x hidden {expected // n} = {expected}: "
+            "this drafter was trained for another target"
+        )
+    ]
+
+
+DRAFTER = DrafterKind(
+    "dflash", architectures=(ARCHITECTURE,), model=DFlashDrafter, problems=dflash_problems, weight_problems=fc_problems
+)

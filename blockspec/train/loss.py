@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.layers.attention import DenseAttention, visibility
+from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import DFlashDrafter
-from blockspec.models.llama import CausalLM
 from blockspec.train.batches import Batch
 from blockspec.train.masks import block_attention
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import DFlashDrafter
-from blockspec.models.llama import CausalLM
 from blockspec.train.batches import BatchOrder, collate, padded_width
 from blockspec.train.checkpoint import load_checkpoint, save_checkpoint
 from blockspec.train.config import TrainConfig

@@ -1,0 +1,41 @@
+"""A model's derived weights, made once when it is loaded or built with random weights, under
+explicit options (`LoadOptions`): a target's norm weights folded into the GEMMs after them, a
+drafter's stacked context K/V weight and its FP8 copies. The models record what was made
+(`norms_folded`, `fp8`), which the engine reads; nothing changes them afterwards."""
+
+from dataclasses import dataclass
+
+from blockspec.loading.fp8 import quantize_drafter
+from blockspec.models.causal_lm import CausalLM
+from blockspec.models.registry import Drafter
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The derived weights to make at load; all off: the checkpoint's weights as they are."""
+
+    # A target's norm weights folded into the GEMMs after them (`CausalLM.fold_norms`): where the
+    # GEMMs that fuse the norm run (`blockspec.layers.linear.fused_gemms_on`), they then skip its multiply.
+    fold_norms: bool = False
+    fp8: bool = False  # a drafter's projections and context K/V weight as FP8 copies (`quantize_drafter`)
+    fp8_lm_head: bool = False  # with fp8, an FP8 copy of the target's LM head for the drafter's logits
+
+
+AS_STORED = LoadOptions()  # nothing derived
+
+
+def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
+    """`model` ready for inference, its norms folded as `options` ask."""
+    if options.fold_norms:
+        model.fold_norms()
+    return model.eval()
+
+
+def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> Drafter:
+    """`drafter` ready for inference: its context K/V weight stacked (`fuse_kv`) and its FP8 copies
+    made as `options` ask (the target keeps its own LM head)."""
+    drafter.fuse_kv()
+    if options.fp8:
+        quantize_drafter(drafter, target.lm_head if options.fp8_lm_head else None)
+    drafter.fp8 = options.fp8
+    return drafter.eval()

@@ -1,0 +1,67 @@
+"""The fields of Hugging Face decoder configs that the target families and the drafters read
+alike: geometry, per-layer attention, and what of them the decoder layers cannot run."""
+
+from transformers import PretrainedConfig
+
+from blockspec.layers.decoder import LayerKind, LayerSpec, kind_problems
+from blockspec.sampling import is_int
+
+SWIGLU_ACTS = ("silu", "swish")
+
+
+def num_kv_heads(config: PretrainedConfig) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def attention_bias(config: PretrainedConfig) -> bool:
+    return bool(getattr(config, "attention_bias", False))
+
+
+def decoder_spec(config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> LayerSpec:
+    """The layer spec of a Llama-style config; the family says what its config does not (biases, q/k norm)."""
+    return LayerSpec(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=num_kv_heads(config),
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        eps=config.rms_norm_eps,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=qk_norm,
+    )
+
+
+def layer_types(config: PretrainedConfig) -> list[str]:
+    """Each layer's attention as transformers lays them out (`layer_types`; Qwen2/Qwen3 with
+    use_sliding_window slide from max_window_layers on): full causal, or over the last
+    `sliding_window` positions."""
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
+def decoder_layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
+    """Each layer's attention from `layer_types`, every MLP dense."""
+    return [LayerKind(t) for t in layer_types(config)]
+
+
+def sliding_window(config: PretrainedConfig, kinds: list[LayerKind]) -> int | None:
+    """The window of the sliding layers; None where no layer slides."""
+    return config.sliding_window if any(k.attention == "sliding_attention" for k in kinds) else None
+
+
+def config_problems(config: PretrainedConfig, kinds: list[LayerKind]) -> list[str]:
+    """What a target's or drafter's config asks for that its layers (of `kinds`) cannot do: an MLP
+    activation other than SwiGLU's, query heads that do not share the K/V heads evenly, layer kinds
+    without a module, sliding layers without a window."""
+    heads, kv_heads, problems = config.num_attention_heads, num_kv_heads(config), []
+    act = getattr(config, "hidden_act", "silu")
+    if act not in SWIGLU_ACTS:
+        problems.append(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu only)")
+    if heads % kv_heads:
+        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    problems += kind_problems(kinds)
+    window = getattr(config, "sliding_window", None)
+    if any(k.attention == "sliding_attention" for k in kinds) and not (is_int(window) and window > 0):
+        problems.append(f"sliding_attention layers need a positive sliding_window, got {window!r}")
+    return problems
