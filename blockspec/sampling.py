@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.layers.fast_path import fast_kernels
+from blockspec.layers.fast_path import cuda_compiled, fast_kernels
 
 
 def is_int(value) -> bool:
@@ -103,23 +103,33 @@ def probs(logits: torch.Tensor, sampling: torch.Tensor, filters: bool = True) ->
     top set with mass >= top_p, then to the tokens with at least min_p times the top probability
     (transformers' order). logits: [..., V]. Rows of temperature 0 (greedy: never drawn from) get
     T = 1. `filters=False` skips top-k and top-p (and their sort) where no row asks for them."""
-    logits = logits.float()
     temperature, top_k, top_p, min_p = (c[..., None] for c in sampling.float().unbind(-1))
-    # Shifted so the top score is 0 before dividing: a tiny T sends the others to -inf (the
-    # argmax limit), where logits / T would overflow to inf and softmax to NaN.
-    scores = (logits - logits.amax(-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)
+    scores = tempered_scores(logits, temperature)
+    if not filters:
+        return min_p_filter(torch.softmax(scores, dim=-1), min_p)
     vocab = scores.shape[-1]
-    if filters:
-        ranked, order = scores.sort(dim=-1, descending=True)
-        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
-        kth = ranked.gather(-1, k.expand(*scores.shape[:-1], 1) - 1)
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    if filters:
-        ranked_p = p.gather(-1, order)
-        outside = (ranked_p.cumsum(-1) - ranked_p >= top_p) & (top_p < 1)
-        p = p.scatter(-1, order, ranked_p.masked_fill(outside, 0))
-        p = p / p.sum(-1, keepdim=True)
+    ranked, order = scores.sort(dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+    kth = ranked.gather(-1, k.expand(*scores.shape[:-1], 1) - 1)
+    p = torch.softmax(scores.masked_fill(scores < kth, float("-inf")), dim=-1)
+    ranked_p = p.gather(-1, order)
+    outside = (ranked_p.cumsum(-1) - ranked_p >= top_p) & (top_p < 1)
+    p = p.scatter(-1, order, ranked_p.masked_fill(outside, 0))
+    return min_p_filter(p / p.sum(-1, keepdim=True), min_p)
+
+
+@cuda_compiled  # on CUDA one pass over the logits
+def tempered_scores(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """(logits - max) / T in float32, T = 1 where it is 0. Shifted so the top score is 0 before
+    dividing: a tiny T sends the others to -inf (the argmax limit), where logits / T would overflow
+    to inf and softmax to NaN."""
+    logits = logits.float()
+    return (logits - logits.amax(-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)
+
+
+@cuda_compiled
+def min_p_filter(p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """p without the tokens below min_p times its top probability, renormalized."""
     p = p.masked_fill(p < min_p * p.amax(-1, keepdim=True), 0)
     return p / p.sum(-1, keepdim=True)
 
@@ -151,6 +161,7 @@ def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> to
     return mix32(h ^ (seeds >> 32))
 
 
+@cuda_compiled  # on CUDA one launch instead of some forty
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Float64 uniforms in [0, 1) with 53 random bits, one per (seed, position) pair (broadcast)."""
     high = random_bits(seeds, positions, stream)
@@ -161,7 +172,7 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.
 def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of (unnormalized) p [..., V] by inverse CDF at u [...]: the first token whose
     cumulative mass exceeds u times the total; tokens of zero mass are never drawn."""
-    cdf = p.double().cumsum(-1)
+    cdf = p.cumsum(-1, dtype=torch.float64)
     token = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0]
     return token.clamp_max(p.shape[-1] - 1)  # u * total rounded up to the total
 

@@ -15,7 +15,18 @@ from blockspec import LLM, SamplingParams
 from blockspec.engine import step
 from blockspec.engine.step import accept
 from blockspec.proposers.base import Proposal
-from blockspec.sampling import SAMPLING_COLUMNS, Stream, draw, probs, sampling_row, token_probs, uniform
+from blockspec.proposers.simulated import geometric_counts
+from blockspec.sampling import (
+    SAMPLING_COLUMNS,
+    Stream,
+    draw,
+    min_p_filter,
+    probs,
+    sampling_row,
+    tempered_scores,
+    token_probs,
+    uniform,
+)
 
 VOCAB, PROMPT, N = 6, [1, 4, 3], 3000
 CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_p=0.2)]
@@ -229,3 +240,25 @@ def test_sampling_never_waits_for_the_device() -> None:
         accept(Proposal(drafts, torch.softmax(logits[:, :4], -1)), logits, inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_compiled_sampling_ops_match_their_eager_definitions() -> None:
+    """The draws are bit for bit the same compiled (CUDA) and eager (the CPU's): the same request
+    samples the same tokens on either device; the tempered distributions agree within fp32 rounding."""
+    seeds = torch.randint(0, 2**62, (7, 1), device="cuda")
+    positions = torch.arange(5, device="cuda") + torch.randint(0, 10**6, (7, 1), device="cuda")
+    for stream in Stream:
+        u = uniform(seeds, positions, stream)
+        assert torch.equal(u, uniform.eager(seeds, positions, stream))
+        assert torch.equal(u.cpu(), uniform(seeds.cpu(), positions.cpu(), stream))
+    counts = geometric_counts(seeds[:, 0], positions[:, 0], torch.full((7,), 15, device="cuda"), -0.13)
+    assert torch.equal(
+        counts, geometric_counts.eager(seeds[:, 0], positions[:, 0], torch.full((7,), 15, device="cuda"), -0.13)
+    )
+    logits = torch.randn(7, 5, 151936, device="cuda", dtype=torch.bfloat16) * 4
+    t, m = torch.rand(7, 1, 1, device="cuda"), torch.rand(7, 1, 1, device="cuda") * 0.1
+    torch.testing.assert_close(tempered_scores(logits, t), tempered_scores.eager(logits, t))
+    p = torch.softmax(tempered_scores(logits, t), -1)
+    torch.testing.assert_close(min_p_filter(p, m), min_p_filter.eager(p, m))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blockspec.layers.fast_path import cuda_compiled
 from blockspec.proposers.base import Proposal, Proposer
 from blockspec.sampling import Stream, uniform
 
@@ -32,6 +33,13 @@ def acceptance_probability(tau: float, max_drafts: int) -> float:
     return low
 
 
+@cuda_compiled  # one launch inside the step, as a host draw would cost none
+def geometric_counts(seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor, log_p: float) -> torch.Tensor:
+    """floor(log(1 - u) / log p), capped at num_drafts (p < 1 always)."""
+    u = uniform(seeds, starts, Stream.SIMULATED)
+    return torch.minimum((torch.log1p(-u) / log_p).long(), num_drafts)
+
+
 class SimulatedProposer(Proposer):
     def __init__(self, inner: Proposer, tau: float, max_drafts: int) -> None:
         self.inner, self.tau = inner, tau
@@ -45,12 +53,10 @@ class SimulatedProposer(Proposer):
         return proposal
 
     def accepted(self, seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-        """Drafts accepted of blocks at `starts`, P(accepted >= j) = p^j for j <= num_drafts:
-        floor(log(1 - u) / log p), capped (p < 1 always; p = 0 at tau 1)."""
+        """Drafts accepted of blocks at `starts`, P(accepted >= j) = p^j for j <= num_drafts."""
         if self.log_p is None:
             return torch.zeros_like(starts)
-        u = uniform(seeds, starts, Stream.SIMULATED)
-        return torch.minimum((torch.log1p(-u) / self.log_p).long(), num_drafts)
+        return geometric_counts(seeds, starts, num_drafts, self.log_p)
 
     def commit(self, runner, features, starts, counts, block_tables) -> None:
         self.inner.commit(runner, features, starts, counts, block_tables)
