@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -116,9 +117,12 @@ def chat(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    """Load the engine, then serve it until interrupted."""
     from blockspec.server.api import serve as run_server  # fastapi and uvicorn only for this command
 
-    run_server(args)
+    llm = build_llm(args)
+    api_key = args.api_key or os.environ.get("BLOCKSPEC_API_KEY")  # the variable keeps the key out of `ps`
+    run_server(llm, args.served_model_name or args.model or llm.engine.target.name, args.host, args.port, api_key)
 
 
 def main(argv: list[str] | None = None) -> None:

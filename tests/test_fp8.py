@@ -15,17 +15,10 @@ from blockspec import LLM, SamplingParams
 from blockspec.layers import quantization
 from blockspec.layers.linear import Linear, dense
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.quantization import (
-    DRAFTER_FP8_PATTERNS,
-    FP8_DTYPE,
-    Fp8Linear,
-    dequantize_weight,
-    quantize_drafter,
-    quantize_linears,
-    quantize_weight,
-    resolve_fp8,
-)
+from blockspec.layers.quantization import FP8_DTYPE, Fp8Linear, dequantize_weight, quantize_weight
+from blockspec.loading import fp8 as fp8_loading
 from blockspec.loading.dflash import save_drafter
+from blockspec.loading.fp8 import DRAFTER_FP8_PATTERNS, quantize_drafter, quantize_linears, resolve_fp8
 from blockspec.models.dflash import DFlashDrafter
 
 CUDA = torch.cuda.is_available()
@@ -139,12 +132,12 @@ def test_concat_equals_quantizing_the_stacked_weight():
 
 def test_resolve_fp8_switch(monkeypatch):
     monkeypatch.delenv("BLOCKSPEC_FP8", raising=False)
-    wide, narrow = quantization.AUTO_MIN_HIDDEN, quantization.AUTO_MIN_HIDDEN - 1
+    wide, narrow = fp8_loading.AUTO_MIN_HIDDEN, fp8_loading.AUTO_MIN_HIDDEN - 1
     assert resolve_fp8(True, "cpu", narrow) and not resolve_fp8(False, "cuda", wide)
     assert not resolve_fp8("off", "cuda", wide)
     assert resolve_fp8("auto", "cpu", wide) is False  # auto: CUDA sm_90+ only
     assert resolve_fp8("auto", "cuda", wide) is quantization.fp8_supported("cuda")
-    monkeypatch.setattr(quantization, "fp8_supported", lambda device: True)  # as on a Hopper
+    monkeypatch.setattr(fp8_loading, "fp8_supported", lambda device: True)  # as on a Hopper
     assert resolve_fp8(None, "cuda", wide) is True
     assert resolve_fp8(None, "cuda", narrow) is False  # narrow drafters stay bf16
     monkeypatch.setenv("BLOCKSPEC_FP8", "0")
@@ -153,7 +146,7 @@ def test_resolve_fp8_switch(monkeypatch):
     assert resolve_fp8("auto", "cpu", narrow) is True
     with pytest.raises(ValueError):
         resolve_fp8("sometimes", "cpu", wide)
-    monkeypatch.setattr(quantization, "fp8_supported", lambda device: False)  # as on an A100
+    monkeypatch.setattr(fp8_loading, "fp8_supported", lambda device: False)  # as on an A100
     for forced in (True, "on", "auto"):  # "auto" with BLOCKSPEC_FP8=1
         with pytest.raises(ValueError, match="FP8 tensor cores"):
             resolve_fp8(forced, "cuda", wide)

@@ -16,11 +16,10 @@ from conftest import CUDA, INTERPRETED, interpreter_test, make_drafter, make_tar
 
 from blockspec import LLM, SamplingParams
 from blockspec.layers import attention as attention_module
-from blockspec.layers.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from blockspec.layers.attention import paged_attention, paged_attention_ref
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.kernels import kernel_module
 from blockspec.layers.kernels import paged_attention as paged_attention_module
-from blockspec.layers.kernels.kv_write import write_kv_triton
 from blockspec.layers.kernels.paged_attention import (
     ARRIVE_MAX_SPLITS,
     choose_splits,
@@ -30,6 +29,7 @@ from blockspec.layers.kernels.paged_attention import (
     step_grid,
 )
 from blockspec.layers.kernels.qk_norm_rope import layers_kv_write_triton, qk_norm_rope_triton
+from blockspec.layers.kv_write import write_kv
 from blockspec.layers.rotary import layers_kv_write, qk_norm_rope, qk_norm_rope_ref
 
 test_kernels_in_interpreter = interpreter_test(__file__)
@@ -240,48 +240,6 @@ def test_cuda_graph_replay_with_new_ranges(splits: int | None) -> None:
 
 
 @runs_kernel
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kv_write_matches_index_copy(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
-    """The cache write kernel against `write_kv_ref`, bit for bit: k/v as the model passes them
-    (views into a fused q|k|v row, leading batch dims), padding rows to the trash slot 0, a cast
-    from the activation dtype to the cache's."""
-    gen = torch.Generator().manual_seed(0)
-    hkv, d, slots = 3, 32, 40
-    qkv = torch.randn(2, 5, 4 + 2 * hkv, d, generator=gen).to(DEVICE, dtype)
-    k, v = qkv[:, :, 4 : 4 + hkv], qkv[:, :, 4 + hkv :]
-    slot_mapping = torch.tensor([[7, 8, 9, 0, 0], [33, 1, 2, 3, 39]], device=DEVICE)
-    caches = [torch.randn(slots, hkv, d, generator=gen).to(DEVICE, cache_dtype) for _ in range(2)]
-    expected = [c.clone() for c in caches]
-    write_kv_ref(*expected, k[:, :4], v[:, :4], slot_mapping[:, :4])  # no trash-slot rows: one writer per slot
-    write_kv_triton(*caches, k[:, :4], v[:, :4], slot_mapping[:, :4])
-    assert all(map(torch.equal, caches, expected))
-    write_kv_triton(*caches, k, v, slot_mapping)  # with padding rows: all but the trash slot as the reference
-    write_kv_ref(*expected, k, v, slot_mapping)
-    assert all(torch.equal(c[1:], e[1:]) for c, e in zip(caches, expected))
-    with pytest.raises(AssertionError, match="rows for"):  # index_copy_ raises here too
-        write_kv_triton(*caches, k[:, :3], v[:, :3], slot_mapping[:, :4])
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_write_kv_dispatches_to_kernel_on_cuda(monkeypatch) -> None:
-    from blockspec.layers.kernels import kv_write
-
-    calls = []
-    monkeypatch.setattr(kv_write, "write_kv_triton", lambda *a: calls.append(1))
-    cache = torch.zeros(4, 1, 8, device=DEVICE)
-    with torch.no_grad():
-        write_kv(
-            cache,
-            cache.clone(),
-            torch.ones(1, 1, 8, device=DEVICE),
-            torch.ones(1, 1, 8, device=DEVICE),
-            torch.ones(1, dtype=torch.long, device=DEVICE),
-        )
-    assert calls
-
-
-@runs_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
 @pytest.mark.parametrize("d", [64, 96])  # 96: half a head is not a power of two (masked lanes)
@@ -311,7 +269,7 @@ def test_qk_norm_rope_kernel_writes_the_cache(
     dtype: torch.dtype, cache_dtype: torch.dtype, weights: bool, d: int
 ) -> None:
     """With kv_write the same launch stores each token's rotated k heads and its v heads at its
-    slot, bit for bit what `write_kv_ref` stores from the kernel's own output; other slots keep
+    slot, bit for bit what `write_kv` stores from the kernel's own output; other slots keep
     their contents. As the model runs it: `rotary.qk_norm_rope` dispatches here on CUDA."""
     gen = torch.Generator().manual_seed(1)
     slots = 40
@@ -324,7 +282,7 @@ def test_qk_norm_rope_kernel_writes_the_cache(
     initial, expected = [c.clone() for c in caches], [c.clone() for c in caches]
     original = qkv.clone()
     out = qk_norm_rope_triton(qkv.clone(), *w, 1e-6, cos, sin, 4, 2)
-    write_kv_ref(*expected, out[:, :, 4:6], out[:, :, 6:], slot_mapping)
+    write_kv(*expected, out[:, :, 4:6], out[:, :, 6:], slot_mapping)
     got = qk_norm_rope_triton(qkv, *w, 1e-6, cos, sin, 4, 2, (*caches, slot_mapping))
     assert torch.equal(got, out)
     assert all(map(torch.equal, caches, expected))

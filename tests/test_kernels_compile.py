@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 
-from blockspec.layers.kernels import argmax, graph_inputs, kv_write, paged_attention, qk_norm_rope, quantize_rows
+from blockspec.layers.kernels import argmax, graph_inputs, paged_attention, qk_norm_rope, quantize_rows
 from blockspec.layers.kernels import skinny_linear as kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -162,10 +162,6 @@ def test_qk_norm_rope_compiles(weight, write):
 def test_quantize_rows_compiles(norm, weight):
     flags = {"K": 4096, "NORM": norm, "NORM_WEIGHT": weight, "BLOCK": quantize_rows.MAX_BLOCK, "PDL": True}
     compile_for_hopper(quantize_rows._quantize_rows_kernel, flags, q_ptr="*fp8e4nv", scale_ptr="*fp32")
-
-
-def test_kv_write_compiles():
-    compile_for_hopper(kv_write._kv_write_kernel, {"ROW": 1024, "BLOCK": 1024}, slot_ptr="*i64")
 
 
 @pytest.mark.parametrize(

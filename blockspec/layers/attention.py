@@ -2,8 +2,8 @@
 
 A cache is `[num_slots, kv_heads, head_dim]` per layer for K and for V, where slot =
 page * page_size + offset; a sequence's pages are listed in its row of `block_tables`.
-Every forward first writes its new K/V to their slots (`kv_write`: with the rotary embedding, in
-`blockspec.layers.rotary.qk_norm_rope`), then each query row attends to the keys of its
+Every forward first writes its new K/V to their slots (`kv_write`: with the rotary embedding,
+`blockspec.layers.kv_write` lists where), then each query row attends to the keys of its
 sequence at positions k_start <= k < k_end:
 - target prefill/verify (causal): [0, pos + 1);
 - drafter propose: [p - window, p + width): the cached context plus the whole block, so the
@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.layers.fast_path import fast_kernels
+from blockspec.layers.kv_write import KVWrite
+from blockspec.layers.rotary import qk_norm_rope
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
-KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (k_cache, v_cache, slot_mapping)
 
 
 @dataclass
@@ -89,8 +90,6 @@ def rope_then_attend(
 ) -> torch.Tensor:
     """qkv [B, S, Hq + 2 Hkv, D]: the q and k heads normed and rotated in place, the new K/V written
     to the cache (`attn.kv_write`), then q attends (`attn.attend`) -> [B, S, Hq, D]."""
-    from blockspec.layers.rotary import qk_norm_rope  # rotary imports this module (write_kv)
-
     qkv = qk_norm_rope(qkv, *norms, eps, *rope, *heads, kv_write=attn.kv_write(cache))
     q, k, v = qkv.split([heads[0], heads[1], heads[1]], dim=-2)
     return attn.attend(q, k, v, cache, layer_type, scale)
@@ -134,24 +133,6 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2)
-
-
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """k, v [..., Hkv, D] into the caches [slots, Hkv, D] at slot_mapping [...]."""
-    kernels = fast_kernels(k, "kv_write")
-    if kernels is not None:
-        return kernels.write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
-    write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
-
-
-def write_kv_ref(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    slots = slot_mapping.reshape(-1)
-    k_cache.index_copy_(0, slots, k.reshape(-1, *k.shape[-2:]).to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.reshape(-1, *v.shape[-2:]).to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> torch.Tensor:

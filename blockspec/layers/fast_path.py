@@ -1,24 +1,77 @@
-"""The CUDA fast paths and their switch. Inference on a GPU runs Triton kernels (attention, skinny
-GEMMs, K/V write, q/k norm + rope) and torch.compile fusions of small elementwise and index functions
-(a decode step is hundreds of tiny kernels; each function becomes one or two). Each sits behind the same
-function as its reference (eager torch, cuBLAS, gather + SDPA), which the CPU, code with gradients
-on (grad mode would recompile each compiled function for every switch between the frozen target
-and the drafter in training) and `reference_ops()` run instead, so all paths share one definition."""
+"""The CUDA fast paths and their switches. Inference on a GPU runs Triton kernels (attention, skinny
+GEMMs, q/k norm + rope with the K/V write) and torch.compile fusions of small elementwise and index
+functions (a decode step is hundreds of tiny kernels; each function becomes one or two). Each sits
+behind the same function as its reference (eager torch, cuBLAS, gather + SDPA), which the CPU, code
+with gradients on (grad mode would recompile each compiled function for every switch between the
+frozen target and the drafter in training) and `reference_ops()` run instead, so all paths share
+one definition.
+
+The switches are one `KernelConfig` for the process, held here: the engine puts its own in force
+when it is built (`use_kernels`), and that is the one moment the environment is read for them (see
+ENV_OVERRIDES). `reference_ops()`, the fast-path tests' oracle, forces every op's reference over
+whatever is in force, engines built inside it included."""
 
 import contextlib
-from collections.abc import Callable
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
 
+from blockspec.config import KernelConfig
 from blockspec.layers.kernels import kernel_module
 
-_fast_paths = True
+# KernelConfig field -> the environment variable that overrides it (0 or 1) when the engine is built.
+ENV_OVERRIDES = {
+    "triton_linear": "BLOCKSPEC_TRITON_LINEAR",
+    "pdl": "BLOCKSPEC_PDL",
+    "fp8_kernel": "BLOCKSPEC_FP8_KERNEL",
+}
+_FLAG_WORDS = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False, "": False}
+
+_kernels = KernelConfig()  # the switches in force (`use_kernels`)
+_references_only = False  # inside `reference_ops`
+
+
+def parse_flag(value: str, what: str) -> bool:
+    """A switch's word: 1/on/true or 0/off/false (empty: off); anything else is a ValueError
+    naming `what`."""
+    word = value.strip().lower()
+    if word not in _FLAG_WORDS:
+        raise ValueError(f"{what} must be 0 or 1 (on or off), got {value!r}")
+    return _FLAG_WORDS[word]
+
+
+def env_flag(name: str) -> bool | None:
+    """The environment variable `name` as a switch (`parse_flag`), None where it is not set."""
+    value = os.environ.get(name)
+    return None if value is None else parse_flag(value, name)
+
+
+def kernels_from_env(base: KernelConfig) -> KernelConfig:
+    """`base` with the switches that the environment sets (ENV_OVERRIDES) replaced."""
+    overrides = {field: env_flag(name) for field, name in ENV_OVERRIDES.items()}
+    return dataclasses.replace(base, **{field: on for field, on in overrides.items() if on is not None})
+
+
+def use_kernels(config: KernelConfig) -> KernelConfig:
+    """Put `config`, with the environment's overrides (`kernels_from_env`), in force for the
+    process: what an engine does once when it is built (the last engine built decides). Returns
+    the switches now in force."""
+    global _kernels
+    _kernels = kernels_from_env(config)
+    return _kernels
+
+
+def active_kernels() -> KernelConfig:
+    """The switches in force (the defaults until an engine is built)."""
+    return _kernels
 
 
 def fast_path(x: torch.Tensor) -> bool:
     """Whether an op on x takes its CUDA fast path: on CUDA, without grad, outside reference_ops."""
-    return x.is_cuda and _fast_paths and not torch.is_grad_enabled()
+    return x.is_cuda and not _references_only and not torch.is_grad_enabled()
 
 
 def fast_kernels(x: torch.Tensor, name: str) -> ModuleType | None:
@@ -28,14 +81,14 @@ def fast_kernels(x: torch.Tensor, name: str) -> ModuleType | None:
 
 
 @contextlib.contextmanager
-def reference_ops():
+def reference_ops() -> Iterator[None]:
     """Run every op's reference even on CUDA (the oracle of the fast-path tests)."""
-    global _fast_paths
-    _fast_paths, previous = False, _fast_paths
+    global _references_only
+    _references_only, previous = True, _references_only
     try:
         yield
     finally:
-        _fast_paths = previous
+        _references_only = previous
 
 
 def cuda_compiled(fn: Callable) -> Callable:

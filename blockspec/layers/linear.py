@@ -4,34 +4,30 @@ at those shapes and fuses the decoder layer's small ops into it: the RMSNorm bef
 SwiGLU (of a gate|up projection) or the residual add after it. Everything else (CPU, training,
 prefill) runs the ops one by one (`dense`), the reference that the kernel is tested against
 (without a bias, the residual add is the GEMM's own: addmm).
-BLOCKSPEC_TRITON_LINEAR=0 keeps the unfused ops and cuBLAS everywhere (for A/B runs), and the
-engine then leaves the norm weights in the norms (`EngineConfig.fold_norms`)."""
-
-import functools
-import os
+`KernelConfig.triton_linear` off keeps the unfused ops and cuBLAS everywhere (for A/B runs), and
+the engine then leaves the norm weights in the norms (`EngineConfig.fold_norms`)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.activation import silu_mul
-from blockspec.layers.fast_path import fast_path
+from blockspec.layers.fast_path import active_kernels, fast_path
 from blockspec.layers.kernels import kernel_module
 from blockspec.layers.norm import RMSNorm
 
-# Rows up to which the kernel reads bf16/fp16 weights faster than cuBLAS (H200, measured at 1 and 16).
+# Rows up to which the kernel reads bf16/fp16 weights faster than cuBLAS.
 LINEAR_MAX_M = 16
 
 
-@functools.cache
-def _kernel_on() -> bool:
-    return os.environ.get("BLOCKSPEC_TRITON_LINEAR", "1") != "0" and kernel_module("skinny_linear") is not None
+def _skinny_on() -> bool:
+    return active_kernels().triton_linear and kernel_module("skinny_linear") is not None
 
 
 def fused_gemms_on(device: torch.device) -> bool:
     """Whether `linear` sends few-row calls on `device` to the skinny kernel (CUDA, triton, not
     switched off)."""
-    return device.type == "cuda" and _kernel_on()
+    return device.type == "cuda" and _skinny_on()
 
 
 def dense(
@@ -65,11 +61,9 @@ def fused_linear(
 ) -> torch.Tensor:
     """The skinny kernel (triton needed; at most LINEAR_MAX_M rows, as `linear` sends them) with
     the RMSNorm as its prologue (at one row on x, past it on the MMA kernel's weight tile, its
-    register operand: q|k|v at 16 rows 17.0 µs against 17.9 apart; only 1 / rms where the norm's
-    weight is folded into the GEMM's, `CausalLM.fold_norms`), and SwiGLU or the residual add as its
-    epilogue. SwiGLU moved there from down_proj's prologue (H200, bench at batch 1, one call:
-    the DFlash step 5.71 -> 5.65 ms, plain decoding unchanged): as a prologue above one row the
-    computed MMA operand stalled the weight stream, so it ran apart."""
+    register operand; only 1 / rms where the norm's weight is folded into the GEMM's,
+    `CausalLM.fold_norms`), and SwiGLU or the residual add as its epilogue (as a prologue of
+    down_proj above one row, the computed MMA operand stalls the weight stream)."""
     norm_args = None if norm is None else (norm.weight, norm.eps)
     return kernel_module("skinny_linear").skinny_linear(x, weight, bias, None, norm_args, swiglu, residual)
 
@@ -90,7 +84,7 @@ def linear(
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.numel() <= LINEAR_MAX_M * x.shape[-1]
-        and _kernel_on()
+        and _skinny_on()
     ):
         return fused_linear(x, weight, bias, norm, swiglu, residual)
     return dense(x, weight, bias, residual, norm, swiglu)

@@ -1,45 +1,35 @@
-"""FP8 for the drafter: E4M3 weights with one float32 scale per output row.
+"""FP8 numerics: E4M3 weights with one float32 scale per output row, and `Fp8Linear`.
 
-`Fp8Linear` replaces an `nn.Linear` at load time (inference only). Its weight is
-q = round_e4m3(w / s) with s = rowmax(|w|) / 448 (448 = largest E4M3 value, so every row uses the
-full range and the row maximum is exact), and forward computes, as `Linear` does,
-residual + norm(x) @ (q * s[:, None]).T + bias (the norm optional; a gate|up projection can end
-in SwiGLU instead of the residual add), W8A8: the normed x is quantized per row as the weight is,
-and the GEMM multiplies E4M3 by E4M3 on FP8 tensor cores. On CUDA (Hopper+)
+`Fp8Linear` replaces an `nn.Linear` at load time (inference only; `blockspec.loading.fp8` makes a
+drafter's copies). Its weight is q = round_e4m3(w / s) with s = rowmax(|w|) / 448 (448 = largest
+E4M3 value, so every row uses the full range and the row maximum is exact), and forward computes,
+as `Linear` does, residual + norm(x) @ (q * s[:, None]).T + bias (the norm optional; a gate|up
+projection can end in SwiGLU instead of the residual add), W8A8: the normed x is quantized per row
+as the weight is, and the GEMM multiplies E4M3 by E4M3 on FP8 tensor cores. On CUDA (Hopper+)
 `blockspec.layers.kernels.quantize_rows` quantizes x with the norm fused, then:
 - up to `FP8_SKINNY_MAX_M` rows (a propose step up to batch 4), the Triton skinny kernel
   (`skinny_scaled_mm`), which streams the weight at small M;
 - above, `torch._scaled_mm` with row-wise scales (bf16 x), where the GEMM nears compute-bound.
-H200, one drafter step's linears at M rows (`python -m blockspec.bench.fp8_bench`), bf16 cuBLAS
-against FP8: M = 16: 888 against 535 µs; 64: 917 against 608; 256: 1,405 against 1,037 (_scaled_mm).
-A weight-only path (bf16 x, the weight converted in registers) was slower at 16 rows (706 µs) and
-is gone; quantizing x inside the GEMM per 1x128 group, with no quantize launch, stalled its K loop
-(q|k|v at 16 rows 24.1 against 11.1 µs, README).
+(`python -m blockspec.bench.fp8_bench` times one drafter step's linears against bf16.) x is
+quantized by a launch of its own: quantizing it inside the GEMM (per group) stalls the K loop.
 Elsewhere runs the reference (the CPU path and the oracle) with the same rounding: the norm, the
 activations rounded to E4M3 per row and back, then the weight dequantized to x.dtype (in float32,
-rounded once) and `layers.linear.dense`.
+rounded once) and `layers.linear.dense`. `KernelConfig.fp8_kernel` off runs the reference
+everywhere, FP8 weights kept.
 The drafter only proposes, so its precision moves the acceptance rate, never the output.
 
 Per-row scales make quantization commute with stacking rows, so the drafter's fused K/V weight
 (every layer's k_proj and v_proj stacked) quantized as a whole is bit-identical to the stacked
-quantized projections (`Fp8Linear.concat`).
+quantized projections (`Fp8Linear.concat`)."""
 
-Switch: `resolve_fp8(setting, device, hidden_size)` maps an engine setting (True / False / "auto" /
-None) to a bool; "auto" (the default) is on for CUDA devices of compute capability 9.0+ (Hopper)
-and drafters of hidden size >= AUTO_MIN_HIDDEN, unless the environment sets BLOCKSPEC_FP8. Forced
-on, it runs the reference path on the CPU, and is refused on a GPU without FP8 tensor cores.
-BLOCKSPEC_FP8_KERNEL=0 keeps FP8 weights but runs the reference path everywhere."""
-
-import fnmatch
 import functools
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from blockspec.layers.activation import silu_mul
-from blockspec.layers.fast_path import fast_path
+from blockspec.layers.fast_path import active_kernels, fast_path
 from blockspec.layers.kernels import is_hopper_or_later, kernel_module
 from blockspec.layers.linear import dense
 from blockspec.layers.norm import RMSNorm
@@ -47,19 +37,7 @@ from blockspec.layers.norm import RMSNorm
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 _CHUNK_ELEMENTS = 1 << 25  # elements per (de)quantization chunk: <= 128 MiB of float32 temporaries
-# Rows up to which the skinny kernel beats torch._scaled_mm (H200, measured at 16, 64, 128 and 256).
-FP8_SKINNY_MAX_M = 64
-
-# "auto" keeps narrower drafters in bf16. H200, batch 1, T=0, the real pair of SmolLM2-135M (hidden
-# 576, its whole drafter a few tens of MB, L2-sized) and its shipped drafter, speedup over plain
-# decoding with FP8 against bf16: HumanEval 1.44x against 1.42x, MT-Bench 0.95x against 1.12x (a
-# quantize launch before each GEMM costs about what its bytes save there); at Qwen3-8B's 4096 FP8
-# is faster at every batch.
-AUTO_MIN_HIDDEN = 2048
-
-# The drafter's projections: fc (context features -> hidden) and every decoder layer's attention
-# and MLP linears. Module names as in `DFlashDrafter.named_modules()`.
-DRAFTER_FP8_PATTERNS = ("fc", "layers.*.self_attn.*_proj", "layers.*.mlp.*_proj")
+FP8_SKINNY_MAX_M = 64  # rows up to which the skinny kernel beats torch._scaled_mm
 
 
 def _row_chunks(rows: int, cols: int) -> Iterable[slice]:
@@ -113,29 +91,6 @@ def fp8_supported(device: torch.device | str) -> bool:
     return is_hopper_or_later(device.index) and kernel_module("skinny_linear") is not None
 
 
-def resolve_fp8(setting: bool | str | None, device: torch.device | str, hidden_size: int) -> bool:
-    """The engine's FP8 switch for a drafter of `hidden_size`: True/"on" and False/"off" are obeyed
-    (on the CPU the reference path runs; on CUDA it needs `fp8_supported`, else ValueError: there
-    the reference would dequantize every weight each call); None/"auto" means on where
-    `fp8_supported` for drafters at least AUTO_MIN_HIDDEN wide, unless the environment sets
-    BLOCKSPEC_FP8 (0/off or 1/on)."""
-    if isinstance(setting, str):
-        words = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False, "auto": None}
-        if setting.strip().lower() not in words:
-            raise ValueError(f"fp8 setting must be on, off or auto, got {setting!r}")
-        setting = words[setting.strip().lower()]
-    if setting is None:
-        env = os.environ.get("BLOCKSPEC_FP8")
-        setting = env.strip().lower() not in ("0", "off", "false", "") if env is not None else None
-    if setting is None:
-        return fp8_supported(device) and hidden_size >= AUTO_MIN_HIDDEN
-    if not isinstance(setting, bool):
-        raise TypeError(f"fp8 setting must be True, False or 'auto', got {setting!r}")
-    if setting and torch.device(device).type == "cuda" and not fp8_supported(device):
-        raise ValueError(f"an FP8 drafter on {device} needs FP8 tensor cores (compute capability 9.0+) and triton")
-    return setting
-
-
 class Fp8Linear(nn.Module):
     """Drop-in for `nn.Linear` (inference) with an E4M3 weight and per-output-row float32 scales.
 
@@ -159,7 +114,6 @@ class Fp8Linear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
-        self.use_kernel = os.environ.get("BLOCKSPEC_FP8_KERNEL", "1") != "0"
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -198,14 +152,14 @@ class Fp8Linear(nn.Module):
     # -- use --------------------------------------------------------------------------------------
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_weight(self.weight, self.weight_scale, dtype, self.use_kernel)
+        return dequantize_weight(self.weight, self.weight_scale, dtype, active_kernels().fp8_kernel)
 
     def forward_reference(
         self, x: torch.Tensor, norm: RMSNorm | None = None, swiglu: bool = False, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = x if norm is None else norm(x)
         q, scale = quantize_weight(x.reshape(-1, x.shape[-1]))  # x rounded to E4M3 per row, as the GEMM reads it
-        x = dequantize_weight(q, scale, x.dtype, self.use_kernel).view(x.shape)
+        x = dequantize_weight(q, scale, x.dtype, active_kernels().fp8_kernel).view(x.shape)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return dense(x, self.dequantize(x.dtype), bias, residual, swiglu=swiglu)
 
@@ -218,7 +172,7 @@ class Fp8Linear(nn.Module):
         skinny = x.numel() <= FP8_SKINNY_MAX_M * x.shape[-1]
         scaled_mm = x.dtype == torch.bfloat16 and self.in_features % 16 == self.out_features % 16 == 0
         if (
-            self.use_kernel
+            active_kernels().fp8_kernel
             and fast_path(x)
             and fp8_supported(x.device)
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -267,50 +221,10 @@ class Fp8Linear(nn.Module):
         )
 
 
-def _matcher(names_filter) -> Callable[[str, nn.Module], bool]:
-    if names_filter is None:
-        return lambda name, module: True
-    if callable(names_filter):
-        return lambda name, module: bool(names_filter(name))
-    patterns = (names_filter,) if isinstance(names_filter, str) else tuple(names_filter)
-    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+def __getattr__(name: str) -> object:
+    # Until blockspec/engine/engine.py imports them from blockspec.loading.fp8, where they live now.
+    if name in ("quantize_drafter", "resolve_fp8"):
+        from blockspec.loading import fp8
 
-
-@torch.no_grad()
-def quantize_linears(module: nn.Module, names_filter=None) -> list[str]:
-    """Replace, in place, every `nn.Linear` inside `module` whose name (as in `named_modules()`)
-    is selected by `names_filter` with an `Fp8Linear` on the same device. names_filter: None
-    (all), a callable name -> bool, or an fnmatch pattern / iterable of patterns matched against
-    the whole name (e.g. "layers.*.mlp.*_proj"). Returns the names replaced, in order."""
-    match = _matcher(names_filter)
-    chosen = [
-        (name, child)
-        for name, child in module.named_modules()
-        if name and isinstance(child, nn.Linear) and match(name, child)
-    ]
-    for name, child in chosen:
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, Fp8Linear.from_linear(child))
-    return [name for name, _ in chosen]
-
-
-@torch.no_grad()
-def quantize_drafter(drafter: nn.Module, lm_head: nn.Linear | None = None, patterns=DRAFTER_FP8_PATTERNS) -> list[str]:
-    """FP8 for a loaded `DFlashDrafter` (after `fuse_kv`, i.e. after `load_drafter`). Its
-    projections (`patterns`) become Fp8Linear. If the drafter reads `fused_kv_fp8` (its `fuse_kv`
-    sets that attribute to None, and `context_rows` uses it when set), the stacked K/V weight
-    becomes one Fp8Linear there and the bf16 copy is dropped; otherwise the context K/V GEMM stays
-    bf16. With `lm_head` (the target's), an FP8 copy for the drafter's logits is stored as
-    `drafter.lm_head_fp8` (the target keeps its own; the runner must choose to use it). Returns the
-    names replaced or added."""
-    names = quantize_linears(drafter, patterns)
-    fused = getattr(drafter, "fused_kv_weight", None)
-    if fused is not None and hasattr(drafter, "fused_kv_fp8"):
-        drafter.fused_kv_fp8 = Fp8Linear.from_weight(fused, getattr(drafter, "fused_kv_bias", None))
-        drafter.fused_kv_weight, drafter.fused_kv_bias = None, None
-        names.append("fused_kv_fp8")
-    if lm_head is not None:
-        drafter.lm_head_fp8 = Fp8Linear.from_linear(lm_head)
-        names.append("lm_head_fp8")
-    return names
+        return getattr(fp8, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from blockspec.layers.attention import KVWrite, write_kv
 from blockspec.layers.fast_path import cuda_compiled, fast_kernels
+from blockspec.layers.kv_write import KVWrite, write_kv
 from blockspec.layers.norm import rms_norm_ref
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

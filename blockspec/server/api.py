@@ -1,7 +1,5 @@
-"""The FastAPI app: routes, API-key check, OpenAI-style errors, and `serve` for the CLI."""
+"""The FastAPI app: routes, API-key check, OpenAI-style errors, and `serve` for `blockspec serve`."""
 
-import argparse
-import os
 import re
 import secrets
 from contextlib import asynccontextmanager
@@ -13,7 +11,6 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from blockspec.cli import build_llm
 from blockspec.llm import LLM
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.metrics import ServerMetrics
@@ -105,9 +102,6 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def serve(args: argparse.Namespace) -> None:
-    """`blockspec serve`: load the engine, then serve it until interrupted."""
-    llm = build_llm(args)
-    api_key = args.api_key or os.environ.get("BLOCKSPEC_API_KEY")  # the variable keeps the key out of `ps`
-    name = args.served_model_name or args.model or llm.engine.target.name
-    uvicorn.run(build_app(llm, name, api_key), host=args.host, port=args.port)
+def serve(llm: LLM, model_name: str, host: str, port: int, api_key: str | None = None) -> None:
+    """Serve `llm` as `model_name` on host:port until interrupted."""
+    uvicorn.run(build_app(llm, model_name, api_key), host=host, port=port)

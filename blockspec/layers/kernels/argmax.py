@@ -1,9 +1,9 @@
 """Argmax over the vocabulary in Triton: the CUDA implementation of `blockspec.sampling.argmax`
 (the reference: torch's argmax, the first index of the maximum). torch reduces a row in one
-program, so a verify's 16 rows of 151,936 logits run on 16 SMs (11 µs a call on the H200, twice a
-step). Here each row is cut into chunks, one program each, that write their maximum and its first
-index; a second launch picks the first chunk holding the row's maximum. NaN counts as +inf (torch
-puts NaN above everything; the two differ only where a row holds both NaN and +inf)."""
+program, so a verify's few rows of a large vocabulary run on as few SMs. Here each row is cut
+into chunks, one program each, that write their maximum and its first index; a second launch
+picks the first chunk holding the row's maximum. NaN counts as +inf (torch puts NaN above
+everything; the two differ only where a row holds both NaN and +inf)."""
 
 import torch
 import triton
@@ -56,8 +56,7 @@ def chunk_iters(rows: int, V: int, sms: int) -> int:
 
 def num_chunks(rows: int, V: int, sms: int) -> int:
     """Chunks a row: up to PROGRAMS_PER_SM programs an SM, each at least one BLOCK of the row. A
-    program's loads go one BLOCK after the other, so few rows read best in chunks of one BLOCK
-    (H200, 16 rows of 151,936: 6.5 µs in chunks of five BLOCKs)."""
+    program's loads go one BLOCK after the other, so few rows read best in chunks of one BLOCK."""
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, rows), triton.cdiv(V, BLOCK), MAX_CHUNKS))
 
 

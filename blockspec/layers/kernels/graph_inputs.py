@@ -7,7 +7,7 @@ where r < batch (the columns x has; the rest are left as they are, unread), the 
 where r >= batch. The sizes and strides come as floats, which Triton does not specialize on: as
 integers in a tuple it would compile a variant for each pattern of ones and multiples of 16 among
 them, even with do_not_specialize, and the block tables widen as contexts grow (a compile in the
-middle of a run: seen as a 10 ms phase in the bench's first run)."""
+middle of a run)."""
 
 import torch
 import triton

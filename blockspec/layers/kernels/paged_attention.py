@@ -15,8 +15,7 @@ Split-K (flash-decoding): when there are too few programs to fill the GPU (small
 context) the key range of each program is cut into `num_splits` chunks handled by separate
 programs, each writing a normalized partial output and its log-sum-exp (zeros and -inf where it
 holds none of a row's keys, so that the combine's loads need not wait for the log-sum-exps to
-know which partials exist: DFlash B=1 5.03/5.03 -> 5.02/5.00 ms, H200, `bench --simulate-tau 6.5`);
-with up to ARRIVE_MAX_SPLITS splits the last split of a tile to finish combines them (each counts
+know which partials exist); with up to ARRIVE_MAX_SPLITS splits the last split of a tile to finish combines them (each counts
 its arrival on a per-tile counter, which the last resets for the next launch), else a second
 kernel does. The chunk boundaries are computed inside the kernel from the actual key range,
 so the launch grid depends only on shapes (B, S, M, Hkv): the call has no host sync and can be
@@ -34,7 +33,7 @@ from blockspec.layers.kernels.qk_norm_rope import rms_norm_halves, rotate_halves
 
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows per program
-MIN_KEYS_PER_SPLIT = 64  # a bf16 key tile at head_dim <= 128: one a split beat two (H200, B=1, 600 keys)
+MIN_KEYS_PER_SPLIT = 64  # a bf16 key tile at head_dim <= 128: one tile a split beats two
 MAX_SPLITS = 32
 
 
@@ -348,10 +347,8 @@ def step_grid(batch: int, kv_heads: int, rows: int, max_keys: int, sms: int) -> 
     registers a thread), where that leaves each split at most twice the keys (at Qwen3-8B's 8 kv
     heads: a verify at B = 1 with tables under 1,600 keys, B = 2 and 3 under 832 and 576). A
     program's work before its keys (q normed and rotated) is issued row by row, and every split
-    repeats it: a verify layer's attention at B = 1 in one 64-row tile and 23 splits
-    had q ready 3.0-3.6 us after it started and ended at 8.2-8.8 (H200, `%globaltimer` stamps).
-    In tiles of 16: DFlash B=1 5.11/5.11 -> 5.05/5.04 ms a step (H200, `bench --simulate-tau 6.5`,
-    against main in one call)."""
+    repeats it: in one 64-row tile it takes a large part of a small batch's attention, and tiles
+    of 16 rows cut it by four."""
     block_m, tiles = query_tiles(rows)
     splits = choose_splits(batch * kv_heads * tiles, max_keys, sms)
     small_m, small_tiles = query_tiles(rows, 16)
@@ -385,10 +382,8 @@ def _partials(num_splits: int, out: torch.Tensor, d_pad: int) -> tuple[torch.Ten
 
 
 # Up to this many splits, the last split of a tile to arrive combines them (`_finish`); above, the
-# combine kernel does, its programs spread over the SMs: one program's serial pass over 12 or 16
-# splits (B=1) cost more than the launch it saves (H200, bench --simulate-tau 6.5, against main in
-# one call: DFlash B=1 5.03 -> 5.10-5.12 ms), at B=16 (3 splits) it gained (DFlash 10.17-10.19 ->
-# 10.06-10.11 ms against the same code combining by kernel).
+# combine kernel does, its programs spread over the SMs: one program's serial pass over many splits
+# costs more than the launch it saves, over a few it gains.
 ARRIVE_MAX_SPLITS = 4
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 

@@ -1,7 +1,7 @@
 """Per-head RMSNorm + rotary embedding of the q and k heads of a fused q|k|v projection, in place,
 in Triton: the CUDA implementation of `blockspec.layers.rotary.qk_norm_rope` (reference:
-`qk_norm_rope_ref`, then `write_kv`). One launch per layer, program (token, head) for the Hq + Hkv
-q and k heads; the v heads are not touched. Computed in fp32 and rounded once, except that the
+`qk_norm_rope_ref`, its cache write `blockspec.layers.kv_write.write_kv`). One launch per layer,
+program (token, head) for the Hq + Hkv q and k heads; the v heads are not touched. Computed in fp32 and rounded once, except that the
 normed row is rounded to the activation dtype before the norm weight multiplies it, as the
 reference does.
 With `kv_write` = (k_cache, v_cache, slot_mapping) the same launch also writes the layer's new K/V

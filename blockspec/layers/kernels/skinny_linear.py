@@ -2,15 +2,11 @@
 verify or propose step. Two entry points share the kernels:
 - `skinny_linear` (through `blockspec.layers.linear.linear`): x and w in bf16/fp16 (or fp32, with
   exact fp32 products), up to `LINEAR_MAX_M` rows, where it reads the weight faster than cuBLAS
-  (H200, a one-off sweep over the Qwen3-8B target's shapes: 3.87 against 4.16 ms of GEMMs a decode
-  step at M = 1, 4.01 against 4.18 at M = 16; `python -m blockspec.bench.fp8_bench` times the
-  drafter's shapes, column "linear µs");
+  (`python -m blockspec.bench.fp8_bench` times the drafter's shapes, column "linear µs");
 - `skinny_scaled_mm` (through `blockspec.layers.quantization.Fp8Linear`), W8A8: x and w in
   float8_e4m3fn, each with one float32 scale per row, multiplied on FP8 tensor cores; the scales
   commute with the K reduction, so both are applied once to the fp32 accumulator in the epilogue.
-  It replaced a weight-only kernel (bf16 x, the FP8 weight converted in registers), which the
-  conversion slowed: one drafter step's linears at 16 rows, H200, 706 µs against 535 W8A8,
-  activation quantization included.
+  (Not weight-only, bf16 x and the FP8 weight converted in registers: the conversion slows it.)
 Accumulation is fp32. At small M the GEMM is bound by reading the weight, so both kernels only
 stream it, and the small elementwise ops around a decoder layer's GEMMs ride along instead of
 costing a launch and a round trip each (W8A8 gets its norm from `quantize_rows` instead):
@@ -22,41 +18,34 @@ costing a launch and a round trip each (W8A8 gets its norm from `quantize_rows` 
 - epilogue SwiGLU (gate|up): a program's weight rows interleave the gate rows n and the up rows
   I + n of its output columns, so gate and up meet in one accumulator tile (as tuned for a plain
   GEMM) and it writes SiLU(gate) * up, each rounded to the activation dtype first as the unfused
-  GEMM stores them (no split-K: gate and up must meet in one program). As down_proj's prologue it
-  stalled the MMA kernel (the computed tile had to go back to shared memory as its operand: 59
-  against 32 µs apart at 16 rows), and at one row each program recomputed it from all of gate|up.
-  An earlier epilogue with two accumulators (a gate tile and an up tile per program, at the plain
-  GEMM's tiles) was slower: a plain decode step 4.45 -> 5.10 ms;
+  GEMM stores them (no split-K: gate and up must meet in one program). Not down_proj's prologue:
+  there the computed tile has to go back to shared memory as the MMA's operand, and at one row
+  each program would recompute it from all of gate|up. Not two accumulators (a gate and an up tile
+  per program, at the plain GEMM's tiles): slower;
 - epilogue residual add (o and down): the output is the residual stream itself.
 
 M = 1, `_gemv_kernel`: a program owns BLOCK_N rows of w and walks K, multiply-adding on the CUDA
 cores into an fp32 [BLOCK_N, BLOCK_K] tile summed once at the end (no MMA: with one row it would
 waste 15/16 of its lanes and add a layout shuffle per tile). It is launched with programmatic
-dependent launch (`blockspec.layers.kernels.pdl`: measured there). Prefetching the first weight
-tiles to L2 before its wait for the previous kernel made it slower (36 layers at M = 1: 3,770 µs
-without, 3,838 with 2 tiles, 4,086 with 4).
+dependent launch (`blockspec.layers.kernels.pdl`).
 
 M > 1 (and W8A8 at any M), `_skinny_kernel`, "swap AB": a program computes the transposed tile
 acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T, so the weight rows fill the MMA's large M side (64, the
 wgmma granule on Hopper) and the few activation rows the narrow side (>= 16 for tl.dot; rows past
 M are clamped, not masked, and the store is masked). Its tiles load by TMA, from tensor descriptors
 made on the host (`_tma_sources`), wherever the tile rows are 16-byte aligned and not SwiGLU's
-interleaved rows; else by pointers. It launches with programmatic dependent launch, letting the
-next kernel in after its K loop (`blockspec.layers.kernels.pdl`: measured there). TMA, H200, the
-verify's 36 layers of 16-row GEMMs in one CUDA graph: 3,768 -> 3,728 µs with o_proj and down_proj
-by TMA, -14 more with q|k|v (gate|up as two boxes, a gate and an up tile, lost 125); in the bench,
-DFlash B=1 5.25/5.26 -> 5.21/5.22 ms on one machine, 5.13/5.14 both on another. An earlier TMA try
-(README, Measured) had come within 1%.
+interleaved rows (two boxes, a gate and an up tile, were slower than pointers); else by pointers.
+It launches with programmatic dependent launch, letting the next kernel in after its K loop
+(`blockspec.layers.kernels.pdl`).
 
 Split-K: when the (M, N) tiles are too few to keep the SMs streaming (N = 1024..4096 at small M),
 the K range is cut into SPLIT_K chunks handled by separate programs, each writing an fp32 partial
 tile to a workspace; a second kernel sums the partials in a fixed order (deterministic, no
 atomics) and applies the per-row factor (1 / rms from the splits' sums of squares, or x's scale),
-w's scale, bias, residual and cast. (Summing them in the split kernel's last program to arrive,
-with per-tile arrival counters, saved that launch but no measurable time: one drafter step's
-linears 535 -> 531 µs, and split-K still did not pay for bf16 at 16 rows.) Launch shapes depend
-only on (M, N, K), there is no host synchronisation, and the workspace comes from the caching
-allocator, so calls can be captured in CUDA graphs (warm up first: the first call compiles).
+w's scale, bias, residual and cast (summing them in the last split to arrive, as the attention
+does, saves that launch but no time here). Launch shapes depend only on (M, N, K), there is no host
+synchronisation, and the workspace comes from the caching allocator, so calls can be captured in
+CUDA graphs (warm up first: the first call compiles).
 
 `dequantize_fp8` serves Fp8Linear's reference path on CUDA: one pass, float32 product rounded
 once, equal bit for bit to the torch reference."""
@@ -370,11 +359,8 @@ def _split_k(tiles: int, k_iters: int, M: int, K: int, min_programs: int) -> int
 
 # The GEMV's (block_n, block_k, num_warps, num_stages) by its prologue: "norm" (an RMSNorm), "rms"
 # (one whose weight is folded into w: 1 / rms only) or None; for weights narrower than WIDE_N and
-# wider. H200, Qwen3-8B's shapes at one row, 36 distinct weights each (read from HBM), fused as a
-# layer runs them, µs per call: q|k|v with the norm 13.7 against 17.4 at one tile for all
-# (16, 512, 8, 3), folded 13.6 (14.0 at the norm's tile), o_proj with the residual 9.6 against
-# 12.1; gate|up with SwiGLU 48.4, folded 47.8 (56.3 at the norm's tile, 49.1 at the LM head's).
-# The best tile moves with the fused ops (their registers and loads).
+# wider. The best tile moves with the fused ops (their registers and loads), so each has its own,
+# tuned on the H200 over Qwen3-8B's shapes at one row.
 GEMV_TILES = {"norm": (16, 512, 4, 3), "rms": (8, 512, 4, 3), None: (16, 1024, 8, 2)}
 GEMV_WIDE_TILES = {"norm": (64, 128, 4, 3), "rms": (32, 128, 4, 3), None: (32, 256, 8, 3)}
 WIDE_N = 16384  # LM heads, gate|up: longer rows per program, fewer programs (GEMV and MMA tiles)
