@@ -9,10 +9,9 @@ import torch
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.detokenizer import streamable_text
 from blockspec.engine.engine import LLMEngine
-from blockspec.layers.linear import fused_gemms_on
+from blockspec.layers.fast_path import use_kernels
 from blockspec.loading.dflash import load_drafter
-from blockspec.loading.finish import LoadOptions
-from blockspec.loading.fp8 import resolve_fp8
+from blockspec.loading.finish import drafter_options, target_options
 from blockspec.loading.hf import load_target
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import SamplingParams
@@ -101,17 +100,14 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
         config = EngineConfig(**engine_args)
-        # The derived weights are made at load: norms folded where the GEMMs that fuse them run,
-        # the drafter's FP8 copies as `SpeculativeConfig.fp8` resolves.
-        fold = config.fold_norms if config.fold_norms is not None else fused_gemms_on(self.device)
-        target = load_target(model, self.dtype, self.device, LoadOptions(fold_norms=fold))
+        use_kernels(config.kernels)  # before the load options: they depend on the kernels in force
+        target = load_target(model, self.dtype, self.device, target_options(config.fold_norms, self.device))
         spec = resolve_speculative_config(speculative_config, model)
         drafter = None
         if spec is not None and spec.method == "dflash":
             if spec.model is None:
                 raise ValueError("speculative_config needs 'model': the DFlash drafter directory")
-            fp8 = resolve_fp8(spec.fp8, self.device, target.model.spec.hidden_size)  # a drafter's is its target's
-            options = LoadOptions(fp8=fp8, fp8_lm_head=fp8 and spec.fp8_lm_head)
+            options = drafter_options(spec, self.device, target.model.spec.hidden_size)  # a drafter's is its target's
             drafter = load_drafter(spec.model, target.model, self.dtype, self.device, options)
         self.engine = LLMEngine(target, drafter, spec, config)
         self.tokenizer = target.tokenizer

@@ -8,8 +8,8 @@ from conftest import make_drafter, make_target
 from blockspec import LLM, SamplingParams
 from blockspec.bench.presets import random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.engine.engine import LLMEngine
 from blockspec.engine.batch import batch_rows, causal_range, window_range
+from blockspec.engine.engine import LLMEngine
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.norm import rms_norm

@@ -9,7 +9,8 @@ pytest.importorskip("triton")
 
 from conftest import CUDA, interpreter_test, runs_kernel
 
-from blockspec.engine.cuda_graphs import PAD, fill_buffers
+from blockspec.engine.cuda_graphs import fill_buffers
+from blockspec.engine.step import StepInputs
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.kernels.graph_inputs import fill_buffers_triton
 
@@ -17,15 +18,21 @@ DEVICE = "cuda" if CUDA else "cpu"
 test_kernels_in_interpreter = interpreter_test(__file__)
 
 
+NAMES = ("tokens", "starts", "lengths", "block_tables", "seeds", "sampling")
+PAD = [StepInputs.PAD[n] for n in NAMES]
+
+
 def step_inputs(batch: int, width: int, pages: int) -> tuple[torch.Tensor, ...]:
-    """A fused step's inputs as a step launched ahead passes them: anchors expanded over the width
-    (stride 0) and starts, both read from the step before's packed outcome (strided: columns 0 and
-    2), block tables narrower than their buffer and not contiguous."""
+    """A step's inputs (`StepInputs`' tensors, in order) as a step launched ahead passes them: anchors
+    expanded over the width (stride 0) and starts, both read from the step before's packed outcome
+    (strided: columns 0 and 2), block tables narrower than their buffer and not contiguous, and a
+    sampled step's parameters (two int64 columns)."""
     gen = torch.Generator().manual_seed(batch)
     packed = torch.randint(0, 1000, (batch, 3 + width), generator=gen).to(DEVICE)
     tables = torch.randint(1, 99, (batch, 2 * pages), generator=gen).to(DEVICE)[:, ::2]
-    lengths, forced = (torch.randint(1, width + 1, (batch,), generator=gen).to(DEVICE) for _ in range(2))
-    return packed[:, :1].expand(-1, width), packed[:, 2], lengths, tables, forced
+    lengths, seeds = (torch.randint(1, width + 1, (batch,), generator=gen).to(DEVICE) for _ in range(2))
+    sampling = torch.randint(0, 2**40, (batch, 2), generator=gen).to(DEVICE)
+    return packed[:, :1].expand(-1, width), packed[:, 2], lengths, tables, seeds, sampling
 
 
 @runs_kernel
@@ -34,7 +41,7 @@ def test_fill_buffers_kernel_matches_copies(batch: int, bucket: int) -> None:
     """Every input in its buffer's first rows and columns, the padding rows set to PAD, the columns
     past an input left as they were."""
     xs = step_inputs(batch, width=5, pages=3)
-    shapes = [(bucket, 8), (bucket,), (bucket,), (bucket, 6), (bucket,)]
+    shapes = [(bucket, 8), (bucket,), (bucket,), (bucket, 6), (bucket,), (bucket, 2)]
     bufs = [torch.full(s, -7, dtype=torch.int64, device=DEVICE) for s in shapes]
     expected = [b.clone() for b in bufs]
     with reference_ops():

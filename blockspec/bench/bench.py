@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from blockspec.bench.presets import is_preset, random_drafter, random_target
-from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.config import EngineConfig, KernelConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
+from blockspec.layers.fast_path import use_kernels
 from blockspec.llm import resolve_device, resolve_dtype
 from blockspec.loading.dflash import load_drafter
+from blockspec.loading.finish import drafter_options, target_options
 from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams
 
@@ -200,14 +202,20 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
 
 
 def load(args, device, dtype):
+    """The target and drafter, ready as `LLM` loads them (kernels in force first: the options read them)."""
+    use_kernels(KernelConfig())
+    options = target_options(None, device)
     target = (
-        random_target(args.model, dtype, device) if is_preset(args.model) else load_target(args.model, dtype, device)
+        random_target(args.model, dtype, device, options)
+        if is_preset(args.model)
+        else load_target(args.model, dtype, device, options)
     )
     if args.draft is None:
         return target, None
+    options = drafter_options(SpeculativeConfig(fp8=args.fp8), device, target.model.spec.hidden_size)
     if is_preset(args.draft):
-        return target, random_drafter(args.draft, target.model, dtype, device)
-    return target, load_drafter(args.draft, target.model, dtype, device)
+        return target, random_drafter(args.draft, target.model, dtype, device, options)
+    return target, load_drafter(args.draft, target.model, dtype, device, options)
 
 
 def report(results: list[Result], bandwidth: float, simulated: bool) -> None:

@@ -16,8 +16,7 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, fresh_request_id
 from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_step
-from blockspec.layers.linear import fused_gemms_on
-from blockspec.layers.quantization import quantize_drafter, resolve_fp8
+from blockspec.layers.fast_path import use_kernels
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -46,6 +45,7 @@ class LLMEngine:
     def __init__(
         self, target: Target, drafter: DFlashDrafter | None, spec: SpeculativeConfig | None, config: EngineConfig
     ) -> None:
+        use_kernels(config.kernels)
         self.target, self.drafter, self.config = target, drafter, config
         self.tokenizer = target.tokenizer
         model = target.model
@@ -69,9 +69,7 @@ class LLMEngine:
             if self.device.type == "cuda" and config.cuda_graphs
             else None
         )
-        self.runner = ModelRunner(
-            model, self.proposer, drafter, *caches, config.page_size, graphs, self.max_model_len
-        )
+        self.runner = ModelRunner(model, self.proposer, drafter, *caches, config.page_size, graphs, self.max_model_len)
         self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the
@@ -80,18 +78,12 @@ class LLMEngine:
         self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
         self.in_flight: Flight | None = None
         self.last_completion = 0.0
-        fold = config.fold_norms if config.fold_norms is not None else fused_gemms_on(self.device)
-        if fold:  # last: an engine that refuses its arguments leaves the model as it was
-            model.fold_norms()
-        self.norms_folded = model.norms_folded
 
     def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer | None]:
         """The widest block a step verifies (anchor + drafts) and the proposer of the drafts (None:
         plain decoding)."""
         drafter = self.drafter
         if drafter is not None:
-            if resolve_fp8(spec.fp8, self.device, drafter.spec.hidden_size) and drafter.fused_kv_fp8 is None:
-                quantize_drafter(drafter, self.target.model.lm_head if spec.fp8_lm_head else None)
             n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else drafter.block_size - 1
             if n + 1 > drafter.block_size:
                 raise ValueError(
@@ -204,11 +196,6 @@ class LLMEngine:
         step is launched before the one in flight is read, from its results still on the device,
         so that the host's bookkeeping overlaps the device's work; a step from the committed
         state then stays in flight until the next call."""
-        if self.target.model.norms_folded != self.norms_folded:
-            raise RuntimeError(
-                "another engine folded the target's norm weights into its GEMMs (EngineConfig.fold_norms) after "
-                "this engine was built: this engine's CUDA graphs read the weights as they were; build it again"
-            )
         prev, done = self.in_flight, []
         if prev is not None:
             graphs = self.runner.num_graphs()

@@ -219,12 +219,3 @@ class Fp8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8=e4m3"
         )
-
-
-def __getattr__(name: str) -> object:
-    # Until blockspec/engine/engine.py imports them from blockspec.loading.fp8, where they live now.
-    if name in ("quantize_drafter", "resolve_fp8"):
-        from blockspec.loading import fp8
-
-        return getattr(fp8, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,11 @@ drafter's stacked context K/V weight and its FP8 copies. The models record what 
 
 from dataclasses import dataclass
 
-from blockspec.loading.fp8 import quantize_drafter
+import torch
+
+from blockspec.config import SpeculativeConfig
+from blockspec.layers.linear import fused_gemms_on
+from blockspec.loading.fp8 import quantize_drafter, resolve_fp8
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.registry import Drafter
 
@@ -22,6 +26,18 @@ class LoadOptions:
 
 
 AS_STORED = LoadOptions()  # nothing derived
+
+
+def target_options(fold_norms: bool | None, device: torch.device) -> LoadOptions:
+    """A target's options: norms folded as asked, by default where the GEMMs that fuse them run.
+    Call after `use_kernels`, which decides those GEMMs."""
+    return LoadOptions(fold_norms=fold_norms if fold_norms is not None else fused_gemms_on(device))
+
+
+def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: int) -> LoadOptions:
+    """A drafter's options: FP8 copies as `spec.fp8` resolves for a drafter of `hidden_size`."""
+    fp8 = resolve_fp8(spec.fp8, device, hidden_size)
+    return LoadOptions(fp8=fp8, fp8_lm_head=fp8 and spec.fp8_lm_head)
 
 
 def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
