@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import blockspec.engine.engine as engine_module
 from blockspec.loading.dflash import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import DFlashDrafter
+from blockspec.proposers import DRAFTER_PROPOSERS
 from blockspec.proposers.base import Proposal, Proposer
 
 FAMILIES = {
@@ -151,7 +151,7 @@ class OracleProposer(Proposer):
 def oracle(monkeypatch):
     """The engine's DFlash proposer replaced by an `OracleProposer` of the answers filled in."""
     answers: dict[tuple, list[int]] = {}
-    monkeypatch.setattr(engine_module, "DFlashProposer", lambda drafter, window: OracleProposer(answers))
+    monkeypatch.setitem(DRAFTER_PROPOSERS, "dflash", lambda drafter, window: OracleProposer(answers))
     return answers
 
 

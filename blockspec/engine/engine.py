@@ -20,8 +20,8 @@ from blockspec.layers.fast_path import use_kernels
 from blockspec.loading.hf import Target
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from blockspec.proposers import DRAFTER_PROPOSERS
 from blockspec.proposers.base import Proposer
-from blockspec.proposers.dflash import DFlashProposer
 from blockspec.proposers.ngram import NgramProposer
 from blockspec.proposers.simulated import SimulatedProposer
 from blockspec.sampling import SamplingParams
@@ -90,7 +90,7 @@ class LLMEngine:
                     f"num_speculative_tokens {n} is more than the drafter proposes: its block_size is "
                     f"{drafter.block_size}, so at most {drafter.block_size - 1} drafts a step"
                 )
-            proposer = DFlashProposer(drafter, spec.window)
+            proposer = DRAFTER_PROPOSERS[drafter.proposer](drafter, spec.window)
             if spec.simulate_tau is not None:
                 proposer = SimulatedProposer(proposer, spec.simulate_tau, n)
             return n + 1, proposer
