@@ -67,7 +67,7 @@ class EngineConfig:
     # Launch each step before the one in flight reaches the host, from its results still on the
     # device (DFlash and plain decoding); None: on where the device runs asynchronously (CUDA).
     async_steps: bool | None = None
-    # Fold the target's RMSNorm weights into the GEMMs after them (`CausalLM.fold_norms`): the same
+    # Fold the target's RMSNorm weights into the GEMMs after them, at load (`loading.finish`): the same
     # model up to one rounding of those weights, and the fused GEMMs skip a multiply; None: where
     # those GEMMs run (CUDA with the Triton kernels on).
     fold_norms: bool | None = None

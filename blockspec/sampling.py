@@ -140,7 +140,6 @@ class Stream(enum.IntEnum):
     DRAFT = 0  # the drafter's draw of a draft
     ACCEPT = 1  # the accept/reject test of a draft
     RESIDUAL = 2  # the draw after a rejection, or the bonus token
-    SIMULATED = 3  # benchmarks: the simulated acceptance of a block
 
 
 MASK32 = 0xFFFFFFFF
@@ -161,7 +160,6 @@ def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> to
     return mix32(h ^ (seeds >> 32))
 
 
-@cuda_compiled  # on CUDA one launch instead of some forty
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Float64 uniforms in [0, 1) with 53 random bits, one per (seed, position) pair (broadcast)."""
     high = random_bits(seeds, positions, stream)

@@ -100,7 +100,7 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
 def test_simulated_acceptance_has_its_mean_at_the_full_block() -> None:
     """The bench's simulated proposer: mean tau at the full block, geometric runs (so a narrower
     block commits fewer tokens, as with a real drafter), every length possible, drawn per (request
-    seed, block position)."""
+    seed, block position); a short run of one request realizes about tau (low discrepancy)."""
     simulated = SimulatedProposer(Proposer(), 6.5, max_drafts=15)
     seeds, starts = torch.arange(20000) * 7919 % 2**40, torch.arange(20000) % 777
     full = simulated.accepted(seeds, starts, torch.full_like(starts, 15)) + 1
@@ -110,6 +110,13 @@ def test_simulated_acceptance_has_its_mean_at_the_full_block() -> None:
     assert full.min() == 1 and full.max() == 16
     again = simulated.accepted(seeds, starts, torch.full_like(starts, 15)) + 1
     assert torch.equal(full, again)  # a function of (seed, position): the same on every device and run
+    start, run = 512, []
+    for _ in range(40):  # one request's blocks, each at the position after the last
+        run.append(
+            int(simulated.accepted(torch.tensor([2**62 + 12345]), torch.tensor([start]), torch.tensor([15]))) + 1
+        )
+        start += run[-1]
+    assert abs(sum(run) / len(run) - 6.5) < 1.5, run  # random draws' 40-step means spread over about +-2
     fifteen = torch.full((4,), 15)
     assert SimulatedProposer(Proposer(), 16, 15).accepted(seeds[:4], starts[:4], fifteen).tolist() == [15] * 4
     assert SimulatedProposer(Proposer(), 1, 15).accepted(seeds[:4], starts[:4], fifteen).tolist() == [0] * 4

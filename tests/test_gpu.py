@@ -14,7 +14,7 @@ from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.norm import rms_norm
 from blockspec.layers.rotary import norm_rope, rope_tables
-from blockspec.models.llama import embedding
+from blockspec.models.causal_lm import embedding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 9, 2, 11], list(range(20, 57)), [7] * 3, [(i * 37) % 120 for i in range(70)]]

@@ -244,19 +244,17 @@ def test_sampling_never_waits_for_the_device() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
-def test_compiled_sampling_ops_match_their_eager_definitions() -> None:
-    """The draws are bit for bit the same compiled (CUDA) and eager (the CPU's): the same request
-    samples the same tokens on either device; the tempered distributions agree within fp32 rounding."""
+def test_sampling_ops_agree_on_cuda_and_cpu() -> None:
+    """The draws are bit for bit the same on CUDA and on the CPU: the same request samples the same
+    tokens on either device; the compiled tempered distributions agree with their eager definitions
+    within fp32 rounding."""
     seeds = torch.randint(0, 2**62, (7, 1), device="cuda")
     positions = torch.arange(5, device="cuda") + torch.randint(0, 10**6, (7, 1), device="cuda")
     for stream in Stream:
-        u = uniform(seeds, positions, stream)
-        assert torch.equal(u, uniform.eager(seeds, positions, stream))
-        assert torch.equal(u.cpu(), uniform(seeds.cpu(), positions.cpu(), stream))
-    counts = geometric_counts(seeds[:, 0], positions[:, 0], torch.full((7,), 15, device="cuda"), -0.13)
-    assert torch.equal(
-        counts, geometric_counts.eager(seeds[:, 0], positions[:, 0], torch.full((7,), 15, device="cuda"), -0.13)
-    )
+        assert torch.equal(uniform(seeds, positions, stream).cpu(), uniform(seeds.cpu(), positions.cpu(), stream))
+    drafts = torch.full((7,), 15, device="cuda")
+    counts = geometric_counts(seeds[:, 0], positions[:, 0], drafts, -0.13)
+    assert torch.equal(counts.cpu(), geometric_counts(seeds[:, 0].cpu(), positions[:, 0].cpu(), drafts.cpu(), -0.13))
     logits = torch.randn(7, 5, 151936, device="cuda", dtype=torch.bfloat16) * 4
     t, m = torch.rand(7, 1, 1, device="cuda"), torch.rand(7, 1, 1, device="cuda") * 0.1
     torch.testing.assert_close(tempered_scores(logits, t), tempered_scores.eager(logits, t))

@@ -18,7 +18,7 @@ from blockspec.engine.sequence import Sequence, fresh_request_id
 from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_step
 from blockspec.layers.fast_path import use_kernels
 from blockspec.loading.hf import Target
-from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.registry import Drafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from blockspec.proposers import DRAFTER_PROPOSERS
 from blockspec.proposers.base import Proposer
@@ -43,7 +43,7 @@ class Flight:
 
 class LLMEngine:
     def __init__(
-        self, target: Target, drafter: DFlashDrafter | None, spec: SpeculativeConfig | None, config: EngineConfig
+        self, target: Target, drafter: Drafter | None, spec: SpeculativeConfig | None, config: EngineConfig
     ) -> None:
         use_kernels(config.kernels)
         self.target, self.drafter, self.config = target, drafter, config

@@ -12,8 +12,8 @@ from blockspec.engine.kv_cache import KVCache
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step import StepInputs, step_forward
 from blockspec.layers.attention import AttentionMetadata
-from blockspec.models.dflash import DFlashDrafter
-from blockspec.models.llama import CausalLM
+from blockspec.models.causal_lm import CausalLM
+from blockspec.models.registry import Drafter
 from blockspec.proposers.base import Proposer
 from blockspec.sampling import sampling_row
 
@@ -23,7 +23,7 @@ class ModelRunner:
         self,
         target: CausalLM,
         proposer: Proposer | None,
-        drafter: DFlashDrafter | None,
+        drafter: Drafter | None,
         target_cache: list[KVCache],
         drafter_cache: list[KVCache] | None,
         page_size: int,

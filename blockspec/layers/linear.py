@@ -5,7 +5,7 @@ SwiGLU (of a gate|up projection) or the residual add after it. Everything else (
 prefill) runs the ops one by one (`dense`), the reference that the kernel is tested against
 (without a bias, the residual add is the GEMM's own: addmm).
 `KernelConfig.triton_linear` off keeps the unfused ops and cuBLAS everywhere (for A/B runs), and
-the engine then leaves the norm weights in the norms (`EngineConfig.fold_norms`)."""
+loading then leaves the norm weights in the norms (`loading.finish.target_options`)."""
 
 import torch
 import torch.nn.functional as F

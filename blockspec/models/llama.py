@@ -5,10 +5,6 @@ Its rope scalings (llama3 and the others) are read from the config alike for eve
 from transformers import PretrainedConfig
 
 from blockspec.layers.decoder import LayerSpec
-from blockspec.models.causal_lm import (
-    CausalLM,  # noqa: F401  re-export: imported by engine/ until it moves
-    embedding,  # noqa: F401  re-export: imported by tests/test_gpu.py until it moves
-)
 from blockspec.models.hf_config import attention_bias, decoder_spec
 from blockspec.models.registry import TargetFamily
 

@@ -5,17 +5,15 @@ random drafter are never the target's tokens. Output tokens are then not the tar
 
 Each draft is accepted with one probability p, given the ones before it were (p solves
 1 + p + ... + p^max_drafts = tau): as with real drafters, long runs are rarer than short ones and
-narrower blocks commit fewer tokens. The draws are counter-based uniforms of (request seed, block
-position), made on the device."""
+narrower blocks commit fewer tokens. The draws are a function of (request seed, block position),
+made on the device."""
 
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from blockspec.layers.fast_path import cuda_compiled
 from blockspec.proposers.base import Proposal, Proposer
-from blockspec.sampling import Stream, uniform
 
 if TYPE_CHECKING:
     from blockspec.engine.runner import ModelRunner
@@ -26,6 +24,8 @@ def acceptance_probability(tau: float, max_drafts: int) -> float:
     """p with 1 + p + ... + p^max_drafts = tau (bisection: the mean grows with p)."""
     if not 1 <= tau <= max_drafts + 1:
         raise ValueError(f"a simulated tau must lie in [1, {max_drafts + 1}] (the block width), got {tau}")
+    if tau == max_drafts + 1:
+        return 1.0
     low, high = 0.0, 1.0
     for _ in range(60):
         p = (low + high) / 2
@@ -33,18 +33,21 @@ def acceptance_probability(tau: float, max_drafts: int) -> float:
     return low
 
 
-@cuda_compiled  # one launch inside the step, as a host draw would cost none
+GOLDEN = 0.6180339887498949
+
+
 def geometric_counts(seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor, log_p: float) -> torch.Tensor:
-    """floor(log(1 - u) / log p), capped at num_drafts (p < 1 always)."""
-    u = uniform(seeds, starts, Stream.SIMULATED)
+    """floor(log(1 - u) / log p), capped at num_drafts (p < 1 always), u a golden-ratio (Weyl)
+    sequence over block positions from a request's own offset: low-discrepancy, so that a short
+    bench realizes about tau, and a few launches on the device."""
+    u = (seeds.double() * 2**-63 + starts.double() * GOLDEN) % 1.0
     return torch.minimum((torch.log1p(-u) / log_p).long(), num_drafts)
 
 
 class SimulatedProposer(Proposer):
     def __init__(self, inner: Proposer, tau: float, max_drafts: int) -> None:
         self.inner, self.tau = inner, tau
-        p = acceptance_probability(tau, max_drafts)
-        self.log_p = math.log(p) if p > 0 else None
+        self.p = acceptance_probability(tau, max_drafts)
         self.capture_layers = inner.capture_layers
 
     def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
@@ -54,9 +57,9 @@ class SimulatedProposer(Proposer):
 
     def accepted(self, seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
         """Drafts accepted of blocks at `starts`, P(accepted >= j) = p^j for j <= num_drafts."""
-        if self.log_p is None:
-            return torch.zeros_like(starts)
-        return geometric_counts(seeds, starts, num_drafts, self.log_p)
+        if self.p in (0.0, 1.0):
+            return num_drafts * int(self.p)
+        return geometric_counts(seeds, starts, num_drafts, math.log(self.p))
 
     def commit(self, runner, features, starts, counts, block_tables) -> None:
         self.inner.commit(runner, features, starts, counts, block_tables)
