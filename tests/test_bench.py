@@ -27,7 +27,8 @@ def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, cap
     for r in results:
         phases = r["phases_ms"]
         assert r["tok_per_s"] > 0 and phases["verify"] > 0 and r["temperature"] == float(temperature)
-        assert phases["drafter"] > (0.1 * phases["verify"] if r["mode"] == "dflash" else -1)
-        assert phases["context"] > (0.01 * phases["verify"] if r["mode"] == "dflash" else -1)
+        drafted = r["mode"] == "dflash"  # plain decoding's drafter and context phases are empty marks
+        assert (phases["drafter"] > 0.1 * phases["verify"]) == drafted
+        assert (phases["context"] > 0.01 * phases["verify"]) == drafted
         assert sum(r["tau_histogram"].values()) == 3 * r["batch_size"]  # every timed step of every sequence
     assert "acceptance SIMULATED" in capsys.readouterr().out

@@ -76,7 +76,7 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
     tc = allocate_kv_cache(6, 32, page, 2, 16, torch.float32, "cpu")
     dc = allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu")
     proposer = DFlashProposer(drafter, window)
-    runner = ModelRunner(target, proposer, drafter, tc, dc, page)
+    runner = ModelRunner(target, proposer, tc, dc, page)
     alloc = PageAllocator(32, page)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in (13, 6)]

@@ -216,7 +216,7 @@ def test_accept_mixes_greedy_and_sampled_rows():
     drafts[0, 2] = (drafts[0, 2] + 1) % 9  # the greedy row's third draft is wrong
     rows = torch.tensor([sampling_row(SamplingParams(temperature=0)), sampling_row(SamplingParams(temperature=1))])
     inputs = step.StepInputs(
-        drafts[:, :1], torch.tensor([3, 3]), torch.tensor([4, 4]), torch.zeros(2, 1, dtype=torch.long),
+        torch.cat([drafts[:, :1], drafts], 1), torch.tensor([3, 3]), torch.tensor([4, 4]), torch.zeros(2, 1, dtype=torch.long),
         torch.tensor([1, 2]), torch.from_numpy(rows.float().numpy().view("int64")),
     )  # fmt: skip
     accepted, bonus = accept(Proposal(drafts, torch.softmax(logits[:, :3], -1)), logits, inputs)
@@ -231,7 +231,7 @@ def test_sampling_never_waits_for_the_device() -> None:
     drafts = torch.randint(0, 1000, (2, 4), device="cuda")
     rows = torch.tensor([sampling_row(SamplingParams(temperature=0.7, top_p=0.9))] * 2).numpy().view("int64")
     inputs = step.StepInputs(
-        drafts[:, :1], torch.tensor([3, 9], device="cuda"), torch.tensor([5, 5], device="cuda"),
+        torch.cat([drafts[:, :1], drafts], 1), torch.tensor([3, 9], device="cuda"), torch.tensor([5, 5], device="cuda"),
         torch.zeros(2, 1, dtype=torch.long, device="cuda"), torch.tensor([1, 2], device="cuda"),
         torch.from_numpy(rows).cuda(), filters=True,
     )  # fmt: skip

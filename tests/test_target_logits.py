@@ -31,7 +31,7 @@ def paged_logits(model, ids: list[int], split: int, page_size: int = 4) -> torch
     """Logits of ids[split:], with ids[:split] processed first into the paged cache."""
     s = model.spec
     cache = allocate_kv_cache(len(model.layers), 64, page_size, s.num_kv_heads, s.head_dim, torch.float32, "cpu")
-    runner = ModelRunner(model, None, None, cache, None, page_size)
+    runner = ModelRunner(model, None, cache, None, page_size)
     seq = Sequence(None, ids, SamplingParams(), 0)
     PageAllocator(64, page_size).allocate(seq.block_table, len(ids))
     seq.token_ids = ids[: split + 1]  # prefill processes all but the last ("anchor")

@@ -69,7 +69,7 @@ class LLMEngine:
             if self.device.type == "cuda" and config.cuda_graphs
             else None
         )
-        self.runner = ModelRunner(model, self.proposer, drafter, *caches, config.page_size, graphs, self.max_model_len)
+        self.runner = ModelRunner(model, self.proposer, *caches, config.page_size, graphs, self.max_model_len)
         self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the

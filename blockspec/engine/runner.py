@@ -13,7 +13,6 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.step import StepInputs, step_forward
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.causal_lm import CausalLM
-from blockspec.models.registry import Drafter
 from blockspec.proposers.base import Proposer
 from blockspec.sampling import sampling_row
 
@@ -23,14 +22,13 @@ class ModelRunner:
         self,
         target: CausalLM,
         proposer: Proposer | None,
-        drafter: Drafter | None,
         target_cache: list[KVCache],
         drafter_cache: list[KVCache] | None,
         page_size: int,
         graphs: GraphCache | None = None,
         max_model_len: int = 2**62,
     ) -> None:
-        self.target, self.proposer, self.drafter = target, proposer, drafter
+        self.target, self.proposer = target, proposer
         self.target_cache, self.drafter_cache = target_cache, drafter_cache
         self.page_size = page_size
         self.graphs = graphs
@@ -128,22 +126,24 @@ class ModelRunner:
     ) -> StepInputs:
         """A decoding step's inputs, the host's part in one copy. Row 0 of each block is its anchor:
         `anchors` [B, 1] on the device (a step launched ahead passes them, and `starts`, while the
-        step before still computes them), else the host's anchors followed by `host_drafts`.
-        `starts` None: the committed lengths."""
+        step before still computes them), else the host's, followed by `host_drafts` where a host
+        proposer made them. `starts` None: the committed lengths."""
         width = max(widths)
         arrays = [widths, self.host_block_tables(seqs), [s.seed for s in seqs]]
         if starts is None:
             arrays.append([s.num_cached for s in seqs])
-        if anchors is None:
-            drafts = host_drafts or [[]] * len(seqs)
-            arrays.append([[s.anchor, *d] + [0] * (width - 1 - len(d)) for s, d in zip(seqs, drafts)])
+        if host_drafts is not None:
+            arrays.append([[s.anchor, *d] + [0] * (width - 1 - len(d)) for s, d in zip(seqs, host_drafts)])
+        elif anchors is None:
+            arrays.append([[s.anchor] for s in seqs])
         sampled = not all(s.params.greedy for s in seqs)
         if sampled:  # float32 parameters crossing bitwise, two to an int64
             rows = np.asarray([sampling_row(s.params) for s in seqs], dtype=np.float32)
             arrays.append(rows.view(np.int64))
         lengths, tables, seeds, *rest = self.tensors(*arrays)
         sampling = rest.pop() if sampled else None
-        tokens = rest.pop() if anchors is None else anchors.expand(-1, width)
+        tokens = rest.pop() if anchors is None else anchors
+        tokens = tokens.expand(-1, width)  # a device proposer reads column 0; the width sets the rows
         starts = rest.pop() if starts is None else starts
         filters = sampled and any(s.params.top_k > 0 or s.params.top_p < 1 for s in seqs if not s.params.greedy)
         return StepInputs(tokens, starts, lengths, tables, seeds, sampling, filters)

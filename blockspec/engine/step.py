@@ -68,6 +68,11 @@ class StepInputs:
         """[B] whether each row is greedy (temperature 0)."""
         return self.sampling_params[:, 0] == 0
 
+    @property
+    def draft_positions(self) -> torch.Tensor:
+        """[B, w-1] the token position each draft stands for (its row's position + 1)."""
+        return self.starts[:, None] + torch.arange(1, self.tokens.shape[1], device=self.starts.device)
+
 
 class StepOutcome:
     """A step's results as named views of one int64 tensor [B, 3 + w-1] (one copy to the host):
@@ -93,16 +98,8 @@ class StepOutcome:
         return self.packed[:, self.BONUS]
 
     @property
-    def accepted(self) -> torch.Tensor:
-        return self.packed[:, self.ACCEPTED]
-
-    @property
     def next_starts(self) -> torch.Tensor:
         return self.packed[:, self.NEXT_STARTS]
-
-    @property
-    def drafts(self) -> torch.Tensor:
-        return self.packed[:, self.DRAFTS :]
 
 
 def step_forward(runner: "ModelRunner", inputs: StepInputs) -> torch.Tensor:
@@ -142,8 +139,8 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tupl
     q = point_mass_or(proposal.q, drafts, p.shape[-1])
     greedy, seeds = inputs.greedy, inputs.seeds
     if proposal.accepted is None:
-        positions = inputs.starts[:, None] + 1 + torch.arange(drafts.shape[1], device=drafts.device)
-        sampled = sampled_accept(drafts, p, q, num_drafts, uniform(seeds[:, None], positions, Stream.ACCEPT))
+        u = uniform(seeds[:, None], inputs.draft_positions, Stream.ACCEPT)
+        sampled = sampled_accept(drafts, p, q, num_drafts, u)
         accepted = torch.where(greedy, accepted, sampled)
     u = uniform(seeds, inputs.starts + accepted + 1, Stream.RESIDUAL)
     return accepted, torch.where(greedy, greedy_bonus, residual_tokens(accepted, p, q, num_drafts, u))

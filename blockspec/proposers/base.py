@@ -58,6 +58,5 @@ def draft_from_logits(logits: torch.Tensor, inputs: "StepInputs") -> Proposal:
     if inputs.sampling is None:
         return Proposal(drafts)
     q = probs(logits, inputs.sampling_params[:, None], inputs.filters)
-    positions = inputs.starts[:, None] + 1 + torch.arange(drafts.shape[1], device=drafts.device)
-    sampled = draw(q, uniform(inputs.seeds[:, None], positions, Stream.DRAFT))
+    sampled = draw(q, uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT))
     return Proposal(torch.where(inputs.greedy[:, None], drafts, sampled), q)

@@ -37,7 +37,7 @@ GOLDEN = 0.6180339887498949
 
 
 def geometric_counts(seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor, log_p: float) -> torch.Tensor:
-    """floor(log(1 - u) / log p), capped at num_drafts (p < 1 always), u a golden-ratio (Weyl)
+    """floor(log(1 - u) / log p), capped at num_drafts (p < 1), u a golden-ratio (Weyl)
     sequence over block positions from a request's own offset: low-discrepancy, so that a short
     bench realizes about tau, and a few launches on the device."""
     u = (seeds.double() * 2**-63 + starts.double() * GOLDEN) % 1.0
@@ -46,8 +46,9 @@ def geometric_counts(seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torc
 
 class SimulatedProposer(Proposer):
     def __init__(self, inner: Proposer, tau: float, max_drafts: int) -> None:
-        self.inner, self.tau = inner, tau
-        self.p = acceptance_probability(tau, max_drafts)
+        self.inner = inner
+        p = acceptance_probability(tau, max_drafts)
+        self.log_p = math.log(p) if p > 0 else -math.inf  # -inf: nothing accepted; 0 (p = 1): everything
         self.capture_layers = inner.capture_layers
 
     def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
@@ -57,9 +58,9 @@ class SimulatedProposer(Proposer):
 
     def accepted(self, seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
         """Drafts accepted of blocks at `starts`, P(accepted >= j) = p^j for j <= num_drafts."""
-        if self.p in (0.0, 1.0):
-            return num_drafts * int(self.p)
-        return geometric_counts(seeds, starts, num_drafts, math.log(self.p))
+        if self.log_p == 0:
+            return num_drafts
+        return geometric_counts(seeds, starts, num_drafts, self.log_p)
 
     def commit(self, runner, features, starts, counts, block_tables) -> None:
         self.inner.commit(runner, features, starts, counts, block_tables)
