@@ -13,7 +13,10 @@ from safetensors.torch import load_file, save_file
 import blockspec.llm as llm_module
 from blockspec import LLM, SamplingParams
 from blockspec.cli import main as cli_main
+from blockspec.config import EngineConfig
+from blockspec.engine.engine import LLMEngine
 from blockspec.llm import resolve_dtype
+from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError
 
 
@@ -306,3 +309,15 @@ def test_dtype_choice(monkeypatch):
     assert resolve_dtype("auto", cpu) == torch.float32 and resolve_dtype("auto", cuda) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
         resolve_dtype("int8", cpu)
+
+
+def test_an_engine_refuses_a_fold_its_target_was_not_loaded_with(pair):
+    """Folding is a load option: an engine asked for it on a target loaded otherwise says so
+    instead of running the target as it is."""
+    t, _ = pair
+    target = load_target(str(t), torch.float32, torch.device("cpu"))
+    with pytest.raises(
+        ValueError, match="fold_norms=True is a load option: this target was loaded with its norms unfolded"
+    ):
+        LLMEngine(target, None, None, EngineConfig(fold_norms=True))
+    assert LLMEngine(target, None, None, EngineConfig(fold_norms=False)).target is target

@@ -46,6 +46,11 @@ class LLMEngine:
         self, target: Target, drafter: Drafter | None, spec: SpeculativeConfig | None, config: EngineConfig
     ) -> None:
         use_kernels(config.kernels)
+        if config.fold_norms is not None and config.fold_norms != target.model.norms_folded:
+            raise ValueError(
+                f"fold_norms={config.fold_norms} is a load option: this target was loaded with its norms "
+                f"{'folded' if target.model.norms_folded else 'unfolded'} (loading.finish.target_options)"
+            )
         self.target, self.drafter, self.config = target, drafter, config
         self.tokenizer = target.tokenizer
         model = target.model

@@ -9,7 +9,6 @@ import torch
 from transformers import PretrainedConfig
 
 from blockspec.layers.decoder import packed_parts
-from blockspec.layers.quantization import Fp8Linear
 from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.finish import AS_STORED, LoadOptions, finish_drafter
 from blockspec.loading.hf import GEOMETRY_FIELDS, load_config
@@ -94,7 +93,7 @@ def save_drafter(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 15 * 2**20,
 ) -> None:
-    if any(isinstance(m, Fp8Linear) for m in drafter.modules()):  # its projections are buffers now
+    if drafter.fp8:  # FP8 projections hold no parameters to save
         raise ValueError(
             "this drafter was quantized to FP8 for inference (fp8='on'/'auto'): save it before, or load it with fp8='off'"
         )

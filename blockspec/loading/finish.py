@@ -1,7 +1,7 @@
 """A model's derived weights, made once when it is loaded or built with random weights, under
 explicit options (`LoadOptions`): a target's norm weights folded into the GEMMs after them, a
 drafter's stacked context K/V weight and its FP8 copies. The models record what was made
-(`norms_folded`, `fp8`), which the engine reads; nothing changes them afterwards."""
+(`norms_folded`, `fp8`, both derived from the weights); nothing changes them afterwards."""
 
 from dataclasses import dataclass
 
@@ -53,5 +53,4 @@ def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> 
     drafter.fuse_kv()
     if options.fp8:
         quantize_drafter(drafter, target.lm_head if options.fp8_lm_head else None)
-    drafter.fp8 = options.fp8
     return drafter.eval()

@@ -40,7 +40,6 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, spec.head_dim)
-        self.norms_folded = False
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -53,7 +52,11 @@ class CausalLM(nn.Module):
         head is the embedding."""
         for layer in self.layers:
             layer.fold_norms()
-        self.norms_folded = True
+
+    @property
+    def norms_folded(self) -> bool:
+        """`fold_norms` ran (it folds every layer at once: the first tells)."""
+        return len(self.layers) > 0 and self.layers[0].input_layernorm.weight is None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return embedding(input_ids, self.model.embed_tokens.weight)

@@ -41,8 +41,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 class DFlashDrafter(nn.Module):
-    """`fp8`: its projections and context K/V weight are FP8 copies (made at load,
-    `blockspec.loading.finish`), and `lm_head_fp8`, where not None, the target's LM head's."""
+    """Its FP8 copies (`fused_kv_fp8`, the projections, and `lm_head_fp8` of the target's LM head)
+    are made at load (`blockspec.loading.finish`)."""
 
     proposer = "dflash"
 
@@ -67,7 +67,12 @@ class DFlashDrafter(nn.Module):
         self.input_embedding_scale = float(dflash_value(config, "input_embedding_scale", 1.0))
         self.output_multiplier = float(dflash_value(config, "output_multiplier", 1.0))
         self.logit_softcap = dflash_value(config, "final_logit_softcapping")
-        self.fp8, self.lm_head_fp8 = False, None
+        self.fused_kv_fp8 = self.lm_head_fp8 = None
+
+    @property
+    def fp8(self) -> bool:
+        """Its projections and context K/V weight are FP8 copies."""
+        return self.fused_kv_fp8 is not None
 
     def fuse_kv(self) -> None:
         """Stack every layer's k/v projection (rows [K0; V0; K1; V1; ...]) and k_norm weight.
