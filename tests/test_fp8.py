@@ -235,12 +235,13 @@ def test_fp8_drafter_keeps_greedy_output_lossless(llama_pair, tmp_path):
     prompts = [[5, 9, 17, 3], [40, 41, 42, 43, 44, 45, 46]]
     plain = [o.outputs[0].token_ids for o in LLM(str(target), None, device="cpu").generate(prompts, params)]
     spec = {"model": str(drafter), "adaptive_width": False}
-    bf16_drafts = [o.metrics.draft_token_ids[0] for o in LLM(str(target), spec, device="cpu").generate(prompts, params)]
-    llm = LLM(str(target), spec, device="cpu", page_size=4)
+    bf16 = LLM(str(target), spec, device="cpu")
+    bf16_drafts = [o.metrics.draft_token_ids[0] for o in bf16.generate(prompts, params)]
+    llm = LLM(str(target), {**spec, "fp8": "on"}, device="cpu", page_size=4)  # made at load
     model = llm.engine.drafter
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    names = quantize_drafter(model)
-    assert [n for n in names if n != "fused_kv_fp8"] == linears  # every projection of the drafter
+    linears = [n for n, m in bf16.engine.drafter.named_modules() if isinstance(m, nn.Linear)]
+    names = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert names == linears + ["fused_kv_fp8", "lm_head_fp8"] and model.fp8  # every projection of the drafter
     with pytest.raises(ValueError, match="quantized to FP8 for inference"):  # it would lose its projections
         save_drafter(model, llm.engine.target.model, tmp_path / "saved")
     outs = llm.generate(prompts, params)
