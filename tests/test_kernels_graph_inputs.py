@@ -18,8 +18,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 test_kernels_in_interpreter = interpreter_test(__file__)
 
 
-NAMES = ("tokens", "starts", "lengths", "block_tables", "seeds", "sampling")
-PAD = [StepInputs.PAD[n] for n in NAMES]
+PAD = list(StepInputs.PAD.values())  # in StepInputs' field order, as step_inputs returns them
 
 
 def step_inputs(batch: int, width: int, pages: int) -> tuple[torch.Tensor, ...]:

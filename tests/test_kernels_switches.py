@@ -6,7 +6,9 @@ import types
 
 import pytest
 import torch
+from conftest import make_target
 
+from blockspec import LLM
 from blockspec.config import EngineConfig, KernelConfig
 from blockspec.layers import fast_path
 from blockspec.layers.fast_path import ENV_OVERRIDES, active_kernels, reference_ops, use_kernels
@@ -20,7 +22,7 @@ ON_CUDA = types.SimpleNamespace(is_cuda=True)  # what `fast_path` asks of a tens
 @pytest.fixture(autouse=True)
 def restored_switches(monkeypatch):
     """Each test leaves the process's switches as it found them, and starts without overrides."""
-    monkeypatch.setattr(fast_path, "_kernels", fast_path._kernels)
+    monkeypatch.setattr(fast_path, "_kernels", KernelConfig())  # whatever an earlier test put in force
     for name in ENV_OVERRIDES.values():
         monkeypatch.delenv(name, raising=False)
 
@@ -67,10 +69,18 @@ def test_reference_ops_forces_the_reference_over_the_switches():
         assert fast_path.fast_path(ON_CUDA)
         with reference_ops():
             assert not fast_path.fast_path(ON_CUDA) and fast_path.fast_kernels(ON_CUDA, "argmax") is None
-            use_kernels(KernelConfig())  # an engine built inside: still the reference
-            assert not fast_path.fast_path(ON_CUDA)
             with reference_ops():
                 pass
             assert not fast_path.fast_path(ON_CUDA)  # nested: restored to the outer one's
         assert fast_path.fast_path(ON_CUDA)
     assert not fast_path.fast_path(ON_CUDA)  # grad mode: the reference
+
+
+def test_an_llm_puts_its_engine_configs_switches_in_force(tmp_path, monkeypatch):
+    """LLM(kernels=...) reaches the process's switches (and its environment overrides with it)."""
+    target = make_target(tmp_path / "t", "llama", vocab=64)
+    LLM(str(target), None, device="cpu", kernels=KernelConfig(pdl=False))
+    assert active_kernels() == KernelConfig(pdl=False)
+    monkeypatch.setenv("BLOCKSPEC_FP8_KERNEL", "0")
+    LLM(str(target), None, device="cpu")
+    assert active_kernels() == KernelConfig(fp8_kernel=False)

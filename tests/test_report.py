@@ -20,7 +20,8 @@ BENCH = {
         {"mode": "plain", "batch_size": 1, "tok_per_s": 246.9, "step_ms": 4.05, "tau": 1.0, "floor_ms": 3.6,
          "phases_ms": {"drafter": 0.0, "verify": 3.95, "context": 0.0, "host": 0.1}, "tau_histogram": {"1": 20}},
         {"mode": "dflash", "batch_size": 1, "tok_per_s": 1287.4, "step_ms": 5.0, "tau": 6.45, "floor_ms": 4.0,
-         "phases_ms": {"drafter": 0.58, "verify": 4.35, "context": 0.07}, "tau_histogram": {"3": 4, "16": 16},
+         "phases_ms": {"context": 0.07, "accept": 0.01, "verify": 4.35, "drafter": 0.58},
+         "tau_histogram": {"3": 4, "16": 16},
          "rows": 16},
     ],
 }  # fmt: skip
@@ -73,6 +74,9 @@ def test_bench_and_acceptance_sections(tmp_path):
     assert [dflash[c] for c in columns] == ["dflash", "1", "1,287.4", "5.00", "4.00", "1.25", "6.45"]
     assert (dflash["drafter ms"], dflash["verify ms"], dflash["context ms"]) == ("0.58", "4.35", "0.07")
     assert dflash["host ms"] == "" and plain["host ms"] == "0.10"  # a phase missing from one row
+    assert dflash["accept ms"] == "0.01" and plain["accept ms"] == ""
+    phases = [c for c in dflash if c.endswith(" ms") and c.split()[0] in report.PHASE_ORDER]
+    assert phases == ["drafter ms", "verify ms", "accept ms", "context ms", "host ms"]  # the step's order, host last
     assert dflash["rows"] == "16" and plain["rows"] == ""  # an extra result key: its own column
     assert bench_hist[1] == {"mode": "dflash", "batch": "1", "histogram": "3:4 16:16"}
     (row,) = acc_table
