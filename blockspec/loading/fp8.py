@@ -11,6 +11,7 @@ from torch import nn
 
 from blockspec.layers.fast_path import env_flag, parse_flag
 from blockspec.layers.quantization import Fp8Linear, fp8_supported
+from blockspec.models.dflash import DFlashDrafter
 
 # "auto" keeps narrower drafters in bf16: a narrow drafter's weights are small (SmolLM2-135M's, hidden
 # 576: about L2's size), so the quantize launch before each GEMM costs about what its saved bytes
@@ -70,21 +71,18 @@ def quantize_linears(module: nn.Module, names_filter: NamesFilter = None) -> lis
 
 @torch.no_grad()
 def quantize_drafter(
-    drafter: nn.Module, lm_head: nn.Linear | None = None, patterns: NamesFilter = DRAFTER_FP8_PATTERNS
+    drafter: DFlashDrafter, lm_head: nn.Linear | None = None, patterns: NamesFilter = DRAFTER_FP8_PATTERNS
 ) -> list[str]:
-    """FP8 for a loaded `DFlashDrafter` (after `fuse_kv`, i.e. after `load_drafter`). Its
-    projections (`patterns`) become Fp8Linear. If the drafter reads `fused_kv_fp8` (its `fuse_kv`
-    sets that attribute to None, and `context_rows` uses it when set), the stacked K/V weight
-    becomes one Fp8Linear there and the bf16 copy is dropped; otherwise the context K/V GEMM stays
-    bf16. With `lm_head` (the target's), an FP8 copy for the drafter's logits is stored as
-    `drafter.lm_head_fp8` (the target keeps its own; the runner must choose to use it). Returns the
+    """FP8 for a loaded `DFlashDrafter` (after its `fuse_kv`, as `load_drafter` leaves it): its
+    projections (`patterns`) become Fp8Linear, and its stacked context K/V weight one Fp8Linear,
+    `fused_kv_fp8`, in place of the bf16 copy. With `lm_head` (the target's), an FP8 copy for the
+    drafter's logits is stored as `drafter.lm_head_fp8` (the target keeps its own). Returns the
     names replaced or added."""
+    assert drafter.fused_kv_weight is not None, "quantize_drafter needs fuse_kv's stacked weight"
     names = quantize_linears(drafter, patterns)
-    fused = getattr(drafter, "fused_kv_weight", None)
-    if fused is not None and hasattr(drafter, "fused_kv_fp8"):
-        drafter.fused_kv_fp8 = Fp8Linear.from_weight(fused, getattr(drafter, "fused_kv_bias", None))
-        drafter.fused_kv_weight, drafter.fused_kv_bias = None, None
-        names.append("fused_kv_fp8")
+    drafter.fused_kv_fp8 = Fp8Linear.from_weight(drafter.fused_kv_weight, drafter.fused_kv_bias)
+    drafter.fused_kv_weight, drafter.fused_kv_bias = None, None
+    names.append("fused_kv_fp8")
     if lm_head is not None:
         drafter.lm_head_fp8 = Fp8Linear.from_linear(lm_head)
         names.append("lm_head_fp8")

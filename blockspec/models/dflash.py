@@ -67,7 +67,7 @@ class DFlashDrafter(nn.Module):
         self.input_embedding_scale = float(dflash_value(config, "input_embedding_scale", 1.0))
         self.output_multiplier = float(dflash_value(config, "output_multiplier", 1.0))
         self.logit_softcap = dflash_value(config, "final_logit_softcapping")
-        self.fused_kv_fp8 = self.lm_head_fp8 = None
+        self.fused_kv_weight = self.fused_kv_bias = self.fused_kv_fp8 = self.lm_head_fp8 = None  # made at load
 
     @property
     def fp8(self) -> bool:
