@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "dflash"  # "dflash" (a drafter model) or "ngram" (prompt lookup, the baseline)
+    method: str = "dflash"  # "dflash" (a DFlash-family drafter: DFlash, DSpark) or "ngram" (prompt lookup)
     model: str | None = None  # drafter directory (dflash)
     num_speculative_tokens: int | None = None  # drafts per step; None: the drafter's block_size - 1
     window: int | None = None  # drafter sees only the last `window` context positions
@@ -15,6 +15,9 @@ class SpeculativeConfig:
     # "auto": on for Hopper+ GPUs and drafters of hidden size >= 2048 (BLOCKSPEC_FP8=0/1 overrides).
     fp8: bool | str = "auto"
     fp8_lm_head: bool = True  # with fp8, the drafter reads an FP8 copy of the target's LM head
+    # DSpark drafters with a confidence head: drafts after the first whose confidence (the predicted
+    # chance it is accepted, given the ones before it were) is below this are not verified; 0: off.
+    confidence_threshold: float = 0.0
     # Each step picks the block width (1, 2, 4, ... up to the widest) that maximises committed
     # tokens per second, from running acceptance rates and measured step times (engine/adaptive.py).
     adaptive_width: bool = True
@@ -29,6 +32,8 @@ class SpeculativeConfig:
             raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 0 <= self.confidence_threshold <= 1:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.simulate_tau is not None and (self.method != "dflash" or self.simulate_tau < 1):

@@ -10,7 +10,7 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.detokenizer import streamable_text
 from blockspec.engine.engine import LLMEngine
 from blockspec.layers.fast_path import use_kernels
-from blockspec.loading.dflash import load_drafter
+from blockspec.loading.drafters import load_drafter
 from blockspec.loading.finish import drafter_options, target_options
 from blockspec.loading.hf import load_target
 from blockspec.outputs import RequestOutput

@@ -1,17 +1,21 @@
 """Tiny random checkpoints, saved by transformers (targets) and by our own saver (drafters)."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from blockspec.loading.dflash import save_drafter
+from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.dspark import DSparkDrafter
 from blockspec.proposers import DRAFTER_PROPOSERS
 from blockspec.proposers.base import Proposal, Proposer
 
@@ -151,7 +155,8 @@ class OracleProposer(Proposer):
 def oracle(monkeypatch):
     """The engine's DFlash proposer replaced by an `OracleProposer` of the answers filled in."""
     answers: dict[tuple, list[int]] = {}
-    monkeypatch.setitem(DRAFTER_PROPOSERS, "dflash", lambda drafter, window: OracleProposer(answers))
+    factory = SimpleNamespace(from_config=lambda drafter, spec: OracleProposer(answers))
+    monkeypatch.setitem(DRAFTER_PROPOSERS, "dflash", factory)
     return answers
 
 
@@ -193,3 +198,72 @@ def swiglu_rounded(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     them (the fused kernels' SwiGLU epilogue against it)."""
     gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def make_dspark(
+    path: Path,
+    target_path: Path,
+    dialect: str = "deepspec",
+    block_size: int = 4,
+    markov_rank: int = 8,
+    head: str = "vanilla",
+    confidence: bool = True,
+    draft_vocab: int | None = None,
+    markov_scale: float = 1.0,
+    seed: int = 0,
+) -> Path:
+    """A DSpark drafter for a target, saved in one of its published dialects: DeepSpec's (with the
+    copies of the target's embedding and LM head it ships), SpecForge's (fields nested, heads under
+    `logit_head.`) or speculators' (`transformer_layer_config`, hidden-state layer ids, its own
+    embedding). `draft_vocab`: a reduced vocabulary of that many target ids, with `d2t`."""
+    target = load_target(target_path, torch.float32, torch.device("cpu")).model
+    tc = target.config
+    fields = {"block_size": block_size, "mask_token_id": tc.vocab_size - 1, "target_layer_ids": [1, 3]}
+    fields |= {"markov_rank": markov_rank, "markov_head_type": head, "enable_confidence_head": confidence}
+    fields |= {"confidence_head_with_markov": confidence and markov_rank > 0}
+    if draft_vocab is not None:
+        fields["draft_vocab_size"] = draft_vocab
+    config = Qwen3Config(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, architectures=["Qwen3DSparkModel"], **fields,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    drafter = DSparkDrafter(config, tc.num_hidden_layers, tc.hidden_size)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+        if drafter.markov_head is not None:
+            drafter.markov_head.markov_w2.weight.mul_(markov_scale)
+    if draft_vocab is not None:
+        drafter.draft_to_target = torch.randperm(tc.vocab_size)[:draft_vocab].sort().values
+    save_drafter(drafter, target, path, dtype=torch.float32)
+    config, weights = json.loads((path / "config.json").read_text()), load_file(path / "model.safetensors")
+    embed = {"embed_tokens.weight": target.model.embed_tokens.weight.detach().clone()}
+    if dialect == "deepspec" and draft_vocab is None:
+        weights |= embed | {"lm_head.weight": target.lm_head.weight.detach().clone()}
+    elif dialect == "specforge":
+        nested = {k: config.pop(k) for k in fields if k != "block_size"}
+        config |= {"architectures": ["DSparkDraftModel"], "dflash_config": {**nested, "projector_type": "dspark"}}
+        weights = {
+            ("logit_head." + n if n.startswith(("markov_head.", "confidence_head.")) else n): t
+            for n, t in weights.items()
+        }
+    elif dialect == "speculators":
+        layers = {
+            k: config.pop(k)
+            for k in list(config)
+            if k not in fields and k not in ("architectures", "num_target_layers")
+        }
+        config = {
+            **{k: v for k, v in config.items() if k != "target_layer_ids"},
+            "speculators_model_type": "dspark",
+            "sample_from_anchor": True,
+            "aux_hidden_state_layer_ids": [i + 1 for i in fields["target_layer_ids"]],
+            "transformer_layer_config": layers,
+        }
+        weights |= embed
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, path / "model.safetensors")
+    return path

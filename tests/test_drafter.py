@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
-from blockspec.loading.dflash import load_drafter, save_drafter
+from blockspec.loading.drafters import load_drafter, save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import DFlashDrafter, default_target_layer_ids
 from blockspec.proposers.dflash import DFlashProposer
@@ -32,8 +32,9 @@ def rope(x, pos, dim=16, theta=10000.0):
     return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
 
 
-def dense_block_logits(w, layers, feats, anchor_emb_block, p, lm_head, window=None):
-    """feats: [p, F] context features; block: [g, H] embeddings of [anchor, MASK...]."""
+def dense_block_hidden(w, layers, feats, anchor_emb_block, p, window=None):
+    """The normed hidden states [g, H] of every block row. feats: [p, F] context features; block:
+    [g, H] embeddings of [anchor, MASK...]."""
     g = anchor_emb_block.shape[0]
     c = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
     ctx_pos, blk_pos = torch.arange(p), torch.arange(p, p + g)
@@ -60,7 +61,7 @@ def dense_block_logits(w, layers, feats, anchor_emb_block, p, lm_head, window=No
         h = rms(x, L("post_attention_layernorm.weight"))
         gate, up = h @ L("mlp.gate_proj.weight").T, h @ L("mlp.up_proj.weight").T
         x = x + (torch.nn.functional.silu(gate) * up) @ L("mlp.down_proj.weight").T
-    return rms(x, w["norm.weight"])[1:] @ lm_head.T
+    return rms(x, w["norm.weight"])
 
 
 @pytest.mark.parametrize("window,layer_ids", [(None, [1, 3, 4]), (5, [1, 3, 4]), (None, [2, 4, 5])])
@@ -87,15 +88,16 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
         alloc.allocate(s.block_table, len(s.token_ids) + drafter.block_size)
     runner.prefill(seqs)
     with torch.inference_mode():
-        logits = proposer.logits(runner, runner.step_inputs(seqs, widths, None, None))
+        logits = drafter.compute_logits(
+            proposer.draft_hidden(runner, runner.step_inputs(seqs, widths, None, None)), target
+        )
     for i, (ids, g) in enumerate(zip(prompts, widths)):
         with torch.no_grad():
             hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
             feats = torch.cat([hs[j + 1][0, :-1] for j in layer_ids], dim=-1)  # context: all but the anchor
             block = torch.tensor([ids[-1]] + [drafter.mask_token_id] * (drafter.block_size - 1))
-            expected = dense_block_logits(
-                w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1, hf.lm_head.weight, window
-            )
+            hidden = dense_block_hidden(w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1, window)
+            expected = hidden[1:] @ hf.lm_head.weight.T
         torch.testing.assert_close(logits[i, : g - 1], expected[: g - 1], atol=1e-4, rtol=1e-4)
 
 

@@ -17,7 +17,7 @@ from blockspec.layers.linear import Linear, dense
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.quantization import FP8_DTYPE, Fp8Linear, dequantize_weight, quantize_weight
 from blockspec.loading import fp8 as fp8_loading
-from blockspec.loading.dflash import save_drafter
+from blockspec.loading.drafters import save_drafter
 from blockspec.loading.fp8 import DRAFTER_FP8_PATTERNS, quantize_drafter, quantize_linears, resolve_fp8
 from blockspec.models.dflash import DFlashDrafter
 

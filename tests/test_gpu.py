@@ -3,7 +3,7 @@ without a GPU; run on the GPU machine."""
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import make_drafter, make_dspark, make_target
 
 from blockspec import LLM, SamplingParams
 from blockspec.bench.presets import random_drafter, random_target
@@ -34,6 +34,19 @@ def test_fp32_fast_path_equals_cpu_reference(tmp_path, sliding):
         gpu_llm = LLM(str(t), spec, device="cuda", dtype="float32")
         assert gpu_llm.engine.target.model.norms_folded  # folded by default
         assert outputs(gpu_llm) == cpu
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"head": "rnn", "draft_vocab": 48}], ids=["vanilla", "rnn-d2t"])
+def test_dspark_fast_path_equals_cpu_reference(tmp_path, kwargs):
+    """The Markov chain inside the step's CUDA graph: greedy output as the CPU's; seeded sampling
+    reproducible from graph replays."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    spec = {"model": str(make_dspark(tmp_path / "d", t, block_size=6, markov_scale=4.0, **kwargs))}
+    gpu = LLM(str(t), spec, device="cuda", dtype="float32")
+    assert outputs(gpu) == outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
+    params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, seed=i, ignore_eos=True) for i in range(4)]
+    runs = [[o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] for _ in range(2)]
+    assert runs[0] == runs[1]
 
 
 def test_fast_attention_matches_reference_in_the_model(tmp_path):

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig, Qwen2Config
 
 from blockspec.layers.decoder import PAGED_KV, LayerKind
 from blockspec.layers.quantization import Fp8Linear
-from blockspec.loading.dflash import load_drafter
+from blockspec.loading.drafters import load_drafter
 from blockspec.loading.finish import LoadOptions
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import DFlashDrafter

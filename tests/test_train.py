@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from blockspec.cli import main as cli_main
 from blockspec.layers.attention import DenseAttention
 from blockspec.llm import LLM
-from blockspec.loading.dflash import load_drafter, save_drafter
+from blockspec.loading.drafters import load_drafter, save_drafter
 from blockspec.loading.finish import LoadOptions
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError

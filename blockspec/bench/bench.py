@@ -23,7 +23,7 @@ from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.layers.fast_path import use_kernels
 from blockspec.llm import resolve_device, resolve_dtype
-from blockspec.loading.dflash import load_drafter
+from blockspec.loading.drafters import load_drafter
 from blockspec.loading.finish import drafter_options, target_options
 from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams

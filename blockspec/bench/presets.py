@@ -1,6 +1,6 @@
 """Models with random weights at real geometry, for timing without any download:
-`random:Qwen3-8B`, `random:Qwen3-8B-DFlash-b16`, `random:Llama-3.1-8B`, and small presets
-(`random:small`, `random:small-DFlash`) that run on a CPU."""
+`random:Qwen3-8B`, `random:Qwen3-8B-DFlash-b16`, `random:Qwen3-8B-DSpark-b7`, `random:Llama-3.1-8B`,
+and small presets (`random:small`, `random:small-DFlash`, `random:small-DSpark`) that run on a CPU."""
 
 import torch
 from transformers import LlamaConfig, Qwen3Config
@@ -9,6 +9,7 @@ from blockspec.loading.finish import AS_STORED, LoadOptions, finish_drafter, fin
 from blockspec.loading.hf import Target
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import ARCHITECTURE
+from blockspec.models.dspark import ARCHITECTURES as DSPARK_ARCHITECTURES
 from blockspec.models.registry import Drafter, drafter_kind_for, family_for
 
 TARGETS = {
@@ -57,6 +58,16 @@ TARGETS = {
         architectures=["Qwen3ForCausalLM"],
     ),
 }
+# DeepSpec's released DSpark drafters' fields (`dspark_qwen3_*_block7`): 7 shifted rows, a vanilla
+# Markov head of rank 256 and a confidence head that reads its embedding.
+DSPARK_FIELDS = {
+    "architectures": [DSPARK_ARCHITECTURES[0]],
+    "block_size": 7,
+    "markov_rank": 256,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}
 DRAFTERS = {
     "Qwen3-8B-DFlash-b16": lambda: Qwen3Config(
         vocab_size=151936,
@@ -71,6 +82,32 @@ DRAFTERS = {
         block_size=16,
         dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
         architectures=[ARCHITECTURE],
+    ),
+    "Qwen3-8B-DSpark-b7": lambda: Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        **DSPARK_FIELDS,
+        mask_token_id=151669,
+        target_layer_ids=[1, 9, 17, 25, 33],
+    ),
+    "small-DSpark": lambda: Qwen3Config(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        **DSPARK_FIELDS,
+        mask_token_id=8191,
     ),
     "small-DFlash": lambda: Qwen3Config(
         vocab_size=8192,

@@ -89,13 +89,13 @@ class LLMEngine:
         plain decoding)."""
         drafter = self.drafter
         if drafter is not None:
-            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else drafter.block_size - 1
-            if n + 1 > drafter.block_size:
+            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else drafter.num_drafts
+            if n > drafter.num_drafts:
                 raise ValueError(
-                    f"num_speculative_tokens {n} is more than the drafter proposes: its block_size is "
-                    f"{drafter.block_size}, so at most {drafter.block_size - 1} drafts a step"
+                    f"num_speculative_tokens {n} is more than the drafter proposes: its block of "
+                    f"{drafter.block_size} rows makes at most {drafter.num_drafts} drafts a step"
                 )
-            proposer = DRAFTER_PROPOSERS[drafter.proposer](drafter, spec.window)
+            proposer = DRAFTER_PROPOSERS[drafter.proposer].from_config(drafter, spec)
             if spec.simulate_tau is not None:
                 proposer = SimulatedProposer(proposer, spec.simulate_tau, n)
             return n + 1, proposer
@@ -133,10 +133,11 @@ class LLMEngine:
 
     def span(self, seq: Sequence, ahead: int = 0) -> int:
         """Positions the next step writes from its anchor on: the rows it verifies, and with a
-        drafter its whole block (`ModelRunner.propose`), up to the end of the context."""
+        drafter its whole block (`DFlashProposer.draft_hidden`), up to the end of the context."""
         if self.drafter is None:
             return self.width(seq, ahead)
-        return min(self.drafter.block_size, self.max_model_len - len(seq.token_ids) - ahead + 1)
+        rows = max(self.drafter.block_size, self.max_width)  # a shifted block verifies one row more than it has
+        return min(rows, self.max_model_len - len(seq.token_ids) - ahead + 1)
 
     def step_widths(self, seqs: list[Sequence], full: list[int]) -> tuple[list[int], int | None]:
         """Each sequence's rows this step (at most `full`), and the width the adaptive policy chose

@@ -128,6 +128,8 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tupl
     with the target's argmax, sampled rows by speculative sampling; a simulated proposal's counts
     replace the acceptance rule."""
     drafts, num_drafts = proposal.drafts, inputs.lengths - 1
+    if proposal.num_drafts is not None:
+        num_drafts = torch.minimum(num_drafts, proposal.num_drafts)
     target_argmax = argmax(logits)
     accepted = proposal.accepted
     if accepted is None:

@@ -49,8 +49,12 @@ def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
 
 def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> Drafter:
     """`drafter` ready for inference: its context K/V weight stacked (`fuse_kv`) and its FP8 copies
-    made as `options` ask (the target keeps its own LM head)."""
+    made as `options` ask, of the LM head it reads too (the target keeps its own; its own is
+    replaced)."""
     drafter.fuse_kv()
     if options.fp8:
-        quantize_drafter(drafter, target.lm_head if options.fp8_lm_head else None)
+        own = drafter.lm_head
+        quantize_drafter(drafter, (own or target.lm_head) if options.fp8_lm_head else None)
+        if options.fp8_lm_head and own is not None:
+            drafter.lm_head = None
     return drafter.eval()

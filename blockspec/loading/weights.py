@@ -138,7 +138,7 @@ def pack(weights: dict[str, torch.Tensor], source: Path, packing: Packing) -> di
     out = dict(weights)
     for packed, parts in packing.items():
         first = f".{parts[0][0]}."
-        for name in [n for n in weights if first in n]:
+        for name in [n for n in weights if first in n and ".layers." in f".{n}"]:  # decoder layers' only
             names = [name.replace(first, f".{part}.") for part, _ in parts]
             missing = [n for n in names if n not in weights]
             if missing:

@@ -1,12 +1,21 @@
-"""The DFlash drafter (published `DFlashDraftModel` layout): Qwen3 decoder layers whose
-attention sees the target's context through K/V injection, a block of
-[anchor, MASK, ...] rows attending bidirectionally, and the target's embedding and LM head.
+"""The DFlash drafter: Qwen3 decoder layers whose attention sees the target's context through K/V
+injection, and a block of [anchor, MASK, ...] rows attending bidirectionally. Its config and
+tensors in any published dialect (`blockspec.models.dialects`) read as z-lab's `DFlashDraftModel`.
+
+Rows: z-lab's drafters fill in the block, row j drafting position s+j (rows 1..B-1: B-1 drafts);
+shifted drafters (`sample_from_anchor`: DeepSpec's) draft the next token, row j position s+j+1
+(rows 0..B-1: B drafts). Vocabulary: the target's embedding and LM head, or the copies a
+checkpoint ships; a reduced draft vocabulary (`draft_vocab_size`) has its own head, whose ids map
+to the target's through `draft_to_target` (the checkpoint's `d2t` offsets added to them).
 
 Context K/V: for each committed position t, c[t] = hidden_norm(fc(feat[t])) and every layer's
 K = rope(k_norm(k_proj(c))), V = v_proj(c). All layers read the same c, so their k/v
 projections are stacked into one weight and computed with one GEMM (`fused_kv`)."""
 
+from collections.abc import Collection
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -30,6 +39,13 @@ def dflash_value(config: PretrainedConfig, name: str, default=None):
     return dflash.get(name, getattr(config, name, default))
 
 
+def rows_shifted(config: PretrainedConfig, default: bool) -> bool:
+    """Whether block row j drafts position s+j+1 (`sample_from_anchor`, or `shift_label`), else `default`."""
+    flag = dflash_value(config, "sample_from_anchor")
+    flag = flag if flag is not None else dflash_value(config, "shift_label")
+    return bool(flag) if flag is not None else default
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Evenly spaced from layer 1 to layer L-3 (one drafter layer: L // 2); distinct and in
     range for small targets too."""
@@ -41,12 +57,20 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 class DFlashDrafter(nn.Module):
-    """Its FP8 copies (`fused_kv_fp8`, the projections, and `lm_head_fp8` of the target's LM head)
-    are made at load (`blockspec.loading.finish`)."""
+    """Its FP8 copies (`fused_kv_fp8`, the projections, and `lm_head_fp8` of the LM head it reads)
+    are made at load (`blockspec.loading.finish`). `stored`: the checkpoint's tensor names, where it
+    ships its own `embed_tokens` or `lm_head` (made here to load them into)."""
 
     proposer = "dflash"
+    shifted_by_default = False  # z-lab's rows fill in the block
 
-    def __init__(self, config: PretrainedConfig, num_target_layers: int, target_hidden_size: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        num_target_layers: int,
+        target_hidden_size: int,
+        stored: Collection[str] = (),
+    ) -> None:
         super().__init__()
         self.config = config
         self.spec = layer_spec(config)
@@ -62,12 +86,31 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, self.spec.eps)
         self.norm = RMSNorm(h, self.spec.eps)
         self.rotary = RotaryEmbedding(config, self.spec.head_dim)
-        self.block_size = int(dflash_value(config, "block_size", 16))
+        self.block_size = int(dflash_value(config, "block_size"))
+        self.shifted = rows_shifted(config, self.shifted_by_default)
         self.mask_token_id = dflash_value(config, "mask_token_id")
         self.input_embedding_scale = float(dflash_value(config, "input_embedding_scale", 1.0))
         self.output_multiplier = float(dflash_value(config, "output_multiplier", 1.0))
         self.logit_softcap = dflash_value(config, "final_logit_softcapping")
+        self.draft_vocab_size = draft_vocab_size(config)
+        reduced = self.draft_vocab_size < config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h) if "embed_tokens.weight" in stored else None
+        self.lm_head = Linear(h, self.draft_vocab_size, bias=False) if reduced or "lm_head.weight" in stored else None
+        # target id of each draft id (d + d2t[d]); None: the draft vocabulary is the target's
+        self.register_buffer(
+            "draft_to_target", torch.empty(self.draft_vocab_size, dtype=torch.long) if reduced else None
+        )
         self.fused_kv_weight = self.fused_kv_bias = self.fused_kv_fp8 = self.lm_head_fp8 = None  # made at load
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts a block makes: one per row but the anchor's, or (shifted) one per row."""
+        return self.block_size if self.shifted else self.block_size - 1
+
+    @property
+    def first_draft_row(self) -> int:
+        """The block row whose output is the first draft."""
+        return 0 if self.shifted else 1
 
     @property
     def fp8(self) -> bool:
@@ -112,24 +155,79 @@ class DFlashDrafter(nn.Module):
         rope = self.rotary(positions, kv.dtype)
         layers_kv_write(kv_caches, kv, self.k_norm_weight, self.spec.eps, *rope, slot_mapping)
 
+    def embed(self, tokens: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        """The block rows' embeddings: its own copy's, or the target's."""
+        if self.embed_tokens is None:
+            return target.embed(tokens)
+        return F.embedding(tokens, self.embed_tokens.weight)
+
     def forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_caches: list[KVCache]
     ) -> torch.Tensor:
-        """embeds: the target's embedding of the block rows [B, S, H]; returns normed hidden."""
+        """embeds: the block rows' embeddings [B, S, H] (`embed`); returns normed hidden."""
         x = embeds * self.input_embedding_scale
         rope = self.rotary(positions, x.dtype)
         return decoder_stack(self.layers, x, rope, kv_caches, attn, self.norm)[0]
 
-    def compute_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor:
-        """Logits through the target's LM head, or its FP8 copy, in the head's dtype; in fp32 where
-        the config scales or caps them."""
+    def draft_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        """Logits over the draft vocabulary [..., Vd] through its LM head (its own, else the target's;
+        or the FP8 copy of it), in the head's dtype; in fp32 where the config scales or caps them."""
         fp8 = self.lm_head_fp8
-        logits = fp8(hidden) if fp8 is not None else target.compute_logits(hidden)
+        if fp8 is not None:
+            logits = fp8(hidden)
+        else:
+            logits = self.lm_head(hidden) if self.lm_head is not None else target.compute_logits(hidden)
         if self.output_multiplier != 1.0:
             logits = logits.float() * self.output_multiplier
         if self.logit_softcap:
             logits = torch.tanh(logits.float() / self.logit_softcap) * self.logit_softcap
         return logits
+
+    def to_target(self, logits: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] as the target's [..., V]: -inf at the ids the draft
+        vocabulary lacks (q is zero there)."""
+        index = self.draft_to_target
+        if index is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], target.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, index, logits)
+
+    def compute_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        """Logits over the target's vocabulary [..., V]."""
+        return self.to_target(self.draft_logits(hidden, target), target)
+
+    def share_target_copies(self, target: CausalLM) -> None:
+        """Drop its own embedding or LM head where it equals the target's (a copy the checkpoint
+        ships, frozen in training): the target's serves, and is not held twice."""
+        for name, theirs in (("embed_tokens", target.model.embed_tokens), ("lm_head", target.lm_head)):
+            mine = getattr(self, name)
+            if (
+                mine is not None
+                and mine.weight.shape == theirs.weight.shape
+                and torch.equal(mine.weight, theirs.weight)
+            ):
+                setattr(self, name, None)
+
+    def checkpoint_fields(self) -> dict:
+        """Its own fields of config.json, z-lab's layout."""
+        fields = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "input_embedding_scale": self.input_embedding_scale,
+            "output_multiplier": self.output_multiplier,
+            "final_logit_softcapping": self.logit_softcap,
+        }
+        if self.shifted:
+            fields["sample_from_anchor"] = True
+        reduced = {"draft_vocab_size": self.draft_vocab_size} if self.draft_to_target is not None else {}
+        return {"architectures": [ARCHITECTURE], "block_size": self.block_size, **reduced, "dflash_config": fields}
+
+
+def draft_vocab_size(config: PretrainedConfig) -> int:
+    """Tokens it drafts from: `draft_vocab_size` where the checkpoint reduces its vocabulary (a
+    draft vocabulary as large as the target's, or larger: padded, is the target's)."""
+    size = dflash_value(config, "draft_vocab_size")
+    return size if is_int(size) and 0 < size < config.vocab_size else config.vocab_size
 
 
 def dflash_problems(config: PretrainedConfig, target: PretrainedConfig) -> list[str]:
@@ -167,6 +265,13 @@ def dflash_problems(config: PretrainedConfig, target: PretrainedConfig) -> list[
         value = dflash_value(config, name)
         if value is not None and not is_number(value):
             problems.append(f"{name} must be a number, got {value!r}")
+    for name in ("sample_from_anchor", "shift_label"):
+        value = dflash_value(config, name)
+        if value is not None and not isinstance(value, bool):
+            problems.append(f"{name} must be true or false, got {value!r}")
+    draft_vocab = dflash_value(config, "draft_vocab_size")
+    if draft_vocab is not None and not (is_int(draft_vocab) and draft_vocab > 0):
+        problems.append(f"draft_vocab_size must be a positive integer, got {draft_vocab!r}")
     return problems + config_problems(config, decoder_layer_kinds(config))
 
 

@@ -6,7 +6,7 @@ architecture config.json names (`family_for`, `drafter_kind_for`) and builds thr
 import functools
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -56,14 +56,25 @@ class Drafter(Protocol):
     spec: LayerSpec
     layers: nn.ModuleList
     block_size: int  # rows of the block it drafts
+    num_drafts: int  # drafts a block makes (block_size - 1, or block_size where its rows are shifted)
+    first_draft_row: int  # the block row whose output is the first draft
     mask_token_id: int
     target_layer_ids: tuple[int, ...]  # the target layers whose outputs are its context features
     sliding_window: int | None
     fp8: bool  # its projections are FP8 copies (made at load)
+    lm_head: nn.Module | None  # its own LM head (None: it reads the target's)
 
     def __call__(
         self, embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_caches: list[KVCache]
     ) -> torch.Tensor: ...
+
+    def embed(self, tokens: torch.Tensor, target: CausalLM) -> torch.Tensor: ...
+
+    def draft_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        """Over its draft vocabulary."""
+
+    def to_target(self, logits: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        """Draft-vocabulary logits over the target's vocabulary."""
 
     def compute_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor: ...
 
@@ -83,7 +94,7 @@ class DrafterKind:
 
     name: str
     architectures: tuple[str, ...]
-    model: type[Drafter]  # built as model(config, target layers, target hidden size)
+    model: type[Drafter]  # built as model(config, target layers, target hidden size, checkpoint tensor names)
     problems: Callable[[PretrainedConfig, PretrainedConfig], list[str]]  # (its config, the target's)
     weight_problems: Callable[[Drafter, dict[str, torch.Tensor]], list[str]]  # (the drafter built, its tensors)
     weights: WeightMapping = field(default_factory=WeightMapping)
@@ -92,9 +103,10 @@ class DrafterKind:
     def proposer(self) -> str:
         return self.model.proposer
 
-    def build(self, config: PretrainedConfig, target: CausalLM) -> Drafter:
-        """The drafter of `config` for `target`, on the current default device."""
-        return self.model(config, target.config.num_hidden_layers, target.config.hidden_size)
+    def build(self, config: PretrainedConfig, target: CausalLM, stored: Collection[str] = ()) -> Drafter:
+        """The drafter of `config` for `target`, on the current default device, with the modules
+        of the optional tensors its checkpoint `stored` (its own embedding or LM head)."""
+        return self.model(config, target.config.num_hidden_layers, target.config.hidden_size, stored)
 
 
 @functools.cache

@@ -2,5 +2,9 @@
 (`blockspec.models.registry.DrafterKind`) names its proposer here."""
 
 from blockspec.proposers.dflash import DFlashProposer
+from blockspec.proposers.dspark import DSparkProposer
 
-DRAFTER_PROPOSERS = {"dflash": DFlashProposer}  # a drafter's `proposer` name -> the class made from it
+DRAFTER_PROPOSERS = {
+    "dflash": DFlashProposer,
+    "dspark": DSparkProposer,
+}  # a drafter's `proposer` name -> the class made from it

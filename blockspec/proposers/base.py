@@ -24,6 +24,8 @@ class Proposal:
     q: torch.Tensor | None = None
     # [B] accepted drafts imposed instead of the acceptance rule (`SimulatedProposer` only)
     accepted: torch.Tensor | None = None
+    # [B] drafts to verify, where the proposer cuts them below the step's (a confident prefix)
+    num_drafts: torch.Tensor | None = None
 
 
 class Proposer:

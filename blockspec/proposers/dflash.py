@@ -1,5 +1,5 @@
 """The DFlash drafter as a proposer: one forward over the block [anchor, MASK, ...] that attends to
-the drafter's context K/V of the committed positions, then the target's LM head."""
+the drafter's context K/V of the committed positions, then its LM head; every draft drawn at once."""
 
 from typing import TYPE_CHECKING
 
@@ -12,6 +12,7 @@ from blockspec.models.dflash import DFlashDrafter
 from blockspec.proposers.base import Proposal, Proposer, draft_from_logits
 
 if TYPE_CHECKING:
+    from blockspec.config import SpeculativeConfig
     from blockspec.engine.runner import ModelRunner
     from blockspec.engine.step import StepInputs
 
@@ -22,13 +23,18 @@ class DFlashProposer(Proposer):
         self.window = window  # the drafter sees only the last `window` context positions
         self.capture_layers = drafter.target_layer_ids
 
-    def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
-        return draft_from_logits(self.logits(runner, inputs), inputs)
+    @classmethod
+    def from_config(cls, drafter: DFlashDrafter, spec: "SpeculativeConfig") -> "DFlashProposer":
+        return cls(drafter, spec.window)
 
-    def logits(self, runner: "ModelRunner", inputs: "StepInputs") -> torch.Tensor:
-        """Drafter logits [B, w-1, V] of block rows 1..w-1 (w: the step's width). The drafter runs its
-        whole block, [anchor, MASK, ...] up to the context's end, the layout it was trained on: cut
-        to w rows, the same drafts come out less accurate."""
+    def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
+        return draft_from_logits(self.drafter.compute_logits(self.draft_hidden(runner, inputs), runner.target), inputs)
+
+    def draft_hidden(self, runner: "ModelRunner", inputs: "StepInputs") -> torch.Tensor:
+        """The drafter's normed hidden states [B, w-1, H] of the block rows that make the step's
+        w-1 drafts (w: its width). The drafter runs its whole block, [anchor, MASK, ...] up to the
+        context's end, the layout it was trained on: cut to w rows, the same drafts come out less
+        accurate."""
         d = self.drafter
         width = inputs.tokens.shape[1]
         block = F.pad(inputs.tokens[:, :1], (0, d.block_size - 1), value=d.mask_token_id)
@@ -38,8 +44,8 @@ class DFlashProposer(Proposer):
         block_range = (ctx_start[:, None].expand_as(b.positions), b.ends[:, None].expand_as(b.positions))
         ranges = key_ranges(b, block_range, d.sliding_window)
         attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, runner.page_size, b.starts)
-        hidden = d(runner.target.embed(block), b.positions, attn, runner.drafter_cache)
-        return d.compute_logits(hidden[:, 1:width], runner.target)
+        hidden = d(d.embed(block, runner.target), b.positions, attn, runner.drafter_cache)
+        return hidden[:, d.first_draft_row : d.first_draft_row + width - 1]
 
     def commit(self, runner, features, starts, counts, block_tables) -> None:
         """Drafter context K/V for the first counts[b] rows (the committed ones)."""

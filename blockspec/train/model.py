@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase, Qwen3Config
 
 from blockspec.layers.rotary import rope_parameters
-from blockspec.loading.dflash import validate
+from blockspec.loading.drafters import validate
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
 from blockspec.train.config import TrainConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from blockspec.llm import resolve_device, resolve_dtype
-from blockspec.loading.dflash import save_drafter
+from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.train.config import TrainConfig, config_from_args
 from blockspec.train.data import generate_dataset, read_examples
