@@ -124,6 +124,19 @@ def test_simulated_acceptance_has_its_mean_at_the_full_block() -> None:
         SimulatedProposer(Proposer(), 17, max_drafts=15)
 
 
+@pytest.mark.parametrize("tau,max_drafts", [(5.0, 7), (5.0, 15), (6.5, 15), (2.0, 3)])
+def test_simulated_acceptance_realizes_its_tau_along_a_sequence(tau, max_drafts) -> None:
+    """Each block starts where the last one's count put it: the mean tokens per step over a
+    sequence's blocks is the tau asked for."""
+    proposer, cap = SimulatedProposer(Proposer(), tau, max_drafts), torch.tensor([max_drafts])
+    seeds, start, committed = torch.tensor([12345]), torch.tensor([100]), []
+    for _ in range(4000):
+        count = proposer.accepted(seeds, start, cap)
+        committed.append(int(count) + 1)
+        start = start + count + 1
+    assert abs(sum(committed) / len(committed) - tau) < 0.15
+
+
 def test_simulated_acceptance_draws_at_the_widths_the_steps_run(tmp_path) -> None:
     """Each simulated count is drawn for the drafts the step verifies, never more: at the full block
     and with adaptive width's narrower steps, launched ahead and not."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from blockspec.proposers.base import Proposal, Proposer
+from blockspec.sampling import Stream, uniform
 
 if TYPE_CHECKING:
     from blockspec.engine.runner import ModelRunner
@@ -33,14 +34,11 @@ def acceptance_probability(tau: float, max_drafts: int) -> float:
     return low
 
 
-GOLDEN = 0.6180339887498949
-
-
 def geometric_counts(seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor, log_p: float) -> torch.Tensor:
-    """floor(log(1 - u) / log p), capped at num_drafts (p < 1), u a golden-ratio (Weyl)
-    sequence over block positions from a request's own offset: low-discrepancy, so that a short
-    bench realizes about tau, and a few launches on the device."""
-    u = (seeds.double() * 2**-63 + starts.double() * GOLDEN) % 1.0
+    """floor(log(1 - u) / log p), capped at num_drafts (p < 1), u a hash of (request seed, block
+    position): independent of the counts before it, which set the block positions (a sequence
+    that advanced with them, a golden-ratio one, would realize another mean)."""
+    u = uniform(seeds, starts, Stream.ACCEPT)
     return torch.minimum((torch.log1p(-u) / log_p).long(), num_drafts)
 
 
