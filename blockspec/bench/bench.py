@@ -34,7 +34,7 @@ PHASE_STEPS = 10
 
 @dataclass
 class Result:
-    mode: str  # "plain" or "dflash"
+    mode: str  # "plain", or the drafter's proposer ("dflash", "dspark")
     batch_size: int
     temperature: float
     tok_per_s: float
@@ -189,7 +189,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
     if cuda:
         torch.cuda.empty_cache()
     return Result(
-        "dflash" if drafter is not None else "plain",
+        drafter.proposer if drafter is not None else "plain",
         batch,
         args.temperature,
         m["tokens"] / m["elapsed"],
@@ -244,12 +244,12 @@ def plot(results: list[Result], path: str) -> None:
         print("matplotlib is not installed: no PNG written")
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in ("plain", "dflash"):
+    for mode in dict.fromkeys(r.mode for r in results):
         rs = [r for r in results if r.mode == mode]
         a.plot([r.batch_size for r in rs], [r.tok_per_s for r in rs], marker="o", label=mode)
     a.set(xscale="log", xlabel="batch size", ylabel="tok/s", title="throughput")
     a.legend()
-    spec = [r for r in results if r.mode == "dflash"]
+    spec = [r for r in results if r.mode != "plain"]
     if spec:
         hist = spec[0].tau_histogram
         b.bar(list(hist), list(hist.values()))

@@ -52,7 +52,7 @@ BENCH_KNOWN = (
 BENCH_REQUIRED = ("mode", "batch_size", "tok_per_s")
 PHASE_ORDER = ("drafter", "verify", "accept", "context", "host")  # as the bench marks them
 ACCEPTANCE_KNOWN = ("set", "temperature", "prompts")
-ENGINE_ORDER = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_fp8")
+ENGINE_ORDER = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_fp8", "dspark", "dspark_adaptive", "dspark_fp8")
 META_ORDER = ("label", "command", "device", "dtype", "model", "draft", "bandwidth_Bps", "simulated_tau")
 
 
