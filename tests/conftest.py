@@ -71,6 +71,14 @@ def make_target(
     return path
 
 
+@torch.no_grad()
+def vary_norms(drafter: torch.nn.Module) -> None:
+    """Norm weights away from 1, so that a norm applied twice or not at all shows."""
+    for name, p in drafter.named_parameters():
+        if "norm" in name:
+            p.uniform_(0.8, 1.2)
+
+
 def make_drafter(
     path: Path,
     target_path: Path,
@@ -100,10 +108,7 @@ def make_drafter(
     )
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config, tc.num_hidden_layers, tc.hidden_size)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
+    vary_norms(drafter)
     save_drafter(drafter, target, path, dtype=torch.float32)
     return path
 
@@ -230,11 +235,9 @@ def make_dspark(
     )  # fmt: skip
     torch.manual_seed(seed)
     drafter = DSparkDrafter(config, tc.num_hidden_layers, tc.hidden_size)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-        if drafter.markov_head is not None:
+    vary_norms(drafter)
+    if drafter.markov_head is not None:
+        with torch.no_grad():
             drafter.markov_head.markov_w2.weight.mul_(markov_scale)
     if draft_vocab is not None:
         drafter.draft_to_target = torch.randperm(tc.vocab_size)[:draft_vocab].sort().values

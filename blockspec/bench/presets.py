@@ -68,59 +68,37 @@ DSPARK_FIELDS = {
     "enable_confidence_head": True,
     "confidence_head_with_markov": True,
 }
+# A drafter's geometry: Qwen3-8B's layers (5 of them), and the small target's (2).
+QWEN3_8B_LAYERS = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+}
+SMALL_LAYERS = {
+    "vocab_size": 8192,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+}
+QWEN3_8B_IDS = {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
 DRAFTERS = {
     "Qwen3-8B-DFlash-b16": lambda: Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=5,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        block_size=16,
-        dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
-        architectures=[ARCHITECTURE],
+        **QWEN3_8B_LAYERS, block_size=16, dflash_config=QWEN3_8B_IDS, architectures=[ARCHITECTURE]
     ),
-    "Qwen3-8B-DSpark-b7": lambda: Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=5,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        **DSPARK_FIELDS,
-        mask_token_id=151669,
-        target_layer_ids=[1, 9, 17, 25, 33],
-    ),
-    "small-DSpark": lambda: Qwen3Config(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        **DSPARK_FIELDS,
-        mask_token_id=8191,
-    ),
+    "Qwen3-8B-DSpark-b7": lambda: Qwen3Config(**QWEN3_8B_LAYERS, **DSPARK_FIELDS, **QWEN3_8B_IDS),
+    "small-DSpark": lambda: Qwen3Config(**SMALL_LAYERS, **DSPARK_FIELDS, mask_token_id=8191),
     "small-DFlash": lambda: Qwen3Config(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        block_size=16,
-        dflash_config={"mask_token_id": 8191},
-        architectures=[ARCHITECTURE],
+        **SMALL_LAYERS, block_size=16, dflash_config={"mask_token_id": 8191}, architectures=[ARCHITECTURE]
     ),
 }
 
