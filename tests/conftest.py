@@ -220,7 +220,8 @@ def make_dspark(
     """A DSpark drafter for a target, saved in one of its published dialects: DeepSpec's (with the
     copies of the target's embedding and LM head it ships), SpecForge's (fields nested, heads under
     `logit_head.`) or speculators' (`transformer_layer_config`, hidden-state layer ids, its own
-    embedding). `draft_vocab`: a reduced vocabulary of that many target ids, with `d2t`."""
+    embedding; "speculators-dflash" its DFlash kind). `draft_vocab`: a reduced vocabulary of that
+    many target ids, with `d2t`."""
     target = load_target(target_path, torch.float32, torch.device("cpu")).model
     tc = target.config
     fields = {"block_size": block_size, "mask_token_id": tc.vocab_size - 1, "target_layer_ids": [1, 3]}
@@ -253,16 +254,17 @@ def make_dspark(
             ("logit_head." + n if n.startswith(("markov_head.", "confidence_head.")) else n): t
             for n, t in weights.items()
         }
-    elif dialect == "speculators":
+    elif dialect.startswith("speculators"):  # "speculators-dflash": its DFlash kind (no heads, rows filled in)
         layers = {
             k: config.pop(k)
             for k in list(config)
             if k not in fields and k not in ("architectures", "num_target_layers")
         }
+        kind = dialect.partition("-")[2] or "dspark"
         config = {
             **{k: v for k, v in config.items() if k != "target_layer_ids"},
-            "speculators_model_type": "dspark",
-            "sample_from_anchor": True,
+            "speculators_model_type": kind,
+            **({"sample_from_anchor": True} if kind == "dspark" else {}),
             "aux_hidden_state_layer_ids": [i + 1 for i in fields["target_layer_ids"]],
             "transformer_layer_config": layers,
         }

@@ -115,15 +115,17 @@ def target(tmp_path_factory):
         ("deepspec", {"head": "rnn"}, {"confidence_threshold": 0.5}),
         ("specforge", {"head": "gated"}, {}),
         ("speculators", {"draft_vocab": 48}, {}),
+        ("speculators-dflash", {"markov_rank": 0, "confidence": False, "draft_vocab": 48}, {}),
     ],
-    ids=["deepspec", "deepspec-dflash", "rnn-confidence-cut", "specforge", "speculators-d2t"],
+    ids=["deepspec", "deepspec-dflash", "rnn-confidence-cut", "specforge", "speculators-d2t", "speculators-dflash"],
 )
 def test_greedy_speculative_equals_plain(tmp_path, target, dialect, kwargs, spec):
     d = make_dspark(tmp_path / "d", target, dialect, block_size=6, markov_scale=4.0, **kwargs)
     plain = greedy(LLM(str(target), None, device="cpu"), PROMPTS)
     llm = LLM(str(target), {"model": str(d), **spec}, device="cpu")
     drafter = llm.engine.drafter
-    assert drafter.num_drafts == 6 and llm.engine.max_width == 7  # shifted rows: one draft per row
+    drafts = 5 if dialect == "speculators-dflash" else 6  # shifted rows (DSpark, DeepSpec's DFlash): one per row
+    assert drafter.num_drafts == drafts and llm.engine.max_width == drafts + 1
     assert greedy(llm, PROMPTS) == plain
     if "draft_vocab" in kwargs:  # the target's tokens the drafter cannot propose come from the target
         vocab = set(drafter.draft_to_target.tolist())
