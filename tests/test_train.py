@@ -1,9 +1,11 @@
-"""Drafter training (the DFlash recipe) on tiny random targets: the mask, the anchors, the
-training forward against the engine's proposals, resume, the CLI, and a real training run
-whose drafter raises the engine's mean acceptance length on held-out prompts."""
+"""Drafter training (the DFlash and DSpark recipes) on tiny random targets: the mask, the anchors,
+the training forwards against the engine's proposals and (DSpark's loss) a dense reference, resume,
+the CLI, data-parallel ranks, and real training runs whose drafters the engine runs (DFlash's
+raising the mean acceptance length on held-out prompts)."""
 
 import dataclasses
 import json
+import math
 import os
 import re
 import socket
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_target
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from blockspec.cli import main as cli_main
@@ -23,6 +25,7 @@ from blockspec.loading.finish import LoadOptions
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError
 from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.dspark import DSparkDrafter
 from blockspec.sampling import SamplingParams
 from blockspec.train import TrainConfig, train
 from blockspec.train import prompts as prompts_module
@@ -37,8 +40,9 @@ from blockspec.train.data import (
     read_examples,
     token_prompts,
 )
+from blockspec.train.distributed import close_world, init_world
 from blockspec.train.evaluate import acceptance_lengths
-from blockspec.train.loss import context_features, dflash_loss, row_weights, sample_anchors
+from blockspec.train.loss import DSparkWeights, dflash_loss, dspark_loss, row_weights, sample_anchors, target_pass
 from blockspec.train.masks import FlexBlockAttention, block_mask, flex_block_mask
 from blockspec.train.model import build_drafter
 from blockspec.train.prompts import build_prompts
@@ -77,6 +81,19 @@ def config(target: Path, data: Path | None, out: Path, **overrides) -> TrainConf
     base = {"model": str(target), "output": str(out), "device": "cpu", "data": data and str(data), "layers": 1}
     base |= {"block_size": 8, "steps": 300, "batch_size": 16, "blocks_per_seq": 16, "lr": 3e-3, "log_every": 50}
     return TrainConfig(**(base | {"save_dtype": "float32"} | overrides))
+
+
+def dspark_drafter(target, cfg: TrainConfig) -> DSparkDrafter:
+    """A fresh DSpark drafter whose Markov bias moves the argmax (at its init it hardly shows), so
+    that a bias read from another token than the one before the draft changes the drafts."""
+    drafter, _ = build_drafter(target, cfg, VOCAB - 1)
+    assert isinstance(drafter, DSparkDrafter) and drafter.markov_head is not None
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.mul_(100)
+    return drafter
+
+
+TERMS = DSparkWeights(ce=0.1, l1=0.9, confidence=1.0)
 
 
 def test_block_mask() -> None:
@@ -139,21 +156,23 @@ def test_copy_init_is_the_identity_on_the_deepest_feature(setup, tmp_path) -> No
         assert torch.equal(drafter.fc.weight, expected)
 
 
-def test_context_features_of_a_sliding_window_target(tmp_path) -> None:
-    """Training's frozen-target pass captures what transformers' layers output, sliding layers too."""
+def test_target_pass_of_a_sliding_window_target(tmp_path) -> None:
+    """Training's frozen-target pass captures what transformers' layers output, sliding layers too,
+    and ends in its final hidden states."""
     path = make_target(
         tmp_path / "t", "qwen2", vocab=VOCAB, use_sliding_window=True, sliding_window=6, max_window_layers=2
     )
     target = load_target(str(path), torch.float32, CPU).model
     ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
     batch = Batch(ids, torch.tensor([20, 15]), torch.tensor([4, 4]))
-    features = context_features(target, batch, (1, 3))
+    hidden, features = target_pass(target, batch, (1, 3))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         for row, n in enumerate((20, 15)):
             hs = hf(ids[row : row + 1, :n], output_hidden_states=True).hidden_states
             expected = torch.cat([hs[2][0], hs[4][0]], dim=-1)
             torch.testing.assert_close(features[row, :n], expected, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(hidden[row, :n], hs[-1][0], atol=1e-5, rtol=1e-4)
 
 
 def test_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
@@ -171,8 +190,79 @@ def test_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
         out = llm.generate([seq[: anchor + 1]], SamplingParams(temperature=0, max_tokens=8, return_drafts=True))[0]
         with torch.no_grad():
             one = torch.tensor([[anchor]]), torch.tensor([[True]])
-            result = dflash_loss(target.model, drafter, collate([e], CPU), *one, row_weights(8, 4.0, CPU))
+            result = dflash_loss(target.model, drafter, collate([e], CPU), *one, row_weights(7, 4.0, CPU))
         assert result.drafts[0, 0].tolist() == out.metrics.draft_token_ids[0]
+
+
+def test_dspark_loss_matches_a_dense_reference(setup, tmp_path) -> None:
+    """Each labelled draft of each block on its own, the target through transformers: row j of the
+    block at anchor a (context < a) is labelled with the token at a+j+1, its Markov bias and
+    confidence read the token at a+j (teacher forcing, not the draft before it), its target
+    distribution is the target's at position a+j, weights exp(-j/4) over the labelled drafts."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU).model
+    drafter = dspark_drafter(target, config(target_dir, data, tmp_path, method="dspark", markov_rank=8, block_size=4))
+    examples = read_examples(data)[:2]
+    (p0, n0), (p1, n1) = ((len(e.prompt_ids), e.length) for e in examples)
+    anchors = torch.tensor([[p0 - 1, n0 - 3, n0 - 2], [p1 + 2, n1 - 2, 0]])  # the last ones: 2 and 1 labels
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        result = dspark_loss(target, drafter, collate(examples, CPU), anchors, valid, row_weights(4, 4.0, CPU), TERMS)
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    head, conf = drafter.markov_head, drafter.confidence_head.proj
+    loss, weight, drafts, misses = 0.0, 0.0, torch.zeros_like(result.drafts), 0
+    with torch.no_grad():
+        for b, e in enumerate(examples):
+            ids = torch.tensor(e.prompt_ids + e.response_ids)
+            out = hf(ids[None], output_hidden_states=True)
+            features, p_target = out.hidden_states[1][0], out.logits[0].softmax(-1)  # target layer 0
+            for n, a in enumerate(anchors[b].tolist()):
+                if not valid[b, n]:
+                    continue
+                k, v = drafter.context_kv(features[None, :a], torch.arange(a)[None])
+                block = torch.tensor([[int(ids[a])] + [VOCAB - 1] * 3])
+                attn = DenseAttention({"full_attention": torch.ones(1, 1, 4, a + 4, dtype=torch.bool)})
+                h = drafter(target.embed(block), torch.arange(a, a + 4)[None], attn, list(zip(k, v)))[0]
+                for j in range(min(4, len(ids) - a - 1)):
+                    label, prev = ids[a + j + 1], head.markov_w1.weight[ids[a + j]]
+                    logits = target.lm_head.weight @ h[j] + head.markov_w2.weight @ prev
+                    l1 = (logits.softmax(-1) - p_target[a + j]).abs().sum()
+                    accept = (1 - l1 / 2).clamp(0, 1)
+                    c = torch.sigmoid(conf.weight[0] @ torch.cat([h[j], prev]) + conf.bias[0])
+                    bce = -(accept * c.log() + (1 - accept) * (1 - c).log())
+                    w = math.exp(-j / 4)
+                    loss += w * (0.1 * -logits.log_softmax(-1)[label] + 0.9 * l1 + bce)
+                    weight += w
+                    drafts[b, n, j] = logits.argmax()
+                    misses += j > 0 and drafts[b, n, j - 1] != ids[a + j]  # there the draft before differs
+    assert misses > 0
+    assert torch.equal(result.drafts, drafts)
+    torch.testing.assert_close(result.weight, torch.tensor(weight))
+    torch.testing.assert_close(result.loss_sum / result.weight, loss / weight, rtol=1e-5, atol=1e-6)
+
+
+def test_dspark_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
+    """Given the engine's own drafts as the tokens after the anchor, the teacher-forced argmaxes of
+    the block at that anchor are those drafts, all of them: the same rows (shifted: row j drafts
+    anchor+j+1), and each bias reads the token before its row."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU)
+    cfg = config(target_dir, data, tmp_path, method="dspark", markov_rank=8, block_size=4)
+    save_drafter(dspark_drafter(target.model, cfg), target.model, tmp_path / "drafter", dtype=torch.float32)
+    drafter = load_drafter(tmp_path / "drafter", target.model, torch.float32, CPU)
+    llm = LLM(str(target_dir), {"model": str(tmp_path / "drafter"), "adaptive_width": False}, device="cpu")
+    for e in read_examples(data)[:3]:
+        anchor = len(e.prompt_ids) + 5
+        seq = (e.prompt_ids + e.response_ids)[: anchor + 1]
+        out = llm.generate([seq], SamplingParams(temperature=0, max_tokens=8, return_drafts=True))[0]
+        drafts = out.metrics.draft_token_ids[0]
+        assert len(drafts) == 4
+        fed = Example(0, e.prompt_ids, seq[len(e.prompt_ids) :] + drafts)
+        with torch.no_grad():
+            one = torch.tensor([[anchor]]), torch.tensor([[True]])
+            result = dspark_loss(target.model, drafter, collate([fed], CPU), *one, row_weights(4, 4.0, CPU), TERMS)
+        assert result.drafts[0, 0].tolist() == drafts
 
 
 def test_resume_is_exact(setup, tmp_path) -> None:
@@ -231,6 +321,11 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
         ({"save_dtype": "bf15"}, "save_dtype: dtype 'bf15' is not supported"),
         ({"log_every": 0}, "save_every and log_every must be >= 1"),
         ({"eval_prompts": -3}, "eval_prompts must be >= 0"),
+        ({"method": "eagle"}, "method must be dflash or dspark, got 'eagle'"),
+        ({"method": "dspark", "markov_rank": -1}, "markov_rank must be >= 0"),
+        ({"method": "dspark", "markov_head_type": "lstm"}, "markov_head_type must be vanilla/gated/rnn"),
+        ({"method": "dspark", "l1_weight": -0.5}, "l1_weight and confidence_weight must be >= 0"),
+        ({"method": "dspark", "ce_weight": 0, "l1_weight": 0}, "nothing would train the drafts"),
     ],
 )
 def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -> None:
@@ -239,6 +334,12 @@ def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -
     assert (
         config("t", tmp_path / "data.jsonl", tmp_path / "out", save_dtype="auto").save_dtype == "auto"
     )  # as run.py reads it
+
+
+def test_loss_decay_defaults_to_the_methods_own() -> None:
+    assert TrainConfig(block_size=16).loss_gamma == 7  # DFlash's paper: about 3g/8 + 1
+    assert TrainConfig(block_size=16, method="dspark").loss_gamma == 4  # DeepSpec's
+    assert TrainConfig(method="dspark", gamma=2.5).loss_gamma == 2.5
 
 
 def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
@@ -302,6 +403,30 @@ def test_training_raises_acceptance_length(setup, tmp_path) -> None:
     assert tau_after > 1.8 and tau_after > 1.6 * tau_before, (tau_before, tau_after)
 
 
+def test_dspark_training_lowers_its_loss_and_the_engine_runs_its_drafter(setup, tmp_path) -> None:
+    target_dir, data, held_out = setup
+    cfg = config(target_dir, data, tmp_path / "out", method="dspark", markov_rank=16, steps=60, log_every=10)
+    path = train(cfg)
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses == sorted(losses, reverse=True) and losses[-1] < 0.8 * losses[0], losses
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3DSparkModel"] and saved["block_size"] == 8
+    assert (saved["markov_rank"], saved["enable_confidence_head"], saved["confidence_head_with_markov"]) == (
+        16,
+        True,
+        True,
+    )
+    target = load_target(str(target_dir), torch.float32, CPU).model
+    drafter = load_drafter(path, target, torch.float32, CPU)
+    assert isinstance(drafter, DSparkDrafter) and drafter.num_drafts == 8 and drafter.confidence_head is not None
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = [LLM(str(target_dir), spec, device="cpu").generate(held_out[:8], params) for spec in (None, str(path))]
+    plain, speculative = ([o.outputs[0].token_ids for o in out] for out in outputs)
+    assert speculative == plain
+    taus = [n for o in outputs[1] for n in o.metrics.acceptance_lengths]
+    assert sum(taus) / len(taus) > 1.2  # it drafts something the target accepts
+
+
 def test_cli_generates_trains_and_resumes(tmp_path) -> None:
     target = make_target(tmp_path / "target", "llama", vocab=VOCAB, layers=2)
     out = tmp_path / "out"
@@ -357,6 +482,41 @@ def test_two_ranks_generate_and_train_as_one(tmp_path) -> None:
         for key in ("loss", "tau_est"):
             assert two_line[key] == pytest.approx(one_line[key], rel=1e-4), key
         assert two_line["acc"] == pytest.approx(one_line["acc"], abs=1e-4)
+
+
+def gradients_as_rank(rank: int, size: int, port: int, cfg: TrainConfig, out: Path) -> None:
+    """One training step on rank `rank` of `size`; rank 0 saves the drafter's gradients."""
+    torch.set_num_threads(1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size), "GLOO_SOCKET_IFNAME": "lo"}
+    os.environ.update(env | {"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    world, device = init_world(CPU)
+    try:
+        target = load_target(cfg.model, torch.float32, device).model.requires_grad_(False)
+        trainer = Trainer(cfg, target, build_drafter(target, cfg, VOCAB - 1)[0], read_examples(cfg.data), device, world)
+        trainer.train_step()
+        if world.main:
+            save_file({n: p.grad for n, p in trainer.drafter.named_parameters()}, out)
+    finally:
+        close_world(world)
+
+
+def test_data_parallel_gradients_are_the_single_process_ones(setup, tmp_path) -> None:
+    """Two DDP ranks (gloo on CPU), each on half of a step's batch, reach the gradient of the
+    single process over the whole batch (not the mean of the halves' own losses)."""
+    target_dir, data, _ = setup
+    cfg = config(target_dir, data, tmp_path, method="dspark", markov_rank=8, batch_size=6, grad_clip=0.0)
+    gradients_as_rank(0, 1, 0, cfg, tmp_path / "one.safetensors")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # forked: spawned ranks would import this module again, ~10 s on the CI machine
+    torch.multiprocessing.start_processes(
+        gradients_as_rank, (2, port, cfg, tmp_path / "two.safetensors"), nprocs=2, start_method="fork"
+    )
+    one, two = (load_file(tmp_path / f"{n}.safetensors") for n in ("one", "two"))
+    assert one.keys() == two.keys() and any("markov_head" in n for n in one)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
 def test_merging_parts_keeps_each_prompt_once(tmp_path) -> None:

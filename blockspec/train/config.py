@@ -8,6 +8,9 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from blockspec.llm import resolve_dtype
+from blockspec.models.dspark import MARKOV_HEADS
+
+METHODS = ("dflash", "dspark")
 
 
 def knob(default, doc: str):
@@ -18,7 +21,7 @@ def knob(default, doc: str):
 class TrainConfig:
     # target and output
     model: str | None = knob(None, "target: HF model directory or .gguf file (default: the embedded SmolLM2)")
-    output: str = knob("runs/drafter", "output directory: drafter/ (DFlash layout), checkpoint/, data.jsonl, log.jsonl")
+    output: str = knob("runs/drafter", "output directory: drafter/, checkpoint/, data.jsonl, log.jsonl")
     device: str | None = knob(None, "cuda or cpu (default: cuda when available); bf16 autocast on cuda, fp32 on cpu")
     seed: int = knob(0, "seed of prompt choice, data order and anchors")
     # data: the target's own responses to prompts built from offline text
@@ -33,6 +36,7 @@ class TrainConfig:
     temperature: float = knob(0.0, "sampling temperature of the generated responses (0: greedy)")
     gen_batch_size: int = knob(64, "sequences the engine decodes together while generating data")
     # drafter architecture (None: the target's value)
+    method: str = knob("dflash", "dflash (z-lab's: block row k drafts anchor+k) or dspark (row j drafts anchor+j+1)")
     layers: int = knob(4, "drafter layers")
     block_size: int = knob(16, "block width g: anchor + g-1 mask rows")
     intermediate_size: int | None = knob(None, "drafter MLP width")
@@ -41,6 +45,9 @@ class TrainConfig:
     head_dim: int | None = knob(None, "drafter head dim")
     target_layer_ids: tuple[int, ...] | None = knob(None, "target layers whose outputs feed the drafter, e.g. 1,8,15")
     mask_token_id: int | None = knob(None, "MASK token (default: an unused row, else a spare special token)")
+    markov_rank: int = knob(256, "dspark: rank of the Markov head (0: none)")
+    markov_head_type: str = knob("vanilla", "dspark: Markov head vanilla, gated or rnn")
+    confidence_head: bool = knob(True, "dspark: a confidence head (reading the Markov embedding, if any)")
     init: str = knob("random", "random (N(0, 0.02)), or copy: start from the target's last layers")
     # optimisation
     steps: int = knob(1000, "optimizer steps")
@@ -51,7 +58,12 @@ class TrainConfig:
     warmup: float = knob(0.04, "linear warm-up, as a fraction of steps")
     weight_decay: float = knob(0.0, "AdamW weight decay")
     grad_clip: float = knob(1.0, "gradient norm clip (0: off)")
-    gamma: float | None = knob(None, "loss weight exp(-(k-1)/gamma) of block row k (default: 3g/8 + 1, 7 for g=16)")
+    gamma: float | None = knob(
+        None, "loss weight exp(-i/gamma) of a block's draft i (default: dflash 3g/8+1, dspark 4)"
+    )
+    ce_weight: float = knob(0.1, "dspark: weight of the cross-entropy on the target's tokens")
+    l1_weight: float = knob(0.9, "dspark: weight of the L1 distance to the target's distribution")
+    confidence_weight: float = knob(1.0, "dspark: weight of the confidence head's loss")
     attention: str = knob("auto", "dense (bool mask, any device), flex (FlexAttention block mask, cuda) or auto")
     # checkpoints, logs, evaluation
     save_every: int = knob(200, "steps between resumable checkpoints")
@@ -62,6 +74,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks = [
+            (self.method in METHODS, f"method must be {' or '.join(METHODS)}, got {self.method!r}"),
             (self.block_size >= 2, "block_size must be >= 2"),
             (self.layers >= 1, "layers must be >= 1"),
             (self.steps >= 1 and self.batch_size >= 1 and self.blocks_per_seq >= 1, "steps/batch sizes must be >= 1"),
@@ -71,6 +84,16 @@ class TrainConfig:
             (0 <= self.warmup < 1, "warmup is a fraction of steps in [0, 1)"),
             (self.save_every >= 1 and self.log_every >= 1, "save_every and log_every must be >= 1"),
             (self.eval_prompts >= 0, f"eval_prompts must be >= 0, got {self.eval_prompts}"),
+            (self.markov_rank >= 0, f"markov_rank must be >= 0, got {self.markov_rank}"),
+            (
+                self.markov_head_type in MARKOV_HEADS,
+                f"markov_head_type must be {'/'.join(MARKOV_HEADS)}, got {self.markov_head_type!r}",
+            ),
+            (
+                min(self.ce_weight, self.l1_weight, self.confidence_weight) >= 0,
+                "ce_weight, l1_weight and confidence_weight must be >= 0",
+            ),
+            (self.ce_weight + self.l1_weight > 0, "ce_weight or l1_weight must be > 0: nothing would train the drafts"),
         ]
         for ok, message in checks:
             if not ok:
@@ -82,8 +105,10 @@ class TrainConfig:
 
     @property
     def loss_gamma(self) -> float:
-        # The paper uses 7 for g=16, 5 for g=10 and 4 for g=8: about 3g/8 + 1.
-        return self.gamma if self.gamma is not None else 3 * self.block_size / 8 + 1
+        if self.gamma is not None:
+            return self.gamma
+        # DFlash's paper uses 7 for g=16, 5 for g=10 and 4 for g=8: about 3g/8 + 1; DeepSpec's DSpark 4.
+        return 3 * self.block_size / 8 + 1 if self.method == "dflash" else 4.0
 
 
 def flag_type(hint) -> typing.Callable[[str], object]:

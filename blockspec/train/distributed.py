@@ -1,6 +1,7 @@
 """Data-parallel training over the processes `torchrun` starts (one per GPU; gloo on CPU).
-Each rank generates its share of the data and trains on its share of every step's batch; the
-loss is normalised by the whole batch's weight and the gradients are summed, so a step equals
+Each rank generates its share of the data and trains on its share of every step's batch through
+torch's DistributedDataParallel, which averages the gradients over ranks; each rank's loss is
+normalised by the whole batch's weight and multiplied by the number of ranks, so a step equals
 the single-process step over the whole batch."""
 
 import datetime
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -26,15 +29,6 @@ class World:
         if self.size > 1:
             dist.all_reduce(tensor)
         return tensor
-
-    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """One all-reduce over every gradient, flattened (small tensors reduce badly one by one)."""
-        if self.size == 1:
-            return
-        grads = [p.grad for p in params]
-        flat = self.all_sum(torch.cat([g.reshape(-1) for g in grads]))
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -59,6 +53,14 @@ def init_world(device: torch.device) -> tuple[World, torch.device]:
     # collective of training keeps the default timeout, so a rank that died is noticed soon.
     waits = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
     return World(rank, size, waits), device
+
+
+def data_parallel(module: nn.Module, world: World) -> nn.Module:
+    """`module` wrapped so that its backward averages the gradients over the ranks (bucketed, while
+    the backward still runs); alone, `module` itself. Its inputs must already be on its device."""
+    if world.size == 1:
+        return module
+    return DistributedDataParallel(module, broadcast_buffers=False)  # its buffers (rope tables) never change
 
 
 def close_world(world: World) -> None:

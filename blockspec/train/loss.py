@@ -1,31 +1,61 @@
-"""One DFlash training forward: anchors -> blocks -> the frozen target's context features ->
-the drafter over all blocks at once -> position-weighted cross-entropy on the target's tokens.
+"""One training forward of a block drafter: anchors -> blocks -> the frozen target's pass (its
+context features and its own next-token distribution) -> the drafter over all blocks at once ->
+the loss of the drafter's kind.
 
-A block is [anchor token, MASK x (g-1)] at positions anchor .. anchor+g-1 and row k (1..g-1)
-predicts the token at anchor+k, the target's own output. Its loss weight exp(-(k-1)/gamma)
-favours early rows: a draft is only accepted up to its first miss."""
+A block is [anchor token, MASK x (g-1)] at positions anchor .. anchor+g-1, and its draft i
+(i = 0, 1, ..) predicts the token at anchor+1+i, the target's own output: z-lab's DFlash rows
+1..g-1 (g-1 drafts), DSpark's shifted rows 0..g-1 (g drafts). Draft i's loss weight exp(-i/gamma)
+favours early drafts: a draft is only accepted up to its first miss.
+- DFlash: cross-entropy on the target's tokens.
+- DSpark (DeepSpec's recipe): the drafts' logits are the LM head's plus the Markov bias of the
+  token before each draft, teacher-forced (the anchor, then the target's tokens); the loss is
+  ce * CE + l1 * |p_draft - p_target|_1 + confidence * BCE(confidence logit, 1 - L1/2), p_target
+  the target's distribution of the same token."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from blockspec.layers.attention import DenseAttention, visibility
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.dspark import DSparkDrafter
 from blockspec.train.batches import Batch
 from blockspec.train.masks import block_attention
 
 
 @dataclass
 class StepResult:
-    loss_sum: torch.Tensor  # scalar, differentiable: the weighted cross-entropy summed over labelled rows
+    loss_sum: torch.Tensor  # scalar, differentiable: the weighted loss summed over labelled drafts
     weight: torch.Tensor  # scalar: the summed weights (the loss is loss_sum / weight over the whole batch)
-    correct: torch.Tensor  # [g-1] argmax hits per block row 1..g-1
-    total: torch.Tensor  # [g-1] labelled rows per block row
+    correct: torch.Tensor  # [n] argmax hits per draft 0..n-1 of a block
+    total: torch.Tensor  # [n] labelled drafts per draft index
     inverse_tau: torch.Tensor  # scalar: sum over valid blocks of 1 / (1 + leading hits)
     blocks: torch.Tensor  # scalar: valid blocks
-    drafts: torch.Tensor  # [B, N, g-1] greedy drafts of the labelled rows (0 elsewhere)
+    drafts: torch.Tensor  # [B, N, n] greedy drafts of the labelled rows (0 elsewhere)
+
+
+@dataclass(frozen=True)
+class DSparkWeights:
+    """The weights of DSpark's three loss terms."""
+
+    ce: float
+    l1: float
+    confidence: float
+
+
+@dataclass
+class Blocks:
+    """A step's blocks through the drafter, and the target pass they read."""
+
+    hidden: torch.Tensor  # [B, N, n, H] the drafter's normed output at its draft rows
+    anchor_ids: torch.Tensor  # [B, N]
+    labels: torch.Tensor  # [B, N, n] the token at anchor+1+i (clamped garbage where not labelled)
+    labelled: torch.Tensor  # [B, N, n] bool: a valid block's draft whose token exists
+    target_hidden: torch.Tensor  # [B, T, H_t] the target's final (normed) hidden states
 
 
 def sample_anchors(batch: Batch, num_blocks: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,23 +72,64 @@ def sample_anchors(batch: Batch, num_blocks: int, keys: torch.Tensor) -> tuple[t
     return torch.where(valid, anchors, 0), valid
 
 
-def row_weights(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
-    """[g-1]: exp(-(k-1)/gamma) for rows k = 1..g-1."""
-    return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
+def row_weights(num_drafts: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """[n]: exp(-i/gamma) for a block's drafts i = 0..n-1."""
+    return torch.exp(-torch.arange(num_drafts, device=device, dtype=torch.float32) / gamma)
 
 
 @torch.no_grad()
-def context_features(target: CausalLM, batch: Batch, capture: tuple[int, ...]) -> torch.Tensor:
-    """The frozen target's captured layer outputs for every position: [B, T, n*H_t]."""
+def target_pass(target: CausalLM, batch: Batch, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target over every position, once: its final hidden states [B, T, H_t] (normed,
+    the LM head's input) and its captured layer outputs [B, T, n*H_t]."""
     b, t = batch.input_ids.shape
     positions = torch.arange(t, device=batch.input_ids.device).expand(b, t)
     valid, window = positions < batch.lengths[:, None], target.sliding_window
     masks = {"full_attention": visibility(positions, positions, valid, causal=True, window=None)}
     if window is not None:  # a target with sliding layers
         masks["sliding_attention"] = visibility(positions, positions, valid, causal=True, window=window)
-    attn = DenseAttention(masks)
-    _, features = target(batch.input_ids, positions, attn, [None] * len(target.model.layers), capture)
-    return features
+    return target(batch.input_ids, positions, DenseAttention(masks), [None] * len(target.model.layers), capture)
+
+
+def draft_blocks(
+    target: CausalLM, drafter: DFlashDrafter, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor, flex: bool
+) -> Blocks:
+    (b, t), g, n = batch.input_ids.shape, drafter.block_size, drafter.num_drafts
+    offsets = torch.arange(g, device=anchors.device)
+    block_pos = anchors[:, :, None] + offsets  # [B, N, g]
+    with torch.no_grad():
+        target_hidden, features = target_pass(target, batch, drafter.target_layer_ids)
+        anchor_ids = batch.input_ids.gather(1, anchors)
+        block_ids = torch.full_like(block_pos, drafter.mask_token_id)
+        block_ids[:, :, 0] = anchor_ids
+        embeds = drafter.embed(block_ids.flatten(1), target)  # the target's embedding, frozen
+        label_pos = anchors[:, :, None] + 1 + offsets[:n]
+        labels = batch.input_ids.gather(1, label_pos.clamp(max=t - 1).flatten(1)).view(b, -1, n)
+        # a prefix of each block's drafts, as DeepSpec's cumprod makes it: labels end only where the sequence does
+        labelled = valid[:, :, None] & (label_pos < batch.lengths[:, None, None])
+
+    drafter.fuse_kv()  # under autograd: gradients reach every layer's k/v projections and k_norm
+    positions = torch.arange(t, device=anchors.device).expand(b, t)
+    k, v = drafter.context_kv(features, positions)
+    attn = block_attention(anchors, valid, t, g, flex)
+    hidden = drafter(embeds, block_pos.flatten(1), attn, list(zip(k, v)))
+    first = drafter.first_draft_row
+    hidden = hidden.view(b, -1, g, hidden.shape[-1])[:, :, first : first + n]
+    return Blocks(hidden, anchor_ids, labels, labelled, target_hidden)
+
+
+def step_result(
+    blocks: Blocks, valid: torch.Tensor, loss: torch.Tensor, w: torch.Tensor, logits: torch.Tensor
+) -> StepResult:
+    """The result of the labelled drafts' losses, weights and logits."""
+    with torch.no_grad():
+        labels, labelled = blocks.labels, blocks.labelled
+        drafts = torch.zeros_like(labels)
+        drafts[labelled] = logits.argmax(-1)
+        hits = (drafts == labels) & labelled
+        tau = 1 + hits.int().cumprod(-1).sum(-1)[valid]  # greedy acceptance length per block
+    return StepResult(
+        (loss * w).sum(), w.sum(), hits.sum((0, 1)), labelled.sum((0, 1)), (1 / tau).sum(), valid.sum(), drafts
+    )
 
 
 def dflash_loss(
@@ -70,32 +141,59 @@ def dflash_loss(
     weights: torch.Tensor,
     flex: bool = False,
 ) -> StepResult:
-    (b, t), g = batch.input_ids.shape, drafter.block_size
-    offsets = torch.arange(g, device=anchors.device)
-    block_pos = anchors[:, :, None] + offsets  # [B, N, g]
-    with torch.no_grad():
-        features = context_features(target, batch, drafter.target_layer_ids)
-        block_ids = torch.full_like(block_pos, drafter.mask_token_id)
-        block_ids[:, :, 0] = batch.input_ids.gather(1, anchors)
-        embeds = target.embed(block_ids.flatten(1))  # the target's embedding, frozen
-        labels = batch.input_ids.gather(1, block_pos[:, :, 1:].clamp(max=t - 1).flatten(1)).view(b, -1, g - 1)
-        labelled = valid[:, :, None] & (block_pos[:, :, 1:] < batch.lengths[:, None, None])  # [B, N, g-1]
+    blocks = draft_blocks(target, drafter, batch, anchors, valid, flex)
+    labelled = blocks.labelled
+    logits = drafter.compute_logits(blocks.hidden[labelled], target)  # the target's LM head, frozen
+    ce = F.cross_entropy(logits.float(), blocks.labels[labelled], reduction="none")
+    return step_result(blocks, valid, ce, weights.expand_as(labelled)[labelled], logits)
 
-    drafter.fuse_kv()  # under autograd: gradients reach every layer's k/v projections and k_norm
-    positions = torch.arange(t, device=anchors.device).expand(b, t)
-    k, v = drafter.context_kv(features, positions)
-    attn = block_attention(anchors, valid, t, g, flex)
-    hidden = drafter(embeds, block_pos.flatten(1), attn, list(zip(k, v)))
-    hidden = hidden.view(b, -1, g, hidden.shape[-1])[:, :, 1:][labelled]  # only rows with a label
-    logits = drafter.compute_logits(hidden, target)  # the target's LM head, frozen
-    ce = F.cross_entropy(logits.float(), labels[labelled], reduction="none")
-    w = weights.expand_as(labelled)[labelled]
 
-    with torch.no_grad():
-        drafts = torch.zeros_like(labels)
-        drafts[labelled] = logits.argmax(-1)
-        hits = (drafts == labels) & labelled
-        tau = 1 + hits.int().cumprod(-1).sum(-1)[valid]  # greedy acceptance length per block
-    return StepResult(
-        (ce * w).sum(), w.sum(), hits.sum((0, 1)), labelled.sum((0, 1)), (1 / tau).sum(), valid.sum(), drafts
-    )
+def dspark_loss(
+    target: CausalLM,
+    drafter: DSparkDrafter,
+    batch: Batch,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    weights: torch.Tensor,
+    terms: DSparkWeights,
+    flex: bool = False,
+) -> StepResult:
+    """DSpark's loss. Its greedy drafts (accuracy, tau) are teacher-forced argmaxes: a draft's
+    Markov bias reads the target's token before it, which is the engine's own draft wherever
+    the drafts before it all hit, so the leading hits (tau) are the engine's."""
+    blocks = draft_blocks(target, drafter, batch, anchors, valid, flex)
+    hidden, labels, labelled = blocks.hidden, blocks.labels, blocks.labelled
+    logits = drafter.draft_logits(hidden[labelled], target).float()
+    head, prev_embeddings = drafter.markov_head, None
+    if head is not None:
+        prev = torch.cat([blocks.anchor_ids[:, :, None], labels[:, :, :-1]], -1)  # teacher forcing
+        bias, prev_embeddings = head.biases(prev, hidden)
+        logits = logits + bias[labelled].float()
+    logits = drafter.to_target(logits, target)
+    with torch.no_grad():  # the target's distribution of draft i's token, read at position anchor+i
+        t = blocks.target_hidden.shape[1]
+        at = (anchors[:, :, None] + torch.arange(labels.shape[-1], device=anchors.device)).clamp(max=t - 1)
+        rows = blocks.target_hidden[torch.arange(len(at), device=at.device)[:, None, None], at][labelled]
+        p_target = torch.softmax(target.compute_logits(rows).float(), -1)
+    ce = F.cross_entropy(logits, labels[labelled], reduction="none")
+    l1 = (torch.softmax(logits, -1) - p_target).abs().sum(-1)
+    loss = terms.ce * ce + terms.l1 * l1
+    confidence = drafter.confidence_logits(hidden, prev_embeddings)
+    if confidence is not None:  # the chance of acceptance, sum of min(p, q): 1 - L1/2
+        accept = (1 - l1.detach() / 2).clamp(0, 1)
+        bce = F.binary_cross_entropy_with_logits(confidence[labelled], accept, reduction="none")
+        loss = loss + terms.confidence * bce
+    return step_result(blocks, valid, loss, weights.expand_as(labelled)[labelled], logits)
+
+
+class Objective(nn.Module):
+    """A step's loss as a module whose parameters are the drafter's, for DDP to wrap: the whole
+    differentiable computation (context K/V, LM head, heads) runs in its forward, and the frozen
+    target comes with each call, so it is never broadcast nor reduced."""
+
+    def __init__(self, drafter: DFlashDrafter, loss: Callable[..., StepResult]) -> None:
+        super().__init__()
+        self.drafter, self.loss = drafter, loss
+
+    def forward(self, target: CausalLM, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor) -> StepResult:
+        return self.loss(target, self.drafter, batch, anchors, valid)

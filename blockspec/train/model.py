@@ -1,7 +1,7 @@
-"""A fresh DFlash drafter for a target: its config (the target's geometry unless told
-otherwise) and its initial weights.
+"""A fresh drafter for a target, DFlash or DSpark (`TrainConfig.method`): its config (the target's
+geometry unless told otherwise, in the layout it is published in) and its initial weights.
 
-Init "random" (default): every linear N(0, initializer_range), norms 1. Init "copy": when a
+Init "random" (default): every linear and the Markov embedding N(0, initializer_range), norms 1. Init "copy": when a
 drafter layer has the target's layer geometry, drafter layer i starts as target layer L-n+i
 (the last n layers, which turn a late residual stream into next-token logits through the LM
 head the drafter shares), the final norm as the target's, `fc` as the identity on the deepest
@@ -17,6 +17,7 @@ from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.drafters import validate
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
+from blockspec.models.dspark import ARCHITECTURES as DSPARK_ARCHITECTURES
 from blockspec.train.config import TrainConfig
 
 
@@ -32,11 +33,21 @@ def default_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size:
     return max(spare) if spare else vocab_size - 1
 
 
+def method_fields(cfg: TrainConfig, mask_token_id: int, target_layer_ids: list[int]) -> dict:
+    """The drafter kind's own config fields: z-lab's `dflash_config`, or DeepSpec's top-level ones."""
+    fields = {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids}
+    if cfg.method == "dflash":
+        return {"architectures": [ARCHITECTURE], "dflash_config": fields}
+    heads = {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type}
+    heads |= {"enable_confidence_head": cfg.confidence_head}
+    heads |= {"confidence_head_with_markov": cfg.confidence_head and cfg.markov_rank > 0}
+    return {"architectures": [DSPARK_ARCHITECTURES[0]], **fields, **heads}
+
+
 def drafter_config(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> Qwen3Config:
     tc, s = target.config, target.spec
     ids = cfg.target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, cfg.layers)
-    config = Qwen3Config(
-        architectures=[ARCHITECTURE],
+    return Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=s.hidden_size,  # the drafter reads the target's embedding and LM head
         intermediate_size=cfg.intermediate_size or s.intermediate_size,
@@ -48,10 +59,8 @@ def drafter_config(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> Qw
         max_position_embeddings=tc.max_position_embeddings,
         rope_parameters=rope_parameters(tc),
         block_size=cfg.block_size,
-        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(ids)},
+        **method_fields(cfg, mask_token_id, list(ids)),
     )
-    validate(config, target, "the training settings")  # what loading the saved drafter will check
-    return config
 
 
 def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
@@ -84,14 +93,15 @@ def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tup
         raise ValueError(
             "the target's norm weights are folded into its GEMMs (LoadOptions.fold_norms): train from one loaded without"
         )
-    tc = target.config
+    config = drafter_config(target, cfg, mask_token_id)
+    kind = validate(config, target, "the training settings")  # what loading the saved drafter will check
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(drafter_config(target, cfg, mask_token_id), tc.num_hidden_layers, tc.hidden_size)
-    std = getattr(tc, "initializer_range", 0.02)
+    drafter = kind.build(config, target)  # its kind's class: DFlashDrafter or DSparkDrafter
+    std = getattr(target.config, "initializer_range", 0.02)
     for m in drafter.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear | nn.Embedding):
             nn.init.normal_(m.weight, std=std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
     copied = cfg.init == "copy" and copy_target_layers(drafter, target)  # copy_ casts device and dtype
     return drafter.to(target.lm_head.weight.device), copied

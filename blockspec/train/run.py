@@ -1,5 +1,6 @@
 """`blockspec train`: data (the target's own responses), a fresh drafter, the training loop,
-the drafter saved in the published DFlash layout, and optionally tau on held-out prompts."""
+the drafter saved in its published layout (z-lab's DFlash, DeepSpec's DSpark), and optionally
+tau on held-out prompts."""
 
 import argparse
 from pathlib import Path
@@ -52,7 +53,7 @@ def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
     drafter, copied = build_drafter(target.model, cfg, mask_id)
     n_params = sum(p.numel() for p in drafter.parameters())
     say(
-        f"drafter: {cfg.layers} layers, {n_params / 1e6:.1f}M parameters, block {cfg.block_size}, "
+        f"{cfg.method} drafter: {cfg.layers} layers, {n_params / 1e6:.1f}M parameters, block {cfg.block_size}, "
         f"target layers {list(drafter.target_layer_ids)}, mask token {mask_id}, "
         f"init {'copied from the target' if copied else 'random'}"
     )

@@ -6,7 +6,9 @@ Ctrl-C / SIGINT)."""
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,8 +20,16 @@ from blockspec.train.batches import BatchOrder, collate, padded_width
 from blockspec.train.checkpoint import load_checkpoint, save_checkpoint
 from blockspec.train.config import TrainConfig
 from blockspec.train.data import Example
-from blockspec.train.distributed import SINGLE, World
-from blockspec.train.loss import StepResult, dflash_loss, row_weights, sample_anchors
+from blockspec.train.distributed import SINGLE, World, data_parallel
+from blockspec.train.loss import (
+    DSparkWeights,
+    Objective,
+    StepResult,
+    dflash_loss,
+    dspark_loss,
+    row_weights,
+    sample_anchors,
+)
 
 
 @dataclass
@@ -70,6 +80,14 @@ def uses_flex(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.attention == "flex" or (cfg.attention == "auto" and cuda)
 
 
+def step_loss(cfg: TrainConfig, weights: torch.Tensor, flex: bool) -> Callable[..., StepResult]:
+    """The loss of cfg's method, as `Objective` calls it."""
+    if cfg.method == "dflash":
+        return partial(dflash_loss, weights=weights, flex=flex)
+    terms = DSparkWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight)
+    return partial(dspark_loss, weights=weights, terms=terms, flex=flex)
+
+
 class Trainer:
     def __init__(
         self,
@@ -90,20 +108,21 @@ class Trainer:
         self.order = BatchOrder([e.length for e in examples], cfg.batch_size, cfg.seed)
         if self.order.batch_size < world.size:
             raise ValueError(f"batch_size {self.order.batch_size} is smaller than the {world.size} ranks sharing it")
-        self.weights = row_weights(drafter.block_size, cfg.loss_gamma, device)
         self.flex = uses_flex(cfg, device)
         self.pad_multiple = 128 if self.flex else 1  # few distinct shapes for the compiled kernel
         self.out = Path(cfg.output)
         ckpt = self.out / "checkpoint"
         resume = cfg.resume and (ckpt / "state.json").is_file()  # so a repeated --resume command also starts
         self.step = load_checkpoint(ckpt, drafter, self.optimizer, self.identity()) if resume else 0
+        weights = row_weights(drafter.num_drafts, cfg.loss_gamma, device)
+        self.objective = data_parallel(Objective(drafter, step_loss(cfg, weights, self.flex)), world)
 
     def identity(self) -> dict:
         """What a checkpoint must match to be resumed: the target and what the drafter's weights
         mean (same shapes can read other layers or another mask token)."""
         d = self.drafter
-        return {"model": self.cfg.model, "block_size": d.block_size, "target_layer_ids": list(d.target_layer_ids),
-                "mask_token_id": d.mask_token_id}  # fmt: skip
+        return {"model": self.cfg.model, "method": self.cfg.method, "block_size": d.block_size,
+                "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id}  # fmt: skip
 
     def lr_at(self, step: int) -> float:
         cfg, warmup = self.cfg, int(self.cfg.warmup * self.cfg.steps)
@@ -127,11 +146,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            result = dflash_loss(self.target, self.drafter, batch, anchors, valid, self.weights, self.flex)
+            result = self.objective(self.target, batch, anchors, valid)
         loss = result.loss_sum / world.all_sum(result.weight.detach().clone()).clamp_min(1e-6)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        world.sum_gradients(self.params)
+        (loss * world.size).backward()  # DDP averages the ranks' gradients: their sum is the batch's
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self.optimizer.step()
