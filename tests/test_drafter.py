@@ -64,9 +64,10 @@ def dense_block_hidden(w, layers, feats, anchor_emb_block, p, window=None):
     return rms(x, w["norm.weight"])
 
 
-@pytest.mark.parametrize("window,layer_ids", [(None, [1, 3, 4]), (5, [1, 3, 4]), (None, [2, 4, 5])])
+@pytest.mark.parametrize("window,layer_ids", [(None, [1, 3, 4]), (5, [1, 3, 4]), (None, [2, 4, 5]), (None, [-1, 2, 4])])
 def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
-    """layer_ids with the last layer (5): HF's hidden_states[6] is after the final norm."""
+    """layer_ids with the last layer (5): HF's hidden_states[6] is after the final norm; with -1:
+    hidden_states[0], the embedding output."""
     tpath = make_target(tmp_path / "t", "qwen3", layers=6)
     dpath = make_drafter(tmp_path / "d", tpath, layers=2, block_size=6, target_layer_ids=layer_ids)
     target = load_target(tpath, torch.float32, torch.device("cpu")).model

@@ -96,7 +96,7 @@ def test_mismatched_drafters(tmp_path, pair):
     unsaid = copy(d, tmp_path / "no_num_target_layers")
     cfg = json.loads((unsaid / "config.json").read_text())
     (unsaid / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_target_layers"}))
-    with pytest.raises(CheckpointError, match="target_layer_ids .* must be in 0..1"):
+    with pytest.raises(CheckpointError, match=r"target_layer_ids .* must be in -1..1 \(-1: the embedding output\)"):
         LLM(str(other), {"model": str(unsaid)}, device="cpu")
     three = copy(d, tmp_path / "three_ids")
     cfg = json.loads((three / "config.json").read_text())

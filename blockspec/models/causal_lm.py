@@ -78,5 +78,6 @@ class CausalLM(nn.Module):
         rope = self.rotary(positions, x.dtype)
         hidden, captured = decoder_stack(self.model.layers, x, rope, kv_caches, attn, self.model.norm, capture)
         captured[len(self.model.layers) - 1] = hidden  # HF's hidden_states[L] (what drafters train on) is normed
+        captured[-1] = x  # HF's hidden_states[0], the embedding output (DeepSpec's layer id -1)
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return hidden, features

@@ -237,8 +237,10 @@ def dflash_problems(config: PretrainedConfig, target: PretrainedConfig) -> list[
     ids, mask = dflash_value(config, "target_layer_ids"), dflash_value(config, "mask_token_id")
     if ids is not None and not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)):
         problems.append(f"target_layer_ids must be a non-empty list of integers, got {ids!r}")
-    elif ids is not None and not all(0 <= i < target.num_hidden_layers for i in ids):
-        problems.append(f"target_layer_ids {ids} must be in 0..{target.num_hidden_layers - 1}")
+    elif ids is not None and not all(-1 <= i < target.num_hidden_layers for i in ids):
+        problems.append(
+            f"target_layer_ids {ids} must be in -1..{target.num_hidden_layers - 1} (-1: the embedding output)"
+        )
     if mask is None:
         problems.append("dflash_config.mask_token_id is missing")
     elif not is_int(mask):
