@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.dflash2 import DFlash2Drafter
 from blockspec.models.dspark import DSparkDrafter
 from blockspec.proposers import DRAFTER_PROPOSERS
 from blockspec.proposers.base import Proposal, Proposer
@@ -87,6 +88,7 @@ def make_drafter(
     target_layer_ids: list[int] | None = None,
     seed: int = 0,
     mask_token_id: int | None = None,
+    **config_fields,
 ) -> Path:
     target = load_target(target_path, torch.float32, torch.device("cpu")).model
     tc = target.config
@@ -105,6 +107,7 @@ def make_drafter(
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         block_size=block_size,
         dflash_config=dflash,
+        **config_fields,
     )
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config, tc.num_hidden_layers, tc.hidden_size)
@@ -271,4 +274,43 @@ def make_dspark(
         weights |= embed
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, path / "model.safetensors")
+    return path
+
+
+def make_dflash2(
+    path: Path,
+    target_path: Path,
+    block_size: int = 6,
+    taps: int = 2,
+    selector: tuple[int, int] = (8, 4),
+    identity: bool = False,
+    successor_zero: bool = False,
+    scale: float = 1.0,
+    seed: int = 0,
+) -> Path:
+    """A DFlash2 drafter for a target, in z-lab's layout: `taps`-tap block convolutions over groups
+    of 16 channels (random, or the identity), a selector of (rank, top-k) (rank 0: none) with random
+    codebooks (`successor_zero`: its successor codebook zero; `scale` multiplies the pair scores)."""
+    target = load_target(target_path, torch.float32, torch.device("cpu")).model
+    tc = target.config
+    fields = {"mask_token_id": tc.vocab_size - 1, "target_layer_ids": [1, 3], "conv_kernel_size": taps}
+    fields |= {"conv_group_size": 16 if taps else 0, "selector_rank": selector[0], "selector_top_k": selector[1]}
+    config = Qwen3Config(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, architectures=["DFlash2DraftModel"],
+        block_size=block_size, dflash_config=fields,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    drafter = DFlash2Drafter(config, tc.num_hidden_layers, tc.hidden_size)
+    vary_norms(drafter)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("base_kernel") and not identity:
+                p.normal_(0, 0.3)[:, 0] += 1
+            if "kernel_projection" in name and not identity:
+                p.normal_(0, 0.05)
+            if "codebook" in name:
+                p.normal_(0, scale).mul_(0 if successor_zero and "successor" in name else 1)
+    save_drafter(drafter, target, path, dtype=torch.float32)
     return path

@@ -32,13 +32,16 @@ def rope(x, pos, dim=16, theta=10000.0):
     return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
 
 
-def dense_block_hidden(w, layers, feats, anchor_emb_block, p, window=None):
+def dense_block_hidden(w, layers, feats, anchor_emb_block, p, window=None, masks=None):
     """The normed hidden states [g, H] of every block row. feats: [p, F] context features; block:
-    [g, H] embeddings of [anchor, MASK...]."""
+    [g, H] embeddings of [anchor, MASK...]; the block sees the last `window` context positions, or
+    each layer i the keys masks[i] [g, p + g] allows (context, then block)."""
     g = anchor_emb_block.shape[0]
     c = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
     ctx_pos, blk_pos = torch.arange(p), torch.arange(p, p + g)
     keep = ctx_pos >= p - window if window else torch.ones(p, dtype=torch.bool)
+    if masks is not None:
+        keep = torch.ones(p, dtype=torch.bool)
     x = anchor_emb_block
     for i in range(layers):
 
@@ -55,7 +58,10 @@ def dense_block_hidden(w, layers, feats, anchor_emb_block, p, window=None):
         v = torch.cat([vc[keep], vb])
         q = rope(q, blk_pos)
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)  # GQA 4 q heads / 2 kv heads
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(16), dim=-1)  # no mask: all visible
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(16)
+        if masks is not None:
+            scores = scores.masked_fill(~masks[i], float("-inf"))
+        att = torch.softmax(scores, dim=-1)
         o = torch.einsum("hqk,khd->qhd", att, v).reshape(g, 64)
         x = x + o @ L("self_attn.o_proj.weight").T
         h = rms(x, L("post_attention_layernorm.weight"))
@@ -100,6 +106,59 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
             hidden = dense_block_hidden(w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1, window)
             expected = hidden[1:] @ hf.lm_head.weight.T
         torch.testing.assert_close(logits[i, : g - 1], expected[: g - 1], atol=1e-4, rtol=1e-4)
+
+
+def reference_mask(kind: str, causal: bool | None, p: int, g: int, window: int) -> torch.Tensor:
+    """[g, p + g]: which keys (context 0..p-1, then the block p..p+g-1) a block row at position
+    p + i sees, as z-lab's reference (07ebd93) masks them: causal layers (all with is_causal true;
+    with it unset, the sliding ones) see no key after the row; a sliding layer's row q sees keys
+    k with q - window < k (and k < q + window)."""
+    q, k = torch.arange(p, p + g)[:, None], torch.arange(p + g)[None, :]
+    is_causal = causal if causal is not None else kind == "sliding_attention"
+    mask = k <= q if is_causal else torch.ones(g, p + g, dtype=torch.bool)
+    if kind == "sliding_attention":
+        mask = mask & (q - window < k) & (k < q + window)
+    return mask
+
+
+@pytest.mark.parametrize("causal", [None, True, False])
+def test_layer_kinds_attend_as_the_reference_masks(tmp_path, causal):
+    """A sliding and a full layer, a window of 5, contexts shorter and longer than the window."""
+    kinds, window = ["sliding_attention", "full_attention"], 5
+    extra = {"layer_types": kinds, "use_sliding_window": True, "sliding_window": window}
+    extra |= {"is_causal": causal} if causal is not None else {}
+    tpath = make_target(tmp_path / "t", "qwen3", layers=4)
+    dpath = make_drafter(tmp_path / "d", tpath, block_size=6, target_layer_ids=[1, 3], **extra)
+    target = load_target(tpath, torch.float32, torch.device("cpu")).model
+    drafter = load_drafter(dpath, target, torch.float32, torch.device("cpu"))
+    assert drafter.is_causal == causal
+    hf = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32)
+    w, page = load_file(dpath / "model.safetensors"), 4
+    proposer = DFlashProposer(drafter)
+    runner = ModelRunner(
+        target,
+        proposer,
+        allocate_kv_cache(4, 32, page, 2, 16, torch.float32, "cpu"),
+        allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu"),
+        page,
+    )
+    alloc = PageAllocator(32, page)
+    prompts = [[(i * 37) % 120 + 1 for i in range(n)] for n in (4, 14)]  # 3 and 13 context positions
+    seqs = [Sequence(None, p, SamplingParams(), 0) for p in prompts]
+    for s in seqs:
+        alloc.allocate(s.block_table, len(s.token_ids) + 6)
+    runner.prefill(seqs)
+    with torch.inference_mode():
+        hidden = proposer.draft_hidden(runner, runner.step_inputs(seqs, [6, 6], None, None))
+    for i, ids in enumerate(prompts):
+        p = len(ids) - 1
+        with torch.no_grad():
+            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[j + 1][0, :-1] for j in (1, 3)], dim=-1)
+            block = torch.tensor([ids[-1]] + [drafter.mask_token_id] * 5)
+            masks = [reference_mask(kind, causal, p, 6, window) for kind in kinds]
+            expected = dense_block_hidden(w, 2, feats, hf.model.embed_tokens(block), p, masks=masks)
+        torch.testing.assert_close(hidden[i], expected[1:], atol=1e-4, rtol=1e-4)
 
 
 def test_default_target_layer_ids():

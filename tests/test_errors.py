@@ -112,7 +112,7 @@ def test_mismatched_drafters(tmp_path, pair):
         LLM(str(small_vocab), {"model": str(d)}, device="cpu")
     with pytest.raises(
         CheckpointError,
-        match=r"architecture Qwen3ForCausalLM is not a supported drafter \(supported: DFlashDraftModel, DSparkDraftModel",
+        match=r"architecture Qwen3ForCausalLM is not a supported drafter \(supported: DFlash2DraftModel, DFlashDraftModel, DSparkDraftModel",
     ):
         LLM(str(t), {"model": str(t)}, device="cpu")
     unnamed = copy(d, tmp_path / "unnamed")

@@ -1,9 +1,11 @@
 """The CUDA fast path (CUDA graphs, Triton kernels) against the reference path. Skipped
 without a GPU; run on the GPU machine."""
 
+import json
+
 import pytest
 import torch
-from conftest import make_drafter, make_dspark, make_target
+from conftest import make_dflash2, make_drafter, make_dspark, make_target
 
 from blockspec import LLM, SamplingParams
 from blockspec.bench.presets import random_drafter, random_target
@@ -45,6 +47,22 @@ def test_dspark_fast_path_equals_cpu_reference(tmp_path, kwargs):
     gpu = LLM(str(t), spec, device="cuda", dtype="float32")
     assert outputs(gpu) == outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
     params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, seed=i, ignore_eos=True) for i in range(4)]
+    runs = [[o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_dflash2_fast_path_equals_cpu_reference(tmp_path):
+    """The convolutions and the selector's walk inside the step's CUDA graph, sliding layers
+    bidirectional: greedy output as the CPU's; seeded sampling reproducible from graph replays."""
+    extra = {"layer_types": ["sliding_attention"] * 2, "use_sliding_window": True, "sliding_window": 8}
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_dflash2(tmp_path / "d", t, block_size=6, scale=3.0)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | extra | {"is_causal": False}))
+    spec = {"model": str(d)}
+    gpu = LLM(str(t), spec, device="cuda", dtype="float32")
+    assert outputs(gpu) == outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
+    params = [SamplingParams(temperature=0.7, max_tokens=24, seed=i, ignore_eos=True) for i in range(4)]
     runs = [[o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] for _ in range(2)]
     assert runs[0] == runs[1]
 

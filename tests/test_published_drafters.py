@@ -28,6 +28,7 @@ TARGETS = {
     "Qwen3-14B": qwen3(5120, 40),
     "Qwen3.8-27B": qwen3(5120, 64, 248320),
     "Llama-3.1-8B": LlamaConfig(hidden_size=4096, num_hidden_layers=32, vocab_size=128256),
+    "z-lab-fixture-target": qwen3(6656, 52, 202048),  # the geometry z-lab's DFlash2 fixture reads
 }
 
 # folder -> (target, kind, shifted, drafts a block, draft vocabulary, Markov rank, confidence head)
@@ -43,6 +44,9 @@ EXPECTED = {
     "RedHatAI--Qwen3-8B-speculator.dflash": ("Qwen3-8B", "dflash", False, 7, 32000, None, None),
     "RadixArk--Qwen3.8-27B-DSpark": ("Qwen3.8-27B", "dspark", True, 7, 248320, 256, True),
     "sgl-project--SpecForge--qwen3-4b-dspark": ("Qwen3-4B", "dspark", True, 7, 151936, 256, True),
+    # DFlash2: (selector rank, top-k) in place of the Markov rank and confidence head
+    "z-lab--dflash2-fixture": ("z-lab-fixture-target", "dflash2", False, 15, 202048, 256, 16),
+    "z-lab--Qwen3.8-27B-DFlash2": ("Qwen3.8-27B", "dflash2", False, 7, 248320, 256, 16),
 }
 
 
@@ -70,6 +74,11 @@ def test_published_drafter_builds_with_every_tensor(name):
     if kind == "dspark":
         assert (drafter.markov_head.rank if drafter.markov_head is not None else 0) == rank
         assert (drafter.confidence_head is not None) == confident
+    if kind == "dflash2":  # sliding layers, bidirectional (is_causal false), convolutions around every sublayer
+        selector = drafter.candidate_selector
+        assert (selector.predecessor_codebook.shape[1], selector.top_k) == (rank, confident)
+        assert drafter.is_causal is False and drafter.sliding_window == 2048
+        assert all(layer.attention_conv.taps == 2 for layer in drafter.layers)
     # every stored tensor is a parameter (build_drafter checks that every parameter is stored)
     assert len(params) + (d2t is not None) + ("t2d" in tensors) == len(tensors) - sum(
         ("q_proj" in n) * 2 + ("gate_proj" in n and ".mlp." in n) for n in tensors

@@ -1,5 +1,6 @@
 """Models with random weights at real geometry, for timing without any download:
-`random:Qwen3-8B`, `random:Qwen3-8B-DFlash-b16`, `random:Qwen3-8B-DSpark-b7`, `random:Llama-3.1-8B`,
+`random:Qwen3-8B`, `random:Qwen3-8B-DFlash-b16`, `random:Qwen3-8B-DSpark-b7`, `random:Qwen3-8B-DFlash2-b8`,
+`random:Llama-3.1-8B`,
 and small presets (`random:small`, `random:small-DFlash`, `random:small-DSpark`) that run on a CPU."""
 
 import torch
@@ -9,6 +10,7 @@ from blockspec.loading.finish import AS_STORED, LoadOptions, finish_drafter, fin
 from blockspec.loading.hf import Target
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import ARCHITECTURE
+from blockspec.models.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from blockspec.models.dspark import ARCHITECTURES as DSPARK_ARCHITECTURES
 from blockspec.models.registry import Drafter, drafter_kind_for, family_for
 
@@ -91,11 +93,24 @@ SMALL_LAYERS = {
     "max_position_embeddings": 4096,
 }
 QWEN3_8B_IDS = {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+# z-lab's released DFlash2 drafters' fields (Qwen3.8-27B-DFlash2): 2-tap convolutions over groups of
+# 16 channels, a selector of rank 256 over 16 candidates, bidirectional sliding layers of 2048.
+DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DFLASH2_LAYERS = {
+    "architectures": [DFLASH2_ARCHITECTURE],
+    "layer_types": ["sliding_attention"] * 5,
+    "use_sliding_window": True,
+    "sliding_window": 2048,
+    "is_causal": False,
+}
 DRAFTERS = {
     "Qwen3-8B-DFlash-b16": lambda: Qwen3Config(
         **QWEN3_8B_LAYERS, block_size=16, dflash_config=QWEN3_8B_IDS, architectures=[ARCHITECTURE]
     ),
     "Qwen3-8B-DSpark-b7": lambda: Qwen3Config(**QWEN3_8B_LAYERS, **DSPARK_FIELDS, **QWEN3_8B_IDS),
+    "Qwen3-8B-DFlash2-b8": lambda: Qwen3Config(
+        **QWEN3_8B_LAYERS, **DFLASH2_LAYERS, block_size=8, dflash_config=QWEN3_8B_IDS | DFLASH2_FIELDS
+    ),
     "small-DSpark": lambda: Qwen3Config(**SMALL_LAYERS, **DSPARK_FIELDS, mask_token_id=8191),
     "small-DFlash": lambda: Qwen3Config(
         **SMALL_LAYERS, block_size=16, dflash_config={"mask_token_id": 8191}, architectures=[ARCHITECTURE]

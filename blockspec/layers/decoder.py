@@ -78,13 +78,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, norm: RMSNorm, rope: Rope, cache: KVCache, attn: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None,
+        rope: Rope,
+        cache: KVCache,
+        attn: AttentionMetadata,
+        residual: bool = True,
     ) -> torch.Tensor:
-        """x + attention(norm(x)): the norm runs in the qkv GEMM, the add in the o GEMM."""
+        """x + attention(norm(x)) (without `residual`: attention(norm(x))): the norm runs in the
+        qkv GEMM, the add in the o GEMM."""
         qkv = self.qkv_proj(x, norm=norm).view(*x.shape[:-1], -1, self.head_dim)
         heads, norms = (self.num_heads, self.num_kv_heads), (weight(self.q_norm), weight(self.k_norm))
         out = attn.attend_qkv(qkv, norms, self.eps, rope, heads, cache, self.layer_type, self.head_dim**-0.5)
-        return self.o_proj(out.flatten(-2), residual=x)
+        return self.o_proj(out.flatten(-2), residual=x if residual else None)
 
 
 class MLP(nn.Module):
@@ -93,9 +100,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)  # gate|up: one GEMM
         self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """x + mlp(norm(x)): the norm and SwiGLU run in the gate|up GEMM, the add in the down GEMM."""
-        return self.down_proj(self.gate_up_proj(x, norm=norm, swiglu=True), residual=x)
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None, residual: bool = True) -> torch.Tensor:
+        """x + mlp(norm(x)) (without `residual`: mlp(norm(x))): the norm and SwiGLU run in the gate|up
+        GEMM, the add in the down GEMM."""
+        return self.down_proj(self.gate_up_proj(x, norm=norm, swiglu=True), residual=x if residual else None)
 
 
 # Each mixer kind: its module, built as module(spec, kind), and the cache it keeps per sequence.

@@ -158,6 +158,7 @@ def published_config(drafter: DFlashDrafter, target: CausalLM) -> dict:
         "layer_types": drafter.layer_types,
         "use_sliding_window": drafter.sliding_window is not None,  # transformers drops sliding_window without it
         "sliding_window": drafter.sliding_window,
+        **({"is_causal": drafter.is_causal} if drafter.is_causal is not None else {}),
         "num_target_layers": target.config.num_hidden_layers,
         **drafter.checkpoint_fields(),
     }

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from blockspec.layers.attention import AttentionMetadata
-from blockspec.layers.decoder import DecoderLayer, KVCache, decoder_stack
+from blockspec.layers.decoder import DecoderLayer, KVCache, LayerKind, decoder_stack
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, layers_k, layers_kv_write
@@ -78,7 +78,7 @@ class DFlashDrafter(nn.Module):
         kinds = decoder_layer_kinds(config)
         self.layer_types = [k.attention for k in kinds]
         self.sliding_window = sliding_window(config, kinds)
-        self.layers = nn.ModuleList(DecoderLayer(self.spec, k) for k in kinds)
+        self.layers = nn.ModuleList(self.decoder_layer(k) for k in kinds)
         ids = dflash_value(config, "target_layer_ids")
         self.target_layer_ids = tuple(ids if ids is not None else default_target_layer_ids(num_target_layers, n))
         h = self.spec.hidden_size
@@ -88,6 +88,9 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryEmbedding(config, self.spec.head_dim)
         self.block_size = int(dflash_value(config, "block_size"))
         self.shifted = rows_shifted(config, self.shifted_by_default)
+        # is_causal, as z-lab's reference reads it: true, every layer's block rows see the rows up to
+        # their own; false, none is causal; unset, the sliding layers are, the full ones not
+        self.is_causal = getattr(config, "is_causal", None)
         self.mask_token_id = dflash_value(config, "mask_token_id")
         self.input_embedding_scale = float(dflash_value(config, "input_embedding_scale", 1.0))
         self.output_multiplier = float(dflash_value(config, "output_multiplier", 1.0))
@@ -101,6 +104,10 @@ class DFlashDrafter(nn.Module):
             "draft_to_target", torch.empty(self.draft_vocab_size, dtype=torch.long) if reduced else None
         )
         self.fused_kv_weight = self.fused_kv_bias = self.fused_kv_fp8 = self.lm_head_fp8 = None  # made at load
+
+    def decoder_layer(self, kind: LayerKind) -> nn.Module:
+        """One of its layers (`self.config` and `self.spec` are set)."""
+        return DecoderLayer(self.spec, kind)
 
     @property
     def num_drafts(self) -> int:
@@ -267,6 +274,14 @@ def dflash_problems(config: PretrainedConfig, target: PretrainedConfig) -> list[
         value = dflash_value(config, name)
         if value is not None and not is_number(value):
             problems.append(f"{name} must be a number, got {value!r}")
+    top, nested = getattr(config, "is_causal", None), (getattr(config, "dflash_config", None) or {}).get("causal")
+    if top is not None and not isinstance(top, bool):
+        problems.append(f"is_causal must be true or false, got {top!r}")
+    if nested is not None and nested != top:
+        problems.append(
+            f"dflash_config.causal {nested!r} without the same is_causal leaves the block's attention open (z-lab's "
+            "reference reads is_causal only, other engines dflash_config.causal): set is_causal"
+        )
     for name in ("sample_from_anchor", "shift_label"):
         value = dflash_value(config, name)
         if value is not None and not isinstance(value, bool):

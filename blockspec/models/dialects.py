@@ -4,7 +4,7 @@ the drafter's fields in `dflash_config` or at the top level, and tensor names as
 row convention is the drafter kind's (`DFlashDrafter.shifted_by_default`) unless config.json sets
 `sample_from_anchor`.
 
-- z-lab (`DFlashDraftModel`): fields in `dflash_config` or at the top level; rows fill in the block
+- z-lab (`DFlashDraftModel`, `DFlash2DraftModel`): fields in `dflash_config` or at the top level; rows fill in the block
   (row j drafts its own position) unless `sample_from_anchor` says otherwise.
 - DeepSpec (`Qwen3DSparkModel`): a copy of the target's config with the fields at the top level,
   `markov_rank` 0 for its DFlash drafters; rows shifted (row j drafts position s+j+1), the
@@ -98,7 +98,7 @@ SPECFORGE_ALIASES = (
 
 DIALECTS = (
     Dialect("speculators", lambda raw: "speculators_model_type" in raw, read_speculators),
-    Dialect("z-lab", lambda raw: "DFlashDraftModel" in architectures(raw), same),
+    Dialect("z-lab", lambda raw: {"DFlashDraftModel", "DFlash2DraftModel"} & set(architectures(raw)), same),
     Dialect(
         "deepspec",
         lambda raw: "Qwen3DSparkModel" in architectures(raw),

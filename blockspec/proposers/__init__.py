@@ -2,9 +2,11 @@
 (`blockspec.models.registry.DrafterKind`) names its proposer here."""
 
 from blockspec.proposers.dflash import DFlashProposer
+from blockspec.proposers.dflash2 import DFlash2Proposer
 from blockspec.proposers.dspark import DSparkProposer
 
-DRAFTER_PROPOSERS = {
+DRAFTER_PROPOSERS = {  # a drafter's `proposer` name -> the class made from it
     "dflash": DFlashProposer,
+    "dflash2": DFlash2Proposer,
     "dspark": DSparkProposer,
-}  # a drafter's `proposer` name -> the class made from it
+}

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from blockspec.engine.batch import key_ranges, make_batch
-from blockspec.layers.attention import AttentionMetadata
+from blockspec.engine.batch import Batch, make_batch, window_range
+from blockspec.layers.attention import AttentionMetadata, KeyRange
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.proposers.base import Proposal, Proposer, draft_from_logits
 
@@ -15,6 +15,21 @@ if TYPE_CHECKING:
     from blockspec.config import SpeculativeConfig
     from blockspec.engine.runner import ModelRunner
     from blockspec.engine.step import StepInputs
+
+
+def block_ranges(d: DFlashDrafter, b: Batch, ctx_start: torch.Tensor) -> dict[str, KeyRange]:
+    """Each layer type's keys for the block rows, as z-lab's reference (07ebd93) masks them: the
+    context from `ctx_start` and the whole block (bidirectional), or (causal) the rows up to each
+    row's own; a sliding layer's row at position p sees keys k with p - window < k, and k <= p
+    (causal) or k < p + window (`DFlashDrafter.is_causal` says which layers are causal)."""
+    start, end = ctx_start[:, None].expand_as(b.positions), b.ends[:, None].expand_as(b.positions)
+    ranges = {"full_attention": (start, b.positions + 1) if d.is_causal else (start, end)}
+    if d.sliding_window is not None:
+        low, high = window_range(b.positions, d.sliding_window)
+        if d.is_causal is False:  # symmetric: keys before p + window too
+            high = torch.minimum(b.positions + d.sliding_window, end)
+        ranges["sliding_attention"] = (torch.maximum(low, start), high)
+    return ranges
 
 
 class DFlashProposer(Proposer):
@@ -41,8 +56,7 @@ class DFlashProposer(Proposer):
         lengths = (runner.max_model_len - inputs.starts).clamp_max(d.block_size)
         b = make_batch(inputs.starts, lengths, inputs.block_tables, d.block_size, runner.page_size)
         ctx_start = (b.starts - self.window).clamp_min(0) if self.window is not None else torch.zeros_like(b.starts)
-        block_range = (ctx_start[:, None].expand_as(b.positions), b.ends[:, None].expand_as(b.positions))
-        ranges = key_ranges(b, block_range, d.sliding_window)
+        ranges = block_ranges(d, b, ctx_start)
         attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, runner.page_size, b.starts)
         hidden = d(d.embed(block, runner.target), b.positions, attn, runner.drafter_cache)
         return hidden[:, d.first_draft_row : d.first_draft_row + width - 1]
