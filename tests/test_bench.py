@@ -1,13 +1,15 @@
 """`blockspec bench` end to end on the CPU, small random presets: it runs plain and speculative
 decoding, greedy and sampled, writes its JSON, and splits the step into phases (marks recorded
-inside the one step)."""
+inside the one step); the acceptance bench on local prompt files."""
 
 import argparse
+import gzip
 import json
 
 import pytest
+from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target
 
-from blockspec.bench import bench
+from blockspec.bench import acceptance, bench
 
 
 @pytest.mark.parametrize("temperature", ["0", "0.7"])
@@ -32,3 +34,26 @@ def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, cap
         assert (phases["context"] > 0.01 * phases["verify"]) == drafted
         assert sum(r["tau_histogram"].values()) == 3 * r["batch_size"]  # every timed step of every sequence
     assert "acceptance SIMULATED" in capsys.readouterr().out
+
+
+def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
+    """`blockspec.bench.acceptance` with two --draft: each measured under its kind's name, beside
+    plain decoding and the n-gram baseline, on the same prompts (local prompt files)."""
+    target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
+    dflash, dspark = make_drafter(tmp_path / "dflash", target), make_dspark(tmp_path / "dspark", target)
+    with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
+    (tmp_path / "mtbench.jsonl").write_text(json.dumps({"turns": ["w8 w9", "w10"]}) + "\n")
+    parser = argparse.ArgumentParser()
+    acceptance.add_arguments(parser)
+    out = tmp_path / "acceptance.json"
+    args = parser.parse_args(
+        ["--model", str(target), "--draft", str(dflash), "--draft", str(dspark), "--device", "cpu",
+         "--dtype", "float32", "--humaneval", str(tmp_path / "humaneval.jsonl.gz"), "--mtbench",
+         str(tmp_path / "mtbench.jsonl"), "--max-tokens", "8", "--temperatures", "0", "--out", str(out)]
+    )  # fmt: skip
+    acceptance.run(args)
+    rows = json.loads(out.read_text())
+    assert [(r["set"], r["prompts"]) for r in rows] == [("humaneval", 1), ("mtbench", 1)]
+    engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dspark", "dspark_adaptive")
+    assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 for e in engines) for r in rows)
