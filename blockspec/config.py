@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 class SpeculativeConfig:
     method: str = "dflash"  # "dflash" (a DFlash-family drafter: DFlash, DSpark) or "ngram" (prompt lookup)
     model: str | None = None  # drafter directory (dflash)
-    num_speculative_tokens: int | None = None  # drafts per step; None: the drafter's block_size - 1
+    num_speculative_tokens: int | None = None  # drafts per step; None: all the drafter's block makes
     window: int | None = None  # drafter sees only the last `window` context positions
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
@@ -15,8 +15,8 @@ class SpeculativeConfig:
     # "auto": on for Hopper+ GPUs and drafters of hidden size >= 2048 (BLOCKSPEC_FP8=0/1 overrides).
     fp8: bool | str = "auto"
     fp8_lm_head: bool = True  # with fp8, the drafter reads an FP8 copy of the target's LM head
-    # DSpark drafters with a confidence head: drafts after the first whose confidence (the predicted
-    # chance it is accepted, given the ones before it were) is below this are not verified; 0: off.
+    # DSpark drafters with a confidence head: only the leading drafts whose confidence (the predicted
+    # chance each is accepted, given the ones before it were) is at least this are verified; 0: off.
     confidence_threshold: float = 0.0
     # Each step picks the block width (1, 2, 4, ... up to the widest) that maximises committed
     # tokens per second, from running acceptance rates and measured step times (engine/adaptive.py).

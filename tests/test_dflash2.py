@@ -174,7 +174,11 @@ def test_unsupported_and_malformed_dflash2_configs(tmp_path, target):
             ),
             ({"dflash_config": {**fields, "conv_group_size": 24}}, "conv_group_size 24 does not divide hidden_size 64"),
             ({"dflash_config": {**fields, "selector_top_k": 0}}, "selector_rank and selector_top_k are set together"),
-            ({"dflash_config": {**fields, "sample_from_anchor": True}}, "sample_from_anchor must not be true"),
+            ({"dflash_config": {**fields, "sample_from_anchor": True}}, "sample_from_anchor .* must not be true"),
+            (
+                {"dflash_config": {**fields, "shift_label": True}},
+                r"sample_from_anchor \(shift_label\) must not be true",
+            ),
             ({"draft_vocab_size": 64}, "DFlash2 drafts over the target's whole vocabulary"),
             (
                 {"dflash_config": {**fields, "causal": True}},

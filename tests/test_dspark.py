@@ -22,6 +22,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.loading.drafters import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError
+from blockspec.models.dialects import dialect_of
 from blockspec.proposers.dspark import DSparkProposer
 from blockspec.sampling import probs
 
@@ -233,6 +234,19 @@ def test_mismatched_dspark_checkpoints(tmp_path, target):
         bad = rewrite(full, tmp_path / f"bad{i}", change)
         with pytest.raises(CheckpointError, match=message):
             LLM(str(target), {"model": str(bad)}, device="cpu")
+
+
+def test_a_confidence_threshold_needs_a_confidence_head(tmp_path, target):
+    d = make_dspark(tmp_path / "d", target, markov_rank=0, confidence=False)
+    with pytest.raises(ValueError, match="confidence_threshold needs a drafter with a confidence head"):
+        LLM(str(target), {"model": str(d), "confidence_threshold": 0.5}, device="cpu")
+
+
+def test_speculators_bidirectional_sliding_layers():
+    """speculators' sliding_window_non_causal: its sliding layers' blocks see the rows after them."""
+    raw = {"speculators_model_type": "dflash", "transformer_layer_config": {"hidden_size": 8}}
+    assert dialect_of(raw).read({**raw, "sliding_window_non_causal": True})["is_causal"] is False
+    assert "is_causal" not in dialect_of(raw).read(raw)  # the reference's rule: sliding layers causal
 
 
 def test_shipped_copies_of_the_target_are_shared(tmp_path, target):

@@ -105,7 +105,12 @@ def run(args: argparse.Namespace) -> None:
     for draft in drafts:
         for suffix, options in variants.items():
             llm = engine({"model": draft, **options})
-            engines[llm.engine.drafter.proposer + suffix] = llm  # named by its kind: dflash, dspark
+            name = llm.engine.drafter.proposer + suffix  # named by its kind: dflash, dspark
+            if name in engines:
+                raise ValueError(
+                    f"two drafters of kind {llm.engine.drafter.proposer}: compare drafters of different kinds"
+                )
+            engines[name] = llm
     specs = list(engines)
     sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
     results, temperatures = [], [float(t) for t in args.temperatures.split(",")]

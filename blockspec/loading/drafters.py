@@ -171,6 +171,8 @@ def save_drafter(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 15 * 2**20,
 ) -> None:
+    """`drafter`'s weights in `dtype` (shards of at most `max_shard_bytes`) and config.json in its
+    published layout (`published_config`), with `d2t` where its vocabulary is reduced."""
     if drafter.fp8:  # FP8 projections hold no parameters to save
         raise ValueError(
             "this drafter was quantized to FP8 for inference (fp8='on'/'auto'): save it before, or load it with fp8='off'"

@@ -54,7 +54,8 @@ def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> 
     drafter.fuse_kv()
     if options.fp8:
         own = drafter.lm_head
-        quantize_drafter(drafter, (own or target.lm_head) if options.fp8_lm_head else None)
+        head = own if own is not None else target.lm_head
+        quantize_drafter(drafter, head if options.fp8_lm_head else None)
         if options.fp8_lm_head and own is not None:
             drafter.lm_head = None
     return drafter.eval()

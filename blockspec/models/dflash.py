@@ -33,7 +33,7 @@ from blockspec.sampling import is_int, is_number
 ARCHITECTURE = "DFlashDraftModel"
 
 
-def dflash_value(config: PretrainedConfig, name: str, default=None):
+def dflash_value(config: PretrainedConfig, name: str, default: object = None) -> object:
     """A DFlash field: `dflash_config` first, then the top level (both forms are published)."""
     dflash = getattr(config, "dflash_config", None) or {}
     return dflash.get(name, getattr(config, name, default))

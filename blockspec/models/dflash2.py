@@ -20,7 +20,14 @@ from transformers import PretrainedConfig
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.decoder import DecoderLayer, KVCache, LayerKind, LayerSpec, Rope
 from blockspec.layers.linear import Linear
-from blockspec.models.dflash import DFlashDrafter, dflash_problems, dflash_value, fc_problems
+from blockspec.models.dflash import (
+    DFlashDrafter,
+    dflash_problems,
+    dflash_value,
+    draft_vocab_size,
+    fc_problems,
+    rows_shifted,
+)
 from blockspec.models.registry import DrafterKind
 from blockspec.sampling import is_int
 
@@ -91,7 +98,8 @@ class CandidateSelector(nn.Module):
         """Each draft row's candidates [B, n, K] (the top K of its logits [B, n, V]) and the scores
         [B, n, K, K] of (candidate p of the row before, candidate c of this row); the first row's
         predecessor is the anchor [B] in every slot. hidden: the rows' [B, n, H]."""
-        unary, ids = logits.float().topk(self.top_k, dim=-1)
+        unary, ids = logits.topk(self.top_k, dim=-1)  # in the logits' dtype: no fp32 copy of the vocabulary
+        unary = unary.float()
         prev = torch.cat([anchors[:, None, None].expand(-1, 1, self.top_k), ids[:, :-1]], 1)
         gate = self.hidden_projection(hidden).float()  # [B, n, r]
         pred = F.embedding(prev, self.predecessor_codebook).float() * gate[:, :, None]
@@ -153,10 +161,10 @@ def dflash2_problems(config: PretrainedConfig, target: PretrainedConfig) -> list
         problems.append(f"conv_group_size {group} does not divide hidden_size {config.hidden_size}")
     if is_int(top_k) and top_k > target.vocab_size:
         problems.append(f"selector_top_k {top_k} is more than the vocabulary ({target.vocab_size})")
-    if dflash_value(config, "draft_vocab_size", target.vocab_size) < target.vocab_size:
+    if draft_vocab_size(config) < config.vocab_size:
         problems.append("DFlash2 drafts over the target's whole vocabulary (its codebooks are indexed by target ids)")
-    if dflash_value(config, "sample_from_anchor"):
-        problems.append("DFlash2's rows fill in the block: sample_from_anchor must not be true")
+    if rows_shifted(config, False):
+        problems.append("DFlash2's rows fill in the block: sample_from_anchor (shift_label) must not be true")
     return problems
 
 

@@ -50,11 +50,6 @@ def architectures(raw: dict) -> list:
     return raw.get("architectures") or []
 
 
-def nested(raw: dict) -> dict:
-    value = raw.get("dflash_config")
-    return value if isinstance(value, dict) else {}
-
-
 def read_speculators(raw: dict) -> dict:
     """The layers' config lifted to the top level; its context layers counted as HF's hidden_states
     are (`aux_hidden_state_layer_ids`: the embedding is 0), ours from the first layer's output."""
@@ -73,9 +68,11 @@ def read_speculators(raw: dict) -> dict:
         )
     aux = raw.get("aux_hidden_state_layer_ids")
     fields = {k: raw[k] for k in SPECULATORS_FIELDS if k in raw}
+    # its sliding layers' blocks bidirectional (else causal: the reference's rule with is_causal unset)
+    causal = {"is_causal": False} if raw.get("sliding_window_non_causal") else {}
     if aux is not None:
         fields["target_layer_ids"] = [i - 1 for i in aux] if isinstance(aux, list) and all(map(is_int, aux)) else aux
-    return {**layers, "architectures": [architecture], "dflash_config": fields}
+    return {**layers, **causal, "architectures": [architecture], "dflash_config": fields}
 
 
 SPECULATORS_FIELDS = (

@@ -40,6 +40,10 @@ class DFlashProposer(Proposer):
 
     @classmethod
     def from_config(cls, drafter: DFlashDrafter, spec: "SpeculativeConfig") -> "DFlashProposer":
+        if spec.confidence_threshold > 0:
+            raise ValueError(
+                "confidence_threshold needs a drafter with a confidence head (DSpark's); this one has none"
+            )
         return cls(drafter, spec.window)
 
     def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:

@@ -1,8 +1,8 @@
 """The DSpark drafter as a proposer: DFlash's block forward on shifted rows, then its drafts drawn
 row by row, each row's logits corrected by the Markov head from the token drafted before it; the
 distribution a sampled draft is drawn from (q, for the acceptance test) is that corrected one.
-With a confidence head and a threshold, the drafts after the first row whose confidence is below it
-are not verified (DeepSpec's cut: keeping row j's draft reads the confidences of rows 0..j only,
+With a confidence head and a threshold, only the leading drafts whose confidence is at least the
+threshold are verified, possibly none (DeepSpec's cut: keeping row j's draft reads the confidences of rows 0..j only,
 each of which reads the token before its row, so the cut never depends on a draft it keeps)."""
 
 from typing import TYPE_CHECKING
@@ -27,6 +27,10 @@ class DSparkProposer(DFlashProposer):
 
     @classmethod
     def from_config(cls, drafter: DSparkDrafter, spec: "SpeculativeConfig") -> "DSparkProposer":
+        if spec.confidence_threshold > 0 and drafter.confidence_head is None:
+            raise ValueError(
+                "confidence_threshold needs a drafter with a confidence head; this DSpark drafter has none"
+            )
         return cls(drafter, spec.window, spec.confidence_threshold)
 
     def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:

@@ -51,7 +51,10 @@ class SimulatedProposer(Proposer):
 
     def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
         proposal = self.inner.propose(runner, inputs)
-        proposal.accepted = self.accepted(inputs.seeds, inputs.starts, inputs.lengths - 1)
+        drafts = inputs.lengths - 1
+        if proposal.num_drafts is not None:  # a confidence cut: nothing after it is accepted
+            drafts = torch.minimum(drafts, proposal.num_drafts)
+        proposal.accepted = self.accepted(inputs.seeds, inputs.starts, drafts)
         return proposal
 
     def accepted(self, seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
