@@ -111,6 +111,10 @@ DRAFTERS = {
     "Qwen3-8B-DFlash2-b8": lambda: Qwen3Config(
         **QWEN3_8B_LAYERS, **DFLASH2_LAYERS, block_size=8, dflash_config=QWEN3_8B_IDS | DFLASH2_FIELDS
     ),
+    # the same drafter without its convolutions and selector: DFlash2's cost over DFlash's
+    "Qwen3-8B-DFlash2-b8-plain": lambda: Qwen3Config(
+        **QWEN3_8B_LAYERS, **DFLASH2_LAYERS, block_size=8, dflash_config=QWEN3_8B_IDS
+    ),
     "small-DSpark": lambda: Qwen3Config(**SMALL_LAYERS, **DSPARK_FIELDS, mask_token_id=8191),
     "small-DFlash": lambda: Qwen3Config(
         **SMALL_LAYERS, block_size=16, dflash_config={"mask_token_id": 8191}, architectures=[ARCHITECTURE]
