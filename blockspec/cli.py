@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ch.set_defaults(func=chat)
     from blockspec import train  # the trainer's flags come from its TrainConfig
 
-    tr = sub.add_parser("train", help="train a DFlash or DSpark drafter for a target on its own responses")
+    tr = sub.add_parser("train", help="train a DFlash, DSpark or DFlash2 drafter for a target on its own responses")
     train.add_train_args(tr)
     tr.set_defaults(func=train.main)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

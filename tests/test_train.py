@@ -1,7 +1,7 @@
-"""Drafter training (the DFlash and DSpark recipes) on tiny random targets: the mask, the anchors,
-the training forwards against the engine's proposals and (DSpark's loss) a dense reference, resume,
-the CLI, data-parallel ranks, and real training runs whose drafters the engine runs (DFlash's
-raising the mean acceptance length on held-out prompts)."""
+"""Drafter training (the DFlash, DSpark and DFlash2 recipes) on tiny random targets: the mask, the
+anchors, the training forwards against the engine's proposals and (DSpark's and DFlash2's losses)
+dense references, resume, the CLI, data-parallel ranks, and real training runs whose drafters the
+engine runs (DFlash's raising the mean acceptance length on held-out prompts)."""
 
 import dataclasses
 import json
@@ -25,6 +25,7 @@ from blockspec.loading.finish import LoadOptions
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError
 from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.dflash2 import DFlash2Drafter, DFlash2Layer
 from blockspec.models.dspark import DSparkDrafter
 from blockspec.sampling import SamplingParams
 from blockspec.train import TrainConfig, train
@@ -42,7 +43,15 @@ from blockspec.train.data import (
 )
 from blockspec.train.distributed import close_world, init_world
 from blockspec.train.evaluate import acceptance_lengths
-from blockspec.train.loss import DSparkWeights, dflash_loss, dspark_loss, row_weights, sample_anchors, target_pass
+from blockspec.train.loss import (
+    DSparkWeights,
+    dflash2_loss,
+    dflash_loss,
+    dspark_loss,
+    row_weights,
+    sample_anchors,
+    target_pass,
+)
 from blockspec.train.masks import FlexBlockAttention, block_mask, flex_block_mask
 from blockspec.train.model import build_drafter
 from blockspec.train.prompts import build_prompts
@@ -94,6 +103,20 @@ def dspark_drafter(target, cfg: TrainConfig) -> DSparkDrafter:
 
 
 TERMS = DSparkWeights(ce=0.1, l1=0.9, confidence=1.0)
+
+
+def dflash2_drafter(target, cfg: TrainConfig) -> DFlash2Drafter:
+    """A fresh DFlash2 drafter whose convolutions are not the identity and whose selector's pair
+    scores move its choice (at init, a zero successor codebook gives none), so that a convolution
+    reaching another block or a score read against another predecessor changes the results."""
+    drafter, _ = build_drafter(target, cfg, VOCAB - 1)
+    assert isinstance(drafter, DFlash2Drafter) and drafter.candidate_selector is not None
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "_conv." in name or "successor" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * (0.3 if "_conv." in name else 3.0))
+    return drafter
 
 
 def test_block_mask() -> None:
@@ -265,6 +288,112 @@ def test_dspark_training_forward_matches_engine_proposal(setup, tmp_path) -> Non
         assert result.drafts[0, 0].tolist() == drafts
 
 
+def test_dflash2_starts_as_dflash_ranking_by_the_lm_head(setup, tmp_path) -> None:
+    """The random init leaves DFlash2's identity convolutions and zero successor codebook; the
+    predecessor codebook is N(0, initializer_range), hidden_projection N(0, 0.02)."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU).model
+    cfg = config(target_dir, data, tmp_path, method="dflash2", selector_rank=64, selector_top_k=8)
+    drafter, _ = build_drafter(target, cfg, VOCAB - 1)
+    assert isinstance(drafter, DFlash2Drafter) and all(isinstance(x, DFlash2Layer) for x in drafter.layers)
+    for conv in (drafter.layers[0].attention_conv, drafter.layers[0].mlp_conv):
+        assert conv.base_kernel[:, 0].eq(1).all() and not conv.base_kernel[:, 1:].any()
+        assert not conv.kernel_projection.weight.any()
+    selector = drafter.candidate_selector
+    assert not selector.successor_codebook.any()
+    assert selector.predecessor_codebook.std().item() == pytest.approx(0.15, rel=0.05)  # the target's 0.15
+    assert selector.hidden_projection.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert drafter.fc.weight.std().item() == pytest.approx(0.15, rel=0.1)
+
+
+def test_dflash2_loss_matches_a_dense_reference(setup, tmp_path) -> None:
+    """Each labelled draft of each block on its own, the target through transformers: draft j (row
+    j+1) of the block at anchor a is labelled with the token at a+j+1; its candidates are the top K
+    of its LM-head logits, the gold token written into the last slot (its own logit) where it is not
+    among them, each scored as unary + sum_r predecessor[p, r] * proj(h)[r] * successor[c, r] with
+    p the token at a+j (teacher forcing, not the draft before); the selector's K-way CE is averaged
+    over the drafts undecayed, DFlash's CE weighted exp(-j/2). The greedy drafts are the selector's
+    best among the unaltered top K against the same predecessor."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU).model
+    k = 4
+    cfg = config(target_dir, data, tmp_path, method="dflash2", block_size=4, selector_rank=8, selector_top_k=k)
+    drafter = dflash2_drafter(target, cfg)
+    examples = read_examples(data)[:2]
+    (p0, n0), (p1, n1) = ((len(e.prompt_ids), e.length) for e in examples)
+    anchors = torch.tensor([[p0 - 1, p0 + 1, n0 - 3, n0 - 2], [p1 + 2, n1 - 2, p1 + 3, 0]])  # 2, 1 labels at ends
+    valid = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    with torch.no_grad():
+        result = dflash2_loss(target, drafter, collate(examples, CPU), anchors, valid, row_weights(3, 2.0, CPU), 1.0)
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    selector = drafter.candidate_selector
+    pred, succ, proj = selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection.weight
+    ce, weight, sel, wrong = 0.0, 0.0, [], []
+    drafts, injected, misses = torch.zeros_like(result.drafts), 0, 0
+
+    def selector_ce(logits, h, candidates, prev, gold) -> torch.Tensor:
+        scores = torch.stack([logits[c] + (pred[prev] * (proj @ h) * succ[c]).sum() for c in candidates])
+        return -scores.log_softmax(-1)[candidates.index(gold)]
+
+    with torch.no_grad():
+        for b, e in enumerate(examples):
+            ids = torch.tensor(e.prompt_ids + e.response_ids)
+            features = hf(ids[None], output_hidden_states=True).hidden_states[1][0]  # target layer 0
+            for n, a in enumerate(anchors[b].tolist()):
+                if not valid[b, n]:
+                    continue
+                kv = drafter.context_kv(features[None, :a], torch.arange(a)[None])
+                block = torch.tensor([[int(ids[a])] + [VOCAB - 1] * 3])
+                attn = DenseAttention({"full_attention": torch.ones(1, 1, 4, a + 4, dtype=torch.bool)})
+                hidden = drafter(target.embed(block), torch.arange(a, a + 4)[None], attn, list(zip(*kv)))[0]
+                for j in range(min(3, len(ids) - a - 1)):
+                    h, gold, prev = hidden[j + 1], int(ids[a + j + 1]), int(ids[a + j])
+                    logits = target.lm_head.weight @ h
+                    w = math.exp(-j / 2)
+                    ce, weight = ce + w * -logits.log_softmax(-1)[gold], weight + w
+                    top = logits.topk(k).indices.tolist()
+                    serving = [logits[c] + (pred[prev] * (proj @ h) * succ[c]).sum() for c in top]
+                    drafts[b, n, j] = top[int(torch.stack(serving).argmax())]
+                    candidates = top if gold in top else top[:-1] + [gold]
+                    injected += gold not in top
+                    sel.append(selector_ce(logits, h, candidates, prev, gold))
+                    own = int(drafts[b, n, j - 1]) if j else prev  # the draft before, as a walk would take
+                    misses += own != prev
+                    wrong.append(selector_ce(logits, h, candidates, own, gold))
+    assert 0 < injected < len(sel) and misses > 0
+    assert torch.equal(result.drafts, drafts)
+    torch.testing.assert_close(result.weight, torch.tensor([weight, len(sel)]))
+    torch.testing.assert_close(result.loss_sum[0] / result.weight[0], ce / weight, rtol=1e-5, atol=1e-6)
+    mean, wrong_mean = torch.stack(sel).mean(), torch.stack(wrong).mean()
+    torch.testing.assert_close(result.loss_sum[1] / result.weight[1], mean, rtol=1e-5, atol=1e-6)
+    assert abs(wrong_mean - mean) > 1e-2 * mean  # the predecessor shows
+
+
+def test_dflash2_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
+    """Given the engine's own drafts as the tokens after the anchor, the training forward's greedy
+    drafts of the block at that anchor are those drafts: the same block convolutions (within the
+    block) and, teacher-forced on them, the walk's choices among the same candidates."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU)
+    cfg = config(target_dir, data, tmp_path, method="dflash2", block_size=4, selector_rank=8, selector_top_k=4)
+    save_drafter(dflash2_drafter(target.model, cfg), target.model, tmp_path / "drafter", dtype=torch.float32)
+    drafter = load_drafter(tmp_path / "drafter", target.model, torch.float32, CPU)
+    llm = LLM(str(target_dir), {"model": str(tmp_path / "drafter"), "adaptive_width": False}, device="cpu")
+    for e in read_examples(data)[:3]:
+        anchor = len(e.prompt_ids) + 5
+        seq = (e.prompt_ids + e.response_ids)[: anchor + 1]
+        out = llm.generate([seq], SamplingParams(temperature=0, max_tokens=8, return_drafts=True))[0]
+        drafts = out.metrics.draft_token_ids[0]
+        assert len(drafts) == 3
+        fed = Example(0, e.prompt_ids, seq[len(e.prompt_ids) :] + drafts)
+        with torch.no_grad():
+            # a second block before it: a convolution reaching across blocks would change this one's rows
+            two = torch.tensor([[anchor - 4, anchor]]), torch.tensor([[True, True]])
+            result = dflash2_loss(target.model, drafter, collate([fed], CPU), *two, row_weights(3, 4.0, CPU), 1.0)
+        assert result.drafts[0, 1].tolist() == drafts
+
+
 def test_resume_is_exact(setup, tmp_path) -> None:
     target_dir, data, _ = setup
     target = load_target(str(target_dir), torch.float32, CPU).model.requires_grad_(False)
@@ -321,11 +450,14 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
         ({"save_dtype": "bf15"}, "save_dtype: dtype 'bf15' is not supported"),
         ({"log_every": 0}, "save_every and log_every must be >= 1"),
         ({"eval_prompts": -3}, "eval_prompts must be >= 0"),
-        ({"method": "eagle"}, "method must be dflash or dspark, got 'eagle'"),
+        ({"method": "eagle"}, "method must be one of dflash, dspark, dflash2, got 'eagle'"),
         ({"method": "dspark", "markov_rank": -1}, "markov_rank must be >= 0"),
         ({"method": "dspark", "markov_head_type": "lstm"}, "markov_head_type must be vanilla/gated/rnn"),
         ({"method": "dspark", "l1_weight": -0.5}, "l1_weight and confidence_weight must be >= 0"),
         ({"method": "dspark", "ce_weight": 0, "l1_weight": 0}, "nothing would train the drafts"),
+        ({"method": "dflash2", "conv_kernel_size": 9}, r"conv_kernel_size 9 is wider than the block \(8 rows\)"),
+        ({"method": "dflash2", "selector_top_k": 0}, "selector_rank and selector_top_k must be >= 1"),
+        ({"method": "dflash2", "selector_weight": -1.0}, "selector_weight must be >= 0"),
     ],
 )
 def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -> None:
@@ -340,6 +472,7 @@ def test_loss_decay_defaults_to_the_methods_own() -> None:
     assert TrainConfig(block_size=16).loss_gamma == 7  # DFlash's paper: about 3g/8 + 1
     assert TrainConfig(block_size=16, method="dspark").loss_gamma == 4  # DeepSpec's
     assert TrainConfig(method="dspark", gamma=2.5).loss_gamma == 2.5
+    assert TrainConfig(block_size=8, method="dflash2").loss_gamma == 4  # DFlash's backbone loss
 
 
 def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
@@ -351,6 +484,12 @@ def test_bad_drafter_settings_name_the_problem(setup, tmp_path) -> None:
         build_drafter(target, config(target_dir, data, tmp_path), VOCAB)
     with pytest.raises(ValueError, match="num_attention_heads 3 is not a multiple of num_key_value_heads 2"):
         build_drafter(target, config(target_dir, data, tmp_path, num_heads=3, num_kv_heads=2), VOCAB - 1)
+    for change, message in (
+        ({"conv_group_size": 24}, "conv_group_size 24 does not divide hidden_size 64"),
+        ({"selector_top_k": VOCAB + 1}, f"selector_top_k {VOCAB + 1} is more than the vocabulary"),
+    ):
+        with pytest.raises(ValueError, match=f"training settings: .*{message}"):
+            build_drafter(target, config(target_dir, data, tmp_path, method="dflash2", **change), VOCAB - 1)
     folded = load_target(str(target_dir), torch.float32, CPU, LoadOptions(fold_norms=True))  # as LLM on CUDA
     with pytest.raises(ValueError, match="norm weights are folded"):
         build_drafter(folded.model, config(target_dir, data, tmp_path), VOCAB - 1)
@@ -419,6 +558,32 @@ def test_dspark_training_lowers_its_loss_and_the_engine_runs_its_drafter(setup, 
     target = load_target(str(target_dir), torch.float32, CPU).model
     drafter = load_drafter(path, target, torch.float32, CPU)
     assert isinstance(drafter, DSparkDrafter) and drafter.num_drafts == 8 and drafter.confidence_head is not None
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = [LLM(str(target_dir), spec, device="cpu").generate(held_out[:8], params) for spec in (None, str(path))]
+    plain, speculative = ([o.outputs[0].token_ids for o in out] for out in outputs)
+    assert speculative == plain
+    taus = [n for o in outputs[1] for n in o.metrics.acceptance_lengths]
+    assert sum(taus) / len(taus) > 1.2  # it drafts something the target accepts
+
+
+def test_dflash2_training_lowers_its_loss_and_the_engine_runs_its_drafter(setup, tmp_path) -> None:
+    target_dir, data, held_out = setup
+    out = tmp_path / "out"
+    args = ["train", "--model", str(target_dir), "--output", str(out), "--device", "cpu", "--data", str(data)]
+    args += ["--layers", "1", "--block-size", "8", "--steps", "60", "--batch-size", "16", "--blocks-per-seq", "16"]
+    args += ["--lr", "3e-3", "--log-every", "10", "--save-dtype", "float32", "--method", "dflash2"]
+    cli_main(args + ["--selector-rank", "16", "--selector-top-k", "8"])
+    losses = [json.loads(x)["loss"] for x in (out / "log.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses == sorted(losses, reverse=True) and losses[-1] < 0.8 * losses[0], losses
+    path = out / "drafter"
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["architectures"] == ["DFlash2DraftModel"] and saved["block_size"] == 8
+    fields = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    assert [saved["dflash_config"][f] for f in fields] == [2, 16, 16, 8]
+    target = load_target(str(target_dir), torch.float32, CPU).model
+    drafter = load_drafter(path, target, torch.float32, CPU)
+    assert isinstance(drafter, DFlash2Drafter) and drafter.candidate_selector.top_k == 8
+    assert drafter.candidate_selector.successor_codebook.any()  # the selector trained
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = [LLM(str(target_dir), spec, device="cpu").generate(held_out[:8], params) for spec in (None, str(path))]
     plain, speculative = ([o.outputs[0].token_ids for o in out] for out in outputs)

@@ -1,4 +1,4 @@
-"""Drafter training (the DFlash and DSpark recipes): `train(TrainConfig(...))` or `blockspec train`."""
+"""Drafter training (the DFlash, DSpark and DFlash2 recipes): `train(TrainConfig(...))` or `blockspec train`."""
 
 from blockspec.train.config import TrainConfig, add_train_args
 from blockspec.train.run import main, train

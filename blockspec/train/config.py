@@ -10,7 +10,7 @@ import torch
 from blockspec.llm import resolve_dtype
 from blockspec.models.dspark import MARKOV_HEADS
 
-METHODS = ("dflash", "dspark")
+METHODS = ("dflash", "dspark", "dflash2")
 
 
 def knob(default, doc: str):
@@ -36,7 +36,11 @@ class TrainConfig:
     temperature: float = knob(0.0, "sampling temperature of the generated responses (0: greedy)")
     gen_batch_size: int = knob(64, "sequences the engine decodes together while generating data")
     # drafter architecture (None: the target's value)
-    method: str = knob("dflash", "dflash (z-lab's: block row k drafts anchor+k) or dspark (row j drafts anchor+j+1)")
+    method: str = knob(
+        "dflash",
+        "dflash (z-lab's: block row k drafts anchor+k), dspark (row j drafts anchor+j+1) or dflash2 (dflash with "
+        "block convolutions and a candidate selector)",
+    )
     layers: int = knob(4, "drafter layers")
     block_size: int = knob(16, "block width g: anchor + g-1 mask rows")
     intermediate_size: int | None = knob(None, "drafter MLP width")
@@ -48,6 +52,10 @@ class TrainConfig:
     markov_rank: int = knob(256, "dspark: rank of the Markov head (0: none)")
     markov_head_type: str = knob("vanilla", "dspark: Markov head vanilla, gated or rnn")
     confidence_head: bool = knob(True, "dspark: a confidence head (reading the Markov embedding, if any)")
+    conv_kernel_size: int = knob(2, "dflash2: taps of the block convolutions (rows each reads back, its own included)")
+    conv_group_size: int = knob(16, "dflash2: channels sharing one dynamic convolution coefficient")
+    selector_rank: int = knob(256, "dflash2: rank of the candidate selector's codebooks")
+    selector_top_k: int = knob(16, "dflash2: candidates per draft row the selector scores")
     init: str = knob("random", "random (N(0, 0.02)), or copy: start from the target's last layers")
     # optimisation
     steps: int = knob(1000, "optimizer steps")
@@ -59,11 +67,12 @@ class TrainConfig:
     weight_decay: float = knob(0.0, "AdamW weight decay")
     grad_clip: float = knob(1.0, "gradient norm clip (0: off)")
     gamma: float | None = knob(
-        None, "loss weight exp(-i/gamma) of a block's draft i (default: dflash 3g/8+1, dspark 4)"
+        None, "loss weight exp(-i/gamma) of a block's draft i (default: dflash and dflash2 3g/8+1, dspark 4)"
     )
     ce_weight: float = knob(0.1, "dspark: weight of the cross-entropy on the target's tokens")
     l1_weight: float = knob(0.9, "dspark: weight of the L1 distance to the target's distribution")
     confidence_weight: float = knob(1.0, "dspark: weight of the confidence head's loss")
+    selector_weight: float = knob(1.0, "dflash2: weight of the candidate selector's loss")
     attention: str = knob("auto", "dense (bool mask, any device), flex (FlexAttention block mask, cuda) or auto")
     # checkpoints, logs, evaluation
     save_every: int = knob(200, "steps between resumable checkpoints")
@@ -74,7 +83,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.method in METHODS, f"method must be {' or '.join(METHODS)}, got {self.method!r}"),
+            (self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}"),
             (self.block_size >= 2, "block_size must be >= 2"),
             (self.layers >= 1, "layers must be >= 1"),
             (self.steps >= 1 and self.batch_size >= 1 and self.blocks_per_seq >= 1, "steps/batch sizes must be >= 1"),
@@ -94,6 +103,15 @@ class TrainConfig:
                 "ce_weight, l1_weight and confidence_weight must be >= 0",
             ),
             (self.ce_weight + self.l1_weight > 0, "ce_weight or l1_weight must be > 0: nothing would train the drafts"),
+            (
+                min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) >= 1,
+                "conv_kernel_size, conv_group_size, selector_rank and selector_top_k must be >= 1",
+            ),
+            (
+                self.method != "dflash2" or self.conv_kernel_size <= self.block_size,
+                f"conv_kernel_size {self.conv_kernel_size} is wider than the block ({self.block_size} rows)",
+            ),
+            (self.selector_weight >= 0, f"selector_weight must be >= 0, got {self.selector_weight}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -108,7 +126,7 @@ class TrainConfig:
         if self.gamma is not None:
             return self.gamma
         # DFlash's paper uses 7 for g=16, 5 for g=10 and 4 for g=8: about 3g/8 + 1; DeepSpec's DSpark 4.
-        return 3 * self.block_size / 8 + 1 if self.method == "dflash" else 4.0
+        return 4.0 if self.method == "dspark" else 3 * self.block_size / 8 + 1
 
 
 def flag_type(hint) -> typing.Callable[[str], object]:

@@ -7,6 +7,10 @@ A block is [anchor token, MASK x (g-1)] at positions anchor .. anchor+g-1, and i
 1..g-1 (g-1 drafts), DSpark's shifted rows 0..g-1 (g drafts). Draft i's loss weight exp(-i/gamma)
 favours early drafts: a draft is only accepted up to its first miss.
 - DFlash: cross-entropy on the target's tokens.
+- DFlash2: DFlash's, plus selector * the candidate selector's K-way cross-entropy (undecayed, its
+  own mean over the labelled drafts): each draft's top K tokens by the LM head, the gold token in
+  the lowest one's place where it is not among them, scored as the engine's walk scores them
+  against the token before the draft, teacher-forced (the anchor, then the target's tokens).
 - DSpark (DeepSpec's recipe): the drafts' logits are the LM head's plus the Markov bias of the
   token before each draft, teacher-forced (the anchor, then the target's tokens); the loss is
   ce * CE + l1 * |p_draft - p_target|_1 + confidence * BCE(confidence logit, 1 - L1/2), p_target
@@ -22,6 +26,7 @@ from torch import nn
 from blockspec.layers.attention import DenseAttention, visibility
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import DFlashDrafter
+from blockspec.models.dflash2 import CandidateSelector, DFlash2Drafter
 from blockspec.models.dspark import DSparkDrafter
 from blockspec.train.batches import Batch
 from blockspec.train.masks import block_attention
@@ -29,8 +34,10 @@ from blockspec.train.masks import block_attention
 
 @dataclass
 class StepResult:
-    loss_sum: torch.Tensor  # scalar, differentiable: the weighted loss summed over labelled drafts
-    weight: torch.Tensor  # scalar: the summed weights (the loss is loss_sum / weight over the whole batch)
+    # scalar or [terms], differentiable: each term's weighted loss summed over labelled drafts
+    loss_sum: torch.Tensor
+    # its shape: each term's summed weights (the loss is the sum of loss_sum / weight over the whole batch)
+    weight: torch.Tensor
     correct: torch.Tensor  # [n] argmax hits per draft 0..n-1 of a block
     total: torch.Tensor  # [n] labelled drafts per draft index
     inverse_tau: torch.Tensor  # scalar: sum over valid blocks of 1 / (1 + leading hits)
@@ -101,7 +108,8 @@ def draft_blocks(
         anchor_ids = batch.input_ids.gather(1, anchors)
         block_ids = torch.full_like(block_pos, drafter.mask_token_id)
         block_ids[:, :, 0] = anchor_ids
-        embeds = drafter.embed(block_ids.flatten(1), target)  # the target's embedding, frozen
+        # one block per leading index, as the engine runs them (masks.py); the target's embedding, frozen
+        embeds = drafter.embed(block_ids.flatten(0, 1), target)
         label_pos = anchors[:, :, None] + 1 + offsets[:n]
         labels = batch.input_ids.gather(1, label_pos.clamp(max=t - 1).flatten(1)).view(b, -1, n)
         # a prefix of each block's drafts, as DeepSpec's cumprod makes it: labels end only where the sequence does
@@ -111,25 +119,23 @@ def draft_blocks(
     positions = torch.arange(t, device=anchors.device).expand(b, t)
     k, v = drafter.context_kv(features, positions)
     attn = block_attention(anchors, valid, t, g, flex)
-    hidden = drafter(embeds, block_pos.flatten(1), attn, list(zip(k, v)))
+    hidden = drafter(embeds, block_pos.flatten(0, 1), attn, list(zip(k, v)))
     first = drafter.first_draft_row
     hidden = hidden.view(b, -1, g, hidden.shape[-1])[:, :, first : first + n]
     return Blocks(hidden, anchor_ids, labels, labelled, target_hidden)
 
 
 def step_result(
-    blocks: Blocks, valid: torch.Tensor, loss: torch.Tensor, w: torch.Tensor, logits: torch.Tensor
+    blocks: Blocks, valid: torch.Tensor, loss_sum: torch.Tensor, weight: torch.Tensor, greedy: torch.Tensor
 ) -> StepResult:
-    """The result of the labelled drafts' losses, weights and logits."""
+    """The result of a step's loss terms and the labelled drafts' greedy tokens [M]."""
     with torch.no_grad():
         labels, labelled = blocks.labels, blocks.labelled
         drafts = torch.zeros_like(labels)
-        drafts[labelled] = logits.argmax(-1)
+        drafts[labelled] = greedy
         hits = (drafts == labels) & labelled
         tau = 1 + hits.int().cumprod(-1).sum(-1)[valid]  # greedy acceptance length per block
-    return StepResult(
-        (loss * w).sum(), w.sum(), hits.sum((0, 1)), labelled.sum((0, 1)), (1 / tau).sum(), valid.sum(), drafts
-    )
+    return StepResult(loss_sum, weight, hits.sum((0, 1)), labelled.sum((0, 1)), (1 / tau).sum(), valid.sum(), drafts)
 
 
 def dflash_loss(
@@ -145,7 +151,56 @@ def dflash_loss(
     labelled = blocks.labelled
     logits = drafter.compute_logits(blocks.hidden[labelled], target)  # the target's LM head, frozen
     ce = F.cross_entropy(logits.float(), blocks.labels[labelled], reduction="none")
-    return step_result(blocks, valid, ce, weights.expand_as(labelled)[labelled], logits)
+    w = weights.expand_as(labelled)[labelled]
+    return step_result(blocks, valid, (ce * w).sum(), w.sum(), logits.argmax(-1))
+
+
+def with_gold(logits: torch.Tensor, gold: torch.Tensor, k: int) -> torch.Tensor:
+    """Logits [M, V] kept at each row's top k only (-inf elsewhere), the gold token [M] in the
+    lowest one's place, with its own logit, where it is not among them: the selector's top k of
+    these are the recipe's candidates."""
+    top = logits.topk(k, -1).indices
+    missing = (top != gold[:, None]).all(-1)
+    top[:, -1] = torch.where(missing, gold, top[:, -1])
+    return torch.full_like(logits, float("-inf")).scatter(-1, top, logits.gather(-1, top))
+
+
+def selector_scores(
+    selector: CandidateSelector, logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's candidates [M, K] and their scores [M, K] against one predecessor token each
+    [M], from its logits [M, V] and hidden [M, H]: the lattice of one-row blocks anchored there."""
+    ids, scores = selector.lattice(logits[:, None], hidden[:, None], prev)
+    return ids[:, 0], scores[:, 0, 0]  # a first row's predecessor slots are all its anchor
+
+
+def dflash2_loss(
+    target: CausalLM,
+    drafter: DFlash2Drafter,
+    batch: Batch,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    weights: torch.Tensor,
+    selector_weight: float,
+    flex: bool = False,
+) -> StepResult:
+    """DFlash2's loss: two terms, each its own mean over the batch. Its greedy drafts (accuracy,
+    tau) are the selector's teacher-forced best among each draft's top K (the serving candidates,
+    no gold put in): the engine's walk wherever the drafts before all hit."""
+    blocks = draft_blocks(target, drafter, batch, anchors, valid, flex)
+    labels, labelled, selector = blocks.labels, blocks.labelled, drafter.candidate_selector
+    hidden, gold = blocks.hidden[labelled], labels[labelled]
+    logits = drafter.compute_logits(hidden, target).float()  # the target's LM head, frozen
+    ce = F.cross_entropy(logits, gold, reduction="none")
+    w = weights.expand_as(labelled)[labelled]
+    prev = torch.cat([blocks.anchor_ids[:, :, None], labels[:, :, :-1]], -1)[labelled]  # teacher forcing
+    ids, scores = selector_scores(selector, with_gold(logits, gold, selector.top_k), hidden, prev)
+    selector_ce = F.cross_entropy(scores, (ids == gold[:, None]).int().argmax(-1), reduction="sum")
+    with torch.no_grad():
+        ids, scores = selector_scores(selector, logits, hidden, prev)
+        greedy = ids.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+    loss_sum = torch.stack([(ce * w).sum(), selector_weight * selector_ce])
+    return step_result(blocks, valid, loss_sum, torch.stack([w.sum(), w.new_tensor(len(gold))]), greedy)
 
 
 def dspark_loss(
@@ -183,7 +238,8 @@ def dspark_loss(
         accept = (1 - l1.detach() / 2).clamp(0, 1)
         bce = F.binary_cross_entropy_with_logits(confidence[labelled], accept, reduction="none")
         loss = loss + terms.confidence * bce
-    return step_result(blocks, valid, loss, weights.expand_as(labelled)[labelled], logits)
+    w = weights.expand_as(labelled)[labelled]
+    return step_result(blocks, valid, (loss * w).sum(), w.sum(), logits.argmax(-1))
 
 
 class Objective(nn.Module):

@@ -8,7 +8,9 @@ A padded (invalid) block sees only its own rows, so no softmax row is empty.
 
 Two forms, both used through the drafter's `attn.attend(...)` call: a dense bool mask for
 `DenseAttention` (any device), and a FlexAttention `BlockMask` (CUDA), which skips the
-invisible tiles."""
+invisible tiles. The drafter runs the blocks as [B*N, g] rows, one block per leading index as
+the engine runs it (DFlash2's block convolutions read the rows before along that axis: across
+blocks, were they laid end to end); `BlockRows` attends them as [B, N*g] rows of their sequence."""
 
 from dataclasses import dataclass
 
@@ -70,9 +72,28 @@ class FlexBlockAttention:
         return out.transpose(1, 2)
 
 
+@dataclass
+class BlockRows:
+    """`inner`'s attention (context K/V [B, T, Hkv, D], queries [B, N*g]) for queries, keys and
+    values laid out [B*N, g, heads, D]."""
+
+    inner: DenseAttention | FlexBlockAttention
+    blocks: int  # N, per sequence
+
+    kv_write = DenseAttention.kv_write
+    attend_qkv = rope_then_attend
+
+    def attend(self, q, k, v, cache, layer_type: str, scale: float) -> torch.Tensor:
+        rows = q.shape[:2]
+        q, k, v = (t.reshape(-1, self.blocks * rows[1], *t.shape[2:]) for t in (q, k, v))
+        out = self.inner.attend(q, k, v, cache, layer_type, scale)
+        return out.reshape(*rows, *out.shape[2:])
+
+
 def block_attention(
     anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int, flex: bool
-) -> DenseAttention | FlexBlockAttention:
+) -> BlockRows:
+    n = anchors.shape[1]
     if flex:
-        return FlexBlockAttention(flex_block_mask(anchors, valid, context_len, block_size))
-    return DenseAttention({"full_attention": block_mask(anchors, valid, context_len, block_size)})
+        return BlockRows(FlexBlockAttention(flex_block_mask(anchors, valid, context_len, block_size)), n)
+    return BlockRows(DenseAttention({"full_attention": block_mask(anchors, valid, context_len, block_size)}), n)

@@ -1,13 +1,15 @@
-"""A fresh drafter for a target, DFlash or DSpark (`TrainConfig.method`): its config (the target's
-geometry unless told otherwise, in the layout it is published in) and its initial weights.
+"""A fresh drafter for a target, DFlash, DSpark or DFlash2 (`TrainConfig.method`): its config (the
+target's geometry unless told otherwise, in the layout it is published in) and its initial weights.
 
-Init "random" (default): every linear and the Markov embedding N(0, initializer_range), norms 1. Init "copy": when a
-drafter layer has the target's layer geometry, drafter layer i starts as target layer L-n+i
-(the last n layers, which turn a late residual stream into next-token logits through the LM
-head the drafter shares), the final norm as the target's, `fc` as the identity on the deepest
-captured feature (about the stream those layers read) and `hidden_norm` as the first copied
-layer's input norm. On SmolLM2-135M random reached the higher held-out acceptance, so random is
-the default."""
+Init "random" (default): every linear and the Markov embedding N(0, initializer_range), norms 1;
+DFlash2's block convolutions the identity and its selector's successor codebook zero (it starts as
+DFlash, ranking by the LM head), the predecessor codebook N(0, initializer_range) and
+hidden_projection N(0, 0.02). Init "copy": when a drafter layer has the target's layer
+geometry, drafter layer i starts as target layer L-n+i (the last n layers, which turn a late
+residual stream into next-token logits through the LM head the drafter shares), the final norm
+as the target's, `fc` as the identity on the deepest captured feature (about the stream those
+layers read) and `hidden_norm` as the first copied layer's input norm. On SmolLM2-135M random
+reached the higher held-out acceptance, so random is the default."""
 
 import torch
 from torch import nn
@@ -17,6 +19,8 @@ from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.drafters import validate
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
+from blockspec.models.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from blockspec.models.dflash2 import BlockConv, DFlash2Drafter
 from blockspec.models.dspark import ARCHITECTURES as DSPARK_ARCHITECTURES
 from blockspec.train.config import TrainConfig
 
@@ -38,6 +42,10 @@ def method_fields(cfg: TrainConfig, mask_token_id: int, target_layer_ids: list[i
     fields = {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids}
     if cfg.method == "dflash":
         return {"architectures": [ARCHITECTURE], "dflash_config": fields}
+    if cfg.method == "dflash2":
+        fields |= {"conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size}
+        fields |= {"selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k}
+        return {"architectures": [DFLASH2_ARCHITECTURE], "dflash_config": fields}
     heads = {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type}
     heads |= {"enable_confidence_head": cfg.confidence_head}
     heads |= {"confidence_head_with_markov": cfg.confidence_head and cfg.markov_rank > 0}
@@ -87,6 +95,20 @@ def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
     return True
 
 
+def random_init(drafter: DFlashDrafter, std: float) -> None:
+    """The random init (see the module doc)."""
+    identities = {id(m.kernel_projection) for m in drafter.modules() if isinstance(m, BlockConv)}
+    for m in drafter.modules():
+        if isinstance(m, nn.Linear | nn.Embedding) and id(m) not in identities:
+            nn.init.normal_(m.weight, std=std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    selector = drafter.candidate_selector if isinstance(drafter, DFlash2Drafter) else None
+    if selector is not None:  # its successor codebook stays zero
+        nn.init.normal_(selector.predecessor_codebook, std=std)
+        nn.init.normal_(selector.hidden_projection.weight, std=0.02)
+
+
 def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tuple[DFlashDrafter, bool]:
     """The drafter in float32 on the target's device, and whether the copy init applied."""
     if target.norms_folded:
@@ -96,12 +118,7 @@ def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tup
     config = drafter_config(target, cfg, mask_token_id)
     kind = validate(config, target, "the training settings")  # what loading the saved drafter will check
     torch.manual_seed(cfg.seed)
-    drafter = kind.build(config, target)  # its kind's class: DFlashDrafter or DSparkDrafter
-    std = getattr(target.config, "initializer_range", 0.02)
-    for m in drafter.modules():
-        if isinstance(m, nn.Linear | nn.Embedding):
-            nn.init.normal_(m.weight, std=std)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    drafter = kind.build(config, target)  # its kind's class: DFlashDrafter, DSparkDrafter or DFlash2Drafter
+    random_init(drafter, getattr(target.config, "initializer_range", 0.02))
     copied = cfg.init == "copy" and copy_target_layers(drafter, target)  # copy_ casts device and dtype
     return drafter.to(target.lm_head.weight.device), copied

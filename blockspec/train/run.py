@@ -1,6 +1,6 @@
 """`blockspec train`: data (the target's own responses), a fresh drafter, the training loop,
-the drafter saved in its published layout (z-lab's DFlash, DeepSpec's DSpark), and optionally
-tau on held-out prompts."""
+the drafter saved in its published layout (z-lab's DFlash and DFlash2, DeepSpec's DSpark), and
+optionally tau on held-out prompts."""
 
 import argparse
 from pathlib import Path

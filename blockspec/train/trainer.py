@@ -25,6 +25,7 @@ from blockspec.train.loss import (
     DSparkWeights,
     Objective,
     StepResult,
+    dflash2_loss,
     dflash_loss,
     dspark_loss,
     row_weights,
@@ -84,6 +85,8 @@ def step_loss(cfg: TrainConfig, weights: torch.Tensor, flex: bool) -> Callable[.
     """The loss of cfg's method, as `Objective` calls it."""
     if cfg.method == "dflash":
         return partial(dflash_loss, weights=weights, flex=flex)
+    if cfg.method == "dflash2":
+        return partial(dflash2_loss, weights=weights, selector_weight=cfg.selector_weight, flex=flex)
     terms = DSparkWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight)
     return partial(dspark_loss, weights=weights, terms=terms, flex=flex)
 
@@ -147,7 +150,7 @@ class Trainer:
             group["lr"] = self.lr_at(self.step)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             result = self.objective(self.target, batch, anchors, valid)
-        loss = result.loss_sum / world.all_sum(result.weight.detach().clone()).clamp_min(1e-6)
+        loss = (result.loss_sum / world.all_sum(result.weight.detach().clone()).clamp_min(1e-6)).sum()
         self.optimizer.zero_grad(set_to_none=True)
         (loss * world.size).backward()  # DDP averages the ranks' gradients: their sum is the batch's
         if cfg.grad_clip > 0:
