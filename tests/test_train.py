@@ -265,6 +265,23 @@ def test_dspark_loss_matches_a_dense_reference(setup, tmp_path) -> None:
     torch.testing.assert_close(result.loss_sum / result.weight, loss / weight, rtol=1e-5, atol=1e-6)
 
 
+def saved_and_served(module, target, target_dir, tmp_path):
+    """A drafter module saved, loaded back, and an engine of it at the full width."""
+    save_drafter(module, target.model, tmp_path / "drafter", dtype=torch.float32)
+    drafter = load_drafter(tmp_path / "drafter", target.model, torch.float32, CPU)
+    return drafter, LLM(str(target_dir), {"model": str(tmp_path / "drafter"), "adaptive_width": False}, device="cpu")
+
+
+def engine_block(llm, e):
+    """An example's block 5 tokens into its response as the engine drafts it: its anchor, the
+    drafts, and the example continued by them."""
+    anchor = len(e.prompt_ids) + 5
+    seq = (e.prompt_ids + e.response_ids)[: anchor + 1]
+    out = llm.generate([seq], SamplingParams(temperature=0, max_tokens=8, return_drafts=True))[0]
+    drafts = out.metrics.draft_token_ids[0]
+    return anchor, drafts, Example(0, e.prompt_ids, seq[len(e.prompt_ids) :] + drafts)
+
+
 def test_dspark_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
     """Given the engine's own drafts as the tokens after the anchor, the teacher-forced argmaxes of
     the block at that anchor are those drafts, all of them: the same rows (shifted: row j drafts
@@ -272,16 +289,10 @@ def test_dspark_training_forward_matches_engine_proposal(setup, tmp_path) -> Non
     target_dir, data, _ = setup
     target = load_target(str(target_dir), torch.float32, CPU)
     cfg = config(target_dir, data, tmp_path, method="dspark", markov_rank=8, block_size=4)
-    save_drafter(dspark_drafter(target.model, cfg), target.model, tmp_path / "drafter", dtype=torch.float32)
-    drafter = load_drafter(tmp_path / "drafter", target.model, torch.float32, CPU)
-    llm = LLM(str(target_dir), {"model": str(tmp_path / "drafter"), "adaptive_width": False}, device="cpu")
+    drafter, llm = saved_and_served(dspark_drafter(target.model, cfg), target, target_dir, tmp_path)
     for e in read_examples(data)[:3]:
-        anchor = len(e.prompt_ids) + 5
-        seq = (e.prompt_ids + e.response_ids)[: anchor + 1]
-        out = llm.generate([seq], SamplingParams(temperature=0, max_tokens=8, return_drafts=True))[0]
-        drafts = out.metrics.draft_token_ids[0]
+        anchor, drafts, fed = engine_block(llm, e)
         assert len(drafts) == 4
-        fed = Example(0, e.prompt_ids, seq[len(e.prompt_ids) :] + drafts)
         with torch.no_grad():
             one = torch.tensor([[anchor]]), torch.tensor([[True]])
             result = dspark_loss(target.model, drafter, collate([fed], CPU), *one, row_weights(4, 4.0, CPU), TERMS)
@@ -377,16 +388,10 @@ def test_dflash2_training_forward_matches_engine_proposal(setup, tmp_path) -> No
     target_dir, data, _ = setup
     target = load_target(str(target_dir), torch.float32, CPU)
     cfg = config(target_dir, data, tmp_path, method="dflash2", block_size=4, selector_rank=8, selector_top_k=4)
-    save_drafter(dflash2_drafter(target.model, cfg), target.model, tmp_path / "drafter", dtype=torch.float32)
-    drafter = load_drafter(tmp_path / "drafter", target.model, torch.float32, CPU)
-    llm = LLM(str(target_dir), {"model": str(tmp_path / "drafter"), "adaptive_width": False}, device="cpu")
+    drafter, llm = saved_and_served(dflash2_drafter(target.model, cfg), target, target_dir, tmp_path)
     for e in read_examples(data)[:3]:
-        anchor = len(e.prompt_ids) + 5
-        seq = (e.prompt_ids + e.response_ids)[: anchor + 1]
-        out = llm.generate([seq], SamplingParams(temperature=0, max_tokens=8, return_drafts=True))[0]
-        drafts = out.metrics.draft_token_ids[0]
+        anchor, drafts, fed = engine_block(llm, e)
         assert len(drafts) == 3
-        fed = Example(0, e.prompt_ids, seq[len(e.prompt_ids) :] + drafts)
         with torch.no_grad():
             # a second block before it: a convolution reaching across blocks would change this one's rows
             two = torch.tensor([[anchor - 4, anchor]]), torch.tensor([[True, True]])
@@ -558,8 +563,13 @@ def test_dspark_training_lowers_its_loss_and_the_engine_runs_its_drafter(setup, 
     target = load_target(str(target_dir), torch.float32, CPU).model
     drafter = load_drafter(path, target, torch.float32, CPU)
     assert isinstance(drafter, DSparkDrafter) and drafter.num_drafts == 8 and drafter.confidence_head is not None
+    assert_decodes_as_plain(target_dir, path, held_out[:8])
+
+
+def assert_decodes_as_plain(target_dir, drafter_dir, prompts) -> None:
+    """Greedy speculative output equals plain decoding's, and the drafter's drafts get accepted."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outputs = [LLM(str(target_dir), spec, device="cpu").generate(held_out[:8], params) for spec in (None, str(path))]
+    outputs = [LLM(str(target_dir), spec, device="cpu").generate(prompts, params) for spec in (None, str(drafter_dir))]
     plain, speculative = ([o.outputs[0].token_ids for o in out] for out in outputs)
     assert speculative == plain
     taus = [n for o in outputs[1] for n in o.metrics.acceptance_lengths]
@@ -584,12 +594,7 @@ def test_dflash2_training_lowers_its_loss_and_the_engine_runs_its_drafter(setup,
     drafter = load_drafter(path, target, torch.float32, CPU)
     assert isinstance(drafter, DFlash2Drafter) and drafter.candidate_selector.top_k == 8
     assert drafter.candidate_selector.successor_codebook.any()  # the selector trained
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outputs = [LLM(str(target_dir), spec, device="cpu").generate(held_out[:8], params) for spec in (None, str(path))]
-    plain, speculative = ([o.outputs[0].token_ids for o in out] for out in outputs)
-    assert speculative == plain
-    taus = [n for o in outputs[1] for n in o.metrics.acceptance_lengths]
-    assert sum(taus) / len(taus) > 1.2  # it drafts something the target accepts
+    assert_decodes_as_plain(target_dir, path, held_out[:8])
 
 
 def test_cli_generates_trains_and_resumes(tmp_path) -> None:

@@ -104,6 +104,10 @@ class DFlashDrafter(nn.Module):
             "draft_to_target", torch.empty(self.draft_vocab_size, dtype=torch.long) if reduced else None
         )
         self.fused_kv_weight = self.fused_kv_bias = self.fused_kv_fp8 = self.lm_head_fp8 = None  # made at load
+        self.build_heads(config)
+
+    def build_heads(self, config: PretrainedConfig) -> None:
+        """The modules a drafter kind adds after the layers and the LM head (DFlash: none)."""
 
     def decoder_layer(self, kind: LayerKind) -> nn.Module:
         """One of its layers (`self.config` and `self.spec` are set)."""

@@ -10,8 +10,6 @@
   predecessor[p, r] * proj(h)[r] * successor[c, r], the anchor the predecessor of the first row.
   A walk from the anchor picks one candidate a row (`proposers.dflash2`)."""
 
-from collections.abc import Collection
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,14 +108,8 @@ class CandidateSelector(nn.Module):
 class DFlash2Drafter(DFlashDrafter):
     proposer = "dflash2"
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        num_target_layers: int,
-        target_hidden_size: int,
-        stored: Collection[str] = (),
-    ) -> None:
-        super().__init__(config, num_target_layers, target_hidden_size, stored)
+    def build_heads(self, config: PretrainedConfig) -> None:
+        """The candidate selector."""
         rank, top_k = int(dflash_value(config, "selector_rank", 0)), int(dflash_value(config, "selector_top_k", 0))
         h = self.spec.hidden_size
         self.candidate_selector = CandidateSelector(config.vocab_size, rank, h, top_k) if rank else None

@@ -12,7 +12,6 @@ backbone on shifted rows (row j drafts position s+j+1), and two small heads.
 
 DeepSeek's DFlash drafters are this model with neither head (`markov_rank` 0)."""
 
-from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
@@ -89,14 +88,8 @@ class DSparkDrafter(DFlashDrafter):
     proposer = "dspark"
     shifted_by_default = True  # DeepSpec's and SpecForge's trainers label row j with position s+j+1
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        num_target_layers: int,
-        target_hidden_size: int,
-        stored: Collection[str] = (),
-    ) -> None:
-        super().__init__(config, num_target_layers, target_hidden_size, stored)
+    def build_heads(self, config: PretrainedConfig) -> None:
+        """The Markov head and the confidence head."""
         h, rank = self.spec.hidden_size, int(dflash_value(config, "markov_rank", 0))
         kind = dflash_value(config, "markov_head_type", "vanilla")
         self.markov_head = MarkovHead(kind, config.vocab_size, self.draft_vocab_size, rank, h) if rank else None
