@@ -2,10 +2,14 @@
 
 from dataclasses import dataclass, field
 
+DRAFTER_METHODS = ("dflash", "dflash2", "dspark")  # speculative methods that run a drafter model
+
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "dflash"  # "dflash" (a DFlash-family drafter: DFlash, DSpark) or "ngram" (prompt lookup)
+    # "dflash": a drafter model of any DFlash-family kind (its checkpoint says which); "dflash2",
+    # "dspark": one of that kind only (vLLM's names); "ngram": prompt lookup
+    method: str = "dflash"
     model: str | None = None  # drafter directory (dflash)
     num_speculative_tokens: int | None = None  # drafts per step; None: all the drafter's block makes
     window: int | None = None  # drafter sees only the last `window` context positions
@@ -26,8 +30,9 @@ class SpeculativeConfig:
     simulate_tau: float | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("dflash", "ngram"):
-            raise ValueError(f"speculative method {self.method!r} is not supported (supported: 'dflash', 'ngram')")
+        if self.method not in (*DRAFTER_METHODS, "ngram"):
+            supported = ", ".join(repr(m) for m in (*DRAFTER_METHODS, "ngram"))
+            raise ValueError(f"speculative method {self.method!r} is not supported (supported: {supported})")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
@@ -36,8 +41,8 @@ class SpeculativeConfig:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.simulate_tau is not None and (self.method != "dflash" or self.simulate_tau < 1):
-            raise ValueError("simulate_tau is a mean acceptance length (>= 1) of a dflash drafter")
+        if self.simulate_tau is not None and (self.method not in DRAFTER_METHODS or self.simulate_tau < 1):
+            raise ValueError("simulate_tau is a mean acceptance length (>= 1) of a drafter model")
 
     @classmethod
     def from_dict(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":

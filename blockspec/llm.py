@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.config import EngineConfig, SpeculativeConfig
+from blockspec.config import DRAFTER_METHODS, EngineConfig, SpeculativeConfig
 from blockspec.engine.detokenizer import streamable_text
 from blockspec.engine.engine import LLMEngine
 from blockspec.layers.fast_path import use_kernels
@@ -104,11 +104,15 @@ class LLM:
         target = load_target(model, self.dtype, self.device, target_options(config.fold_norms, self.device))
         spec = resolve_speculative_config(speculative_config, model)
         drafter = None
-        if spec is not None and spec.method == "dflash":
+        if spec is not None and spec.method in DRAFTER_METHODS:
             if spec.model is None:
-                raise ValueError("speculative_config needs 'model': the DFlash drafter directory")
+                raise ValueError("speculative_config needs 'model': the drafter directory")
             options = drafter_options(spec, self.device, target.model.spec.hidden_size)  # a drafter's is its target's
             drafter = load_drafter(spec.model, target.model, self.dtype, self.device, options)
+            if spec.method != "dflash" and drafter.proposer != spec.method:
+                raise ValueError(
+                    f"method {spec.method!r} asks for a {spec.method} drafter; {spec.model} is {drafter.proposer}"
+                )
         self.engine = LLMEngine(target, drafter, spec, config)
         self.tokenizer = target.tokenizer
 

@@ -259,3 +259,14 @@ def test_shipped_copies_of_the_target_are_shared(tmp_path, target):
     own = edit_weights(d, tmp_path / "own", lambda w: {**w, "lm_head.weight": w["lm_head.weight"] * 2})
     drafter = load_drafter(own, t, torch.float32, CPU)
     assert drafter.embed_tokens is None and drafter.lm_head is not None
+
+
+def test_methods_that_name_a_kind_hold_the_checkpoint_to_it(tmp_path, target):
+    """ "dspark" and "dflash2" (vLLM's method names) load only a drafter of that kind; "dflash" any."""
+    d = make_dspark(tmp_path / "d", target)
+    assert LLM(str(target), {"method": "dspark", "model": str(d)}, device="cpu").engine.drafter.proposer == "dspark"
+    assert LLM(str(target), {"method": "dflash", "model": str(d)}, device="cpu").engine.drafter.proposer == "dspark"
+    with pytest.raises(ValueError, match="method 'dflash2' asks for a dflash2 drafter; .* is dspark"):
+        LLM(str(target), {"method": "dflash2", "model": str(d)}, device="cpu")
+    with pytest.raises(ValueError, match="speculative method 'eagle3' is not supported .*'dspark', 'ngram'"):
+        LLM(str(target), {"method": "eagle3", "model": str(d)}, device="cpu")
