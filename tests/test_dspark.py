@@ -270,3 +270,13 @@ def test_methods_that_name_a_kind_hold_the_checkpoint_to_it(tmp_path, target):
         LLM(str(target), {"method": "dflash2", "model": str(d)}, device="cpu")
     with pytest.raises(ValueError, match="speculative method 'eagle3' is not supported .*'dspark', 'ngram'"):
         LLM(str(target), {"method": "eagle3", "model": str(d)}, device="cpu")
+
+
+def test_fp8_dspark_drafter_with_its_own_head(tmp_path, target):
+    """FP8 projections (the CPU reference numerics) and an FP8 copy of the drafter's own reduced
+    LM head in place of it: still exactly plain decoding."""
+    d = make_dspark(tmp_path / "d", target, block_size=6, draft_vocab=48, markov_scale=4.0)
+    llm = LLM(str(target), {"model": str(d), "fp8": "on"}, device="cpu")
+    drafter = llm.engine.drafter
+    assert drafter.fp8 and drafter.lm_head is None and drafter.lm_head_fp8 is not None
+    assert greedy(llm, PROMPTS) == greedy(LLM(str(target), None, device="cpu"), PROMPTS)
