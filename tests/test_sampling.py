@@ -224,6 +224,24 @@ def test_accept_mixes_greedy_and_sampled_rows():
     assert 0 <= accepted[1] <= 3
 
 
+def test_accept_keeps_nothing_past_a_cut():
+    """A proposer's cut (`Proposal.num_drafts`) bounds what is accepted, by the rule and by a
+    simulated proposal's imposed counts alike; the token after a cut block is the target's own."""
+    logits = torch.randn(2, 4, 9)
+    drafts = logits.argmax(-1)[:, :3]  # every draft the target's choice
+    inputs = step.StepInputs(
+        torch.cat([drafts[:, :1], drafts], 1), torch.tensor([3, 3]), torch.tensor([4, 4]),
+        torch.zeros(2, 1, dtype=torch.long), torch.tensor([1, 2]),
+    )  # fmt: skip
+    cut = torch.tensor([1, 3])
+    for imposed in (None, torch.tensor([3, 2])):
+        accepted, bonus = accept(Proposal(drafts, accepted=imposed, num_drafts=cut), logits, inputs)
+        expected = [1, 3] if imposed is None else [1, 2]
+        assert accepted.tolist() == expected and bonus.tolist() == [
+            int(logits[i, a].argmax()) for i, a in enumerate(expected)
+        ]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sampling_never_waits_for_the_device() -> None:
     """A step may read the device once; the draws and the acceptance queue work only."""

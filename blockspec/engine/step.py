@@ -126,7 +126,8 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> torch.Tensor:
 def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [B], the token after them [B]) of every row: greedy rows by prefix match
     with the target's argmax, sampled rows by speculative sampling; a simulated proposal's counts
-    replace the acceptance rule."""
+    replace the acceptance rule. Drafts past a proposer's cut (`Proposal.num_drafts`) are never
+    accepted, by either."""
     drafts, num_drafts = proposal.drafts, inputs.lengths - 1
     if proposal.num_drafts is not None:
         num_drafts = torch.minimum(num_drafts, proposal.num_drafts)
@@ -134,6 +135,8 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tupl
     accepted = proposal.accepted
     if accepted is None:
         accepted = greedy_accept(drafts, target_argmax, num_drafts)
+    else:
+        accepted = torch.minimum(accepted, num_drafts)
     greedy_bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
     if inputs.sampling is None:
         return accepted, greedy_bonus

@@ -51,10 +51,7 @@ class SimulatedProposer(Proposer):
 
     def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
         proposal = self.inner.propose(runner, inputs)
-        drafts = inputs.lengths - 1
-        if proposal.num_drafts is not None:  # a confidence cut: nothing after it is accepted
-            drafts = torch.minimum(drafts, proposal.num_drafts)
-        proposal.accepted = self.accepted(inputs.seeds, inputs.starts, drafts)
+        proposal.accepted = self.accepted(inputs.seeds, inputs.starts, inputs.lengths - 1)
         return proposal
 
     def accepted(self, seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
