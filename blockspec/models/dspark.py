@@ -29,7 +29,7 @@ MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
 class MarkovStep(NamedTuple):
-    bias: torch.Tensor  # [..., Vd] added to the row's logits
+    latent: torch.Tensor  # [..., r] whose projection (`MarkovHead.bias`) is added to the row's logits
     prev_embedding: torch.Tensor  # [..., r] markov_w1[prev]
     state: torch.Tensor | None  # the rnn head's state after the row
 
@@ -61,17 +61,22 @@ class MarkovHead(nn.Module):
             gate = torch.sigmoid(gate)
             state = gate * state + (1 - gate) * torch.tanh(candidate)
             latent = torch.tanh(out)
-        return MarkovStep(self.markov_w2(latent), e, state)
+        return MarkovStep(latent, e, state)
 
-    def biases(self, prev: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's bias [..., n, Vd] and markov_w1[prev] [..., n, r] for known previous tokens
-        prev [..., n] (teacher forcing, or the drafts once drawn), hidden [..., n, H]."""
-        state, biases, embeddings = self.initial_state(hidden[..., 0, :]), [], []
+    def bias(self, latent: torch.Tensor) -> torch.Tensor:
+        """The logits' correction [..., Vd] of a row's latent [..., r]."""
+        return self.markov_w2(latent)
+
+    def latents(self, prev: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's latent [..., n, r] and markov_w1[prev] [..., n, r] for known previous tokens
+        prev [..., n] (teacher forcing), hidden [..., n, H]; rank-sized, so that only the rows
+        wanted are projected to the vocabulary."""
+        state, latents, embeddings = self.initial_state(hidden[..., 0, :]), [], []
         for j in range(prev.shape[-1]):
-            bias, e, state = self.step(prev[..., j], hidden[..., j, :], state)
-            biases.append(bias)
+            latent, e, state = self.step(prev[..., j], hidden[..., j, :], state)
+            latents.append(latent)
             embeddings.append(e)
-        return torch.stack(biases, -2), torch.stack(embeddings, -2)
+        return torch.stack(latents, -2), torch.stack(embeddings, -2)
 
 
 class ConfidenceHead(nn.Module):

@@ -62,8 +62,8 @@ class DSparkProposer(DFlashProposer):
         prev, state = inputs.tokens[:, 0], head.initial_state(hidden[:, 0])
         drafts, qs, embeddings = [], [], []
         for j in range(base.shape[1]):
-            bias, e, state = head.step(prev, hidden[:, j], state)
-            logits = d.to_target(base[:, j].float() + bias.float(), target)
+            latent, e, state = head.step(prev, hidden[:, j], state)
+            logits = d.to_target(base[:, j].float() + head.bias(latent).float(), target)
             prev = argmax(logits)
             if sampled:
                 q = probs(logits, params, inputs.filters)

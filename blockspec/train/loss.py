@@ -222,8 +222,8 @@ def dspark_loss(
     head, prev_embeddings = drafter.markov_head, None
     if head is not None:
         prev = torch.cat([blocks.anchor_ids[:, :, None], labels[:, :, :-1]], -1)  # teacher forcing
-        bias, prev_embeddings = head.biases(prev, hidden)
-        logits = logits + bias[labelled].float()
+        latents, prev_embeddings = head.latents(prev, hidden)
+        logits = logits + head.bias(latents[labelled]).float()
     logits = drafter.to_target(logits, target)
     with torch.no_grad():  # the target's distribution of draft i's token, read at position anchor+i
         t = blocks.target_hidden.shape[1]
