@@ -97,12 +97,17 @@ class CandidateSelector(nn.Module):
         [B, n, K, K] of (candidate p of the row before, candidate c of this row); the first row's
         predecessor is the anchor [B] in every slot. hidden: the rows' [B, n, H]."""
         unary, ids = logits.topk(self.top_k, dim=-1)  # in the logits' dtype: no fp32 copy of the vocabulary
-        unary = unary.float()
         prev = torch.cat([anchors[:, None, None].expand(-1, 1, self.top_k), ids[:, :-1]], 1)
-        gate = self.hidden_projection(hidden).float()  # [B, n, r]
-        pred = F.embedding(prev, self.predecessor_codebook).float() * gate[:, :, None]
+        return ids, self.scores(unary, ids, hidden, prev)
+
+    def scores(self, unary: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """[..., P, K]: candidates ids [..., K] of LM-head logits unary [..., K], each after each
+        predecessor token prev [..., P]: unary + sum_r predecessor[prev, r] * proj(hidden)[r] *
+        successor[id, r], in fp32. hidden: the row's [..., H]."""
+        gate = self.hidden_projection(hidden).float()[..., None, :]  # [..., 1, r]
+        pred = F.embedding(prev, self.predecessor_codebook).float() * gate
         succ = F.embedding(ids, self.successor_codebook).float()
-        return ids, unary[:, :, None, :] + torch.einsum("bnpr,bncr->bnpc", pred, succ)
+        return unary.float()[..., None, :] + pred @ succ.transpose(-1, -2)
 
 
 class DFlash2Drafter(DFlashDrafter):

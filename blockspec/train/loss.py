@@ -26,7 +26,7 @@ from torch import nn
 from blockspec.layers.attention import DenseAttention, visibility
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import DFlashDrafter
-from blockspec.models.dflash2 import CandidateSelector, DFlash2Drafter
+from blockspec.models.dflash2 import DFlash2Drafter
 from blockspec.models.dspark import DSparkDrafter
 from blockspec.train.batches import Batch
 from blockspec.train.masks import block_attention
@@ -155,23 +155,13 @@ def dflash_loss(
     return step_result(blocks, valid, (ce * w).sum(), w.sum(), logits.argmax(-1))
 
 
-def with_gold(logits: torch.Tensor, gold: torch.Tensor, k: int) -> torch.Tensor:
-    """Logits [M, V] kept at each row's top k only (-inf elsewhere), the gold token [M] in the
-    lowest one's place, with its own logit, where it is not among them: the selector's top k of
-    these are the recipe's candidates."""
+def candidates_with_gold(logits: torch.Tensor, gold: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's top k token ids [M, k] of its logits [M, V], the gold token [M] in the lowest
+    one's place where it is not among them: the recipe's candidates."""
     top = logits.topk(k, -1).indices
     missing = (top != gold[:, None]).all(-1)
     top[:, -1] = torch.where(missing, gold, top[:, -1])
-    return torch.full_like(logits, float("-inf")).scatter(-1, top, logits.gather(-1, top))
-
-
-def selector_scores(
-    selector: CandidateSelector, logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's candidates [M, K] and their scores [M, K] against one predecessor token each
-    [M], from its logits [M, V] and hidden [M, H]: the lattice of one-row blocks anchored there."""
-    ids, scores = selector.lattice(logits[:, None], hidden[:, None], prev)
-    return ids[:, 0], scores[:, 0, 0]  # a first row's predecessor slots are all its anchor
+    return top
 
 
 def dflash2_loss(
@@ -194,10 +184,13 @@ def dflash2_loss(
     ce = F.cross_entropy(logits, gold, reduction="none")
     w = weights.expand_as(labelled)[labelled]
     prev = torch.cat([blocks.anchor_ids[:, :, None], labels[:, :, :-1]], -1)[labelled]  # teacher forcing
-    ids, scores = selector_scores(selector, with_gold(logits, gold, selector.top_k), hidden, prev)
+    # each candidate scored after the one predecessor teacher forcing gives its row
+    ids = candidates_with_gold(logits, gold, selector.top_k)
+    scores = selector.scores(logits.gather(-1, ids), ids, hidden, prev[:, None])[:, 0]
     selector_ce = F.cross_entropy(scores, (ids == gold[:, None]).int().argmax(-1), reduction="sum")
-    with torch.no_grad():
-        ids, scores = selector_scores(selector, logits, hidden, prev)
+    with torch.no_grad():  # the serving candidates
+        unary, ids = logits.topk(selector.top_k, -1)
+        scores = selector.scores(unary, ids, hidden, prev[:, None])[:, 0]
         greedy = ids.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
     loss_sum = torch.stack([(ce * w).sum(), selector_weight * selector_ce])
     return step_result(blocks, valid, loss_sum, torch.stack([w.sum(), w.new_tensor(len(gold))]), greedy)
