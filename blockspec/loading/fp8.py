@@ -75,8 +75,8 @@ def quantize_drafter(
 ) -> list[str]:
     """FP8 for a loaded `DFlashDrafter` (after its `fuse_kv`, as `load_drafter` leaves it): its
     projections (`patterns`) become Fp8Linear, and its stacked context K/V weight one Fp8Linear,
-    `fused_kv_fp8`, in place of the bf16 copy. With `lm_head` (the target's), an FP8 copy for the
-    drafter's logits is stored as `drafter.lm_head_fp8` (the target keeps its own). Returns the
+    `fused_kv_fp8`, in place of the bf16 copy. With `lm_head` (the one it reads: its own or the
+    target's), an FP8 copy for the drafter's logits is stored as `drafter.lm_head_fp8`. Returns the
     names replaced or added."""
     assert drafter.fused_kv_weight is not None, "quantize_drafter needs fuse_kv's stacked weight"
     names = quantize_linears(drafter, patterns)

@@ -64,6 +64,11 @@ class Blocks:
     labelled: torch.Tensor  # [B, N, n] bool: a valid block's draft whose token exists
     target_hidden: torch.Tensor  # [B, T, H_t] the target's final (normed) hidden states
 
+    @property
+    def previous(self) -> torch.Tensor:
+        """[B, N, n] the token before each draft's, teacher-forced: the anchor, then the labels."""
+        return torch.cat([self.anchor_ids[:, :, None], self.labels[:, :, :-1]], -1)
+
 
 def sample_anchors(batch: Batch, num_blocks: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to num_blocks distinct anchors per sequence, uniformly among positions P-1 .. L-2
@@ -183,7 +188,7 @@ def dflash2_loss(
     logits = drafter.compute_logits(hidden, target).float()  # the target's LM head, frozen
     ce = F.cross_entropy(logits, gold, reduction="none")
     w = weights.expand_as(labelled)[labelled]
-    prev = torch.cat([blocks.anchor_ids[:, :, None], labels[:, :, :-1]], -1)[labelled]  # teacher forcing
+    prev = blocks.previous[labelled]
     # each candidate scored after the one predecessor teacher forcing gives its row
     ids = candidates_with_gold(logits, gold, selector.top_k)
     scores = selector.scores(logits.gather(-1, ids), ids, hidden, prev[:, None])[:, 0]
@@ -214,8 +219,7 @@ def dspark_loss(
     logits = drafter.draft_logits(hidden[labelled], target).float()
     head, prev_embeddings = drafter.markov_head, None
     if head is not None:
-        prev = torch.cat([blocks.anchor_ids[:, :, None], labels[:, :, :-1]], -1)  # teacher forcing
-        latents, prev_embeddings = head.latents(prev, hidden)
+        latents, prev_embeddings = head.latents(blocks.previous, hidden)
         logits = logits + head.bias(latents[labelled]).float()
     logits = drafter.to_target(logits, target)
     with torch.no_grad():  # the target's distribution of draft i's token, read at position anchor+i
