@@ -10,8 +10,10 @@ import pytest
 import torch
 from conftest import make_dflash2, make_drafter, make_target
 from safetensors.torch import load_file, save_file
+from test_drafter import dense_block_hidden
 from test_errors import rewrite
 from test_sampling import CASES, VOCAB, N, chi_square_pvalue, exact_distribution, sampled_counts
+from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
 from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
@@ -64,6 +66,48 @@ def test_identity_convolutions_and_no_selector_compute_dflash(tmp_path, target):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("taps", [2, 3])
+def test_block_forward_with_convolutions_matches_dense_reference(tmp_path, target, taps):
+    """Random convolutions, the engine's paged block forward against the dense one: where the
+    coefficients come from, which sides wrap which sublayer, rows never reading across blocks."""
+    dpath = make_dflash2(tmp_path / "d", target, taps=taps)
+    t = load_target(target, torch.float32, CPU).model
+    drafter = load_drafter(dpath, t, torch.float32, CPU)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    runner, w = runner_of(t, drafter), load_file(dpath / "model.safetensors")
+    seqs = prefilled(runner, PROMPTS)
+    with torch.inference_mode():
+        hidden = runner.proposer.draft_hidden(runner, runner.step_inputs(seqs, [6, 6, 6], None, None))
+    for i, ids in enumerate(PROMPTS):
+        with torch.no_grad():
+            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[j + 1][0, :-1] for j in (1, 3)], dim=-1)
+            block = torch.tensor([ids[-1]] + [drafter.mask_token_id] * 5)
+            expected = dense_block_hidden(w, 2, feats, hf.model.embed_tokens(block), len(ids) - 1)
+        torch.testing.assert_close(hidden[i], expected[1:], atol=1e-4, rtol=1e-4)
+
+
+def runner_of(t, drafter, page: int = 4) -> ModelRunner:
+    return ModelRunner(
+        t,
+        DFlash2Proposer(drafter),
+        allocate_kv_cache(4, 32, page, 2, 16, torch.float32, "cpu"),
+        allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu"),
+        page,
+    )
+
+
+def prefilled(runner: ModelRunner, prompts: list[list[int]]) -> list[Sequence]:
+    alloc, seqs = (
+        PageAllocator(32, runner.page_size),
+        [Sequence(None, p, SamplingParams(temperature=0), 0) for p in prompts],
+    )
+    for s in seqs:
+        alloc.allocate(s.block_table, len(s.token_ids) + 6)
+    runner.prefill(seqs)
+    return seqs
+
+
 @pytest.mark.parametrize("successor_zero", [True, False])
 def test_walk_matches_dense_reference(tmp_path, target, successor_zero):
     """Greedy: row 0's candidates scored against the anchor, each later row's against the
@@ -71,19 +115,8 @@ def test_walk_matches_dense_reference(tmp_path, target, successor_zero):
     dpath = make_dflash2(tmp_path / "d", target, successor_zero=successor_zero, scale=3.0)
     t = load_target(target, torch.float32, CPU).model
     drafter = load_drafter(dpath, t, torch.float32, CPU)
-    w = load_file(dpath / "model.safetensors")
-    page = 4
-    runner = ModelRunner(
-        t,
-        DFlash2Proposer(drafter),
-        allocate_kv_cache(4, 32, page, 2, 16, torch.float32, "cpu"),
-        allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu"),
-        page,
-    )
-    alloc, seqs = PageAllocator(32, page), [Sequence(None, p, SamplingParams(temperature=0), 0) for p in PROMPTS]
-    for s in seqs:
-        alloc.allocate(s.block_table, len(s.token_ids) + 6)
-    runner.prefill(seqs)
+    runner, w = runner_of(t, drafter), load_file(dpath / "model.safetensors")
+    seqs = prefilled(runner, PROMPTS)
     with torch.inference_mode():
         inputs = runner.step_inputs(seqs, [6, 6, 6], None, None)
         hidden = runner.proposer.draft_hidden(runner, inputs)

@@ -32,10 +32,27 @@ def rope(x, pos, dim=16, theta=10000.0):
     return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
 
 
+def dense_conv(w, prefix, side, normed, x):
+    """DFlash2's convolution `prefix` (its base_kernel [2, taps, H] and kernel_projection), on
+    `side` (0: input, 1: output), of x [g, H] over the block's rows: out[i, c] = sum_t (base[side,
+    t, c] + delta[i, side, t, c // group]) x[i - t, c], delta projected from the normed input."""
+    base, proj = w[f"{prefix}.base_kernel"], w[f"{prefix}.kernel_projection.weight"]
+    taps, h = base.shape[1:]
+    group = h // (proj.shape[0] // (2 * taps))
+    delta = (normed @ proj.T).view(len(x), 2, taps, -1)
+    out = torch.zeros_like(x)
+    for i in range(len(x)):
+        for t in range(min(taps, i + 1)):
+            out[i] += (base[side, t] + delta[i, side, t].repeat_interleave(group)) * x[i - t]
+    return out
+
+
 def dense_block_hidden(w, layers, feats, anchor_emb_block, p, window=None, masks=None):
     """The normed hidden states [g, H] of every block row. feats: [p, F] context features; block:
     [g, H] embeddings of [anchor, MASK...]; the block sees the last `window` context positions, or
-    each layer i the keys masks[i] [g, p + g] allows (context, then block)."""
+    each layer i the keys masks[i] [g, p + g] allows (context, then block). Where the layer has
+    DFlash2's convolutions (in `w`), each sublayer reads the input side of its normed input and
+    adds the output side of its output (never the context's K/V)."""
     g = anchor_emb_block.shape[0]
     c = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
     ctx_pos, blk_pos = torch.arange(p), torch.arange(p, p + g)
@@ -48,7 +65,10 @@ def dense_block_hidden(w, layers, feats, anchor_emb_block, p, window=None, masks
         def L(name: str, i: int = i) -> torch.Tensor:
             return w[f"layers.{i}.{name}"]
 
-        h = rms(x, L("input_layernorm.weight"))
+        conv = f"layers.{i}.attention_conv.base_kernel" in w
+        normed = h = rms(x, L("input_layernorm.weight"))
+        if conv:
+            h = dense_conv(w, f"layers.{i}.attention_conv", 0, normed, normed)
         q = rms((h @ L("self_attn.q_proj.weight").T).view(g, 4, 16), L("self_attn.q_norm.weight"))
         kb = rms((h @ L("self_attn.k_proj.weight").T).view(g, 2, 16), L("self_attn.k_norm.weight"))
         kc = rms((c @ L("self_attn.k_proj.weight").T).view(p, 2, 16), L("self_attn.k_norm.weight"))
@@ -63,10 +83,14 @@ def dense_block_hidden(w, layers, feats, anchor_emb_block, p, window=None, masks
             scores = scores.masked_fill(~masks[i], float("-inf"))
         att = torch.softmax(scores, dim=-1)
         o = torch.einsum("hqk,khd->qhd", att, v).reshape(g, 64)
-        x = x + o @ L("self_attn.o_proj.weight").T
-        h = rms(x, L("post_attention_layernorm.weight"))
+        o = o @ L("self_attn.o_proj.weight").T
+        x = x + (dense_conv(w, f"layers.{i}.attention_conv", 1, normed, o) if conv else o)
+        normed = h = rms(x, L("post_attention_layernorm.weight"))
+        if conv:
+            h = dense_conv(w, f"layers.{i}.mlp_conv", 0, normed, normed)
         gate, up = h @ L("mlp.gate_proj.weight").T, h @ L("mlp.up_proj.weight").T
-        x = x + (torch.nn.functional.silu(gate) * up) @ L("mlp.down_proj.weight").T
+        m = (torch.nn.functional.silu(gate) * up) @ L("mlp.down_proj.weight").T
+        x = x + (dense_conv(w, f"layers.{i}.mlp_conv", 1, normed, m) if conv else m)
     return rms(x, w["norm.weight"])
 
 
