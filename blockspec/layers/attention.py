@@ -47,16 +47,17 @@ class AttentionMetadata:
         cache: tuple[torch.Tensor, torch.Tensor],
         layer_type: str,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`rope_then_attend`; on CUDA, for a step of one query tile, in one launch
         (`qkv_attention_triton`: its q and k normed and rotated in registers)."""
         kernels = fast_kernels(qkv, "paged_attention")
         if kernels is None or not kernels.fuses_qkv(qkv, cache[0]):
-            return rope_then_attend(self, qkv, norms, eps, rope, heads, cache, layer_type, scale)
+            return rope_then_attend(self, qkv, norms, eps, rope, heads, cache, layer_type, scale, sinks)
         k_start, k_end = self.key_ranges[layer_type]
         return kernels.qkv_attention_triton(
             qkv, *norms, eps, *rope, self.starts, self.slot_mapping, *cache, self.block_tables, k_start, k_end,
-            self.page_size, scale,
+            self.page_size, scale, sinks=sinks,
         )  # fmt: skip
 
     def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor]) -> KVWrite:
@@ -71,10 +72,11 @@ class AttentionMetadata:
         cache: tuple[torch.Tensor, torch.Tensor],
         layer_type: str,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [B, S, Hq, D], the new K/V already in the cache (`kv_write`); returns [B, S, Hq, D]."""
         k_start, k_end = self.key_ranges[layer_type]
-        return paged_attention(q, *cache, self.block_tables, k_start, k_end, self.page_size, scale)
+        return paged_attention(q, *cache, self.block_tables, k_start, k_end, self.page_size, scale, sinks)
 
 
 def rope_then_attend(
@@ -87,12 +89,13 @@ def rope_then_attend(
     cache,
     layer_type: str,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [B, S, Hq + 2 Hkv, D]: the q and k heads normed and rotated in place, the new K/V written
     to the cache (`attn.kv_write`), then q attends (`attn.attend`) -> [B, S, Hq, D]."""
     qkv = qk_norm_rope(qkv, *norms, eps, *rope, *heads, kv_write=attn.kv_write(cache))
     q, k, v = qkv.split([heads[0], heads[1], heads[1]], dim=-2)
-    return attn.attend(q, k, v, cache, layer_type, scale)
+    return attn.attend(q, k, v, cache, layer_type, scale, sinks)
 
 
 def paged_attention(
@@ -104,11 +107,14 @@ def paged_attention(
     k_end: torch.Tensor,
     page_size: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     kernels = fast_kernels(q, "paged_attention")
     if kernels is not None:
-        return kernels.paged_attention_triton(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale)
+        return kernels.paged_attention_triton(
+            q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks=sinks
+        )
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks)
 
 
 def paged_attention_ref(
@@ -120,19 +126,39 @@ def paged_attention_ref(
     k_end: torch.Tensor,
     page_size: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k, v = gather_kv(k_cache, block_tables, page_size), gather_kv(v_cache, block_tables, page_size)
     k_pos = torch.arange(k.shape[1], device=q.device)
     mask = (k_pos >= k_start[..., None]) & (k_pos < k_end[..., None])
-    return sdpa(q, k, v, mask[:, None], scale)
+    return sdpa(q, k, v, mask[:, None], scale, sinks)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, S, Hq, D]; k, v: [B, L, Hkv, D]; mask: [B, 1, S, L]; returns [B, S, Hq, D]."""
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q: [B, S, Hq, D]; k, v: [B, L, Hkv, D]; mask: [B, 1, S, L]; returns [B, S, Hq, D]. `sinks` [Hq]
+    (gpt-oss): a logit per head that joins every row's softmax with no value, so the row's weights
+    sum to less than one."""
+    if sinks is not None:
+        return sdpa_with_sinks(q, k, v, mask, scale, sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2)
+
+
+def sdpa_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """`sdpa` with the sink logits as one more column of each head's scores (value zero)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs.to(v.dtype) @ v).transpose(1, 2)
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -175,7 +201,8 @@ class DenseAttention:
         cache: tuple[torch.Tensor, torch.Tensor] | None,
         layer_type: str,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if cache is not None:
             k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
-        return sdpa(q, k, v, self.masks[layer_type], scale)
+        return sdpa(q, k, v, self.masks[layer_type], scale, sinks)

@@ -14,6 +14,7 @@ from torch import nn
 
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.linear import Linear
+from blockspec.layers.moe import MoESpec, SparseMoE
 from blockspec.layers.norm import RMSNorm, fold_norm_weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -36,6 +37,8 @@ class LayerSpec:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
+    attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
+    moe: MoESpec | None = None  # the experts of the layers whose MLP is "sparse_moe"
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Attention(nn.Module):
         self.eps = s.eps
         self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.attention_sinks else None
 
     def forward(
         self,
@@ -90,7 +94,9 @@ class Attention(nn.Module):
         qkv GEMM, the add in the o GEMM."""
         qkv = self.qkv_proj(x, norm=norm).view(*x.shape[:-1], -1, self.head_dim)
         heads, norms = (self.num_heads, self.num_kv_heads), (weight(self.q_norm), weight(self.k_norm))
-        out = attn.attend_qkv(qkv, norms, self.eps, rope, heads, cache, self.layer_type, self.head_dim**-0.5)
+        out = attn.attend_qkv(
+            qkv, norms, self.eps, rope, heads, cache, self.layer_type, self.head_dim**-0.5, self.sinks
+        )
         return self.o_proj(out.flatten(-2), residual=x if residual else None)
 
 
@@ -105,13 +111,16 @@ class MLP(nn.Module):
         GEMM, the add in the down GEMM."""
         return self.down_proj(self.gate_up_proj(x, norm=norm, swiglu=True), residual=x if residual else None)
 
+    def fold_norm(self, norm: RMSNorm) -> None:
+        fold_norm_weight(norm, self.gate_up_proj)
+
 
 # Each mixer kind: its module, built as module(spec, kind), and the cache it keeps per sequence.
 MIXERS: dict[str, tuple[type[nn.Module], str]] = {
     "full_attention": (Attention, PAGED_KV),
     "sliding_attention": (Attention, PAGED_KV),  # keys of the last `sliding_window` positions
 }
-MLPS: dict[str, type[nn.Module]] = {"dense": MLP}  # each MLP kind's module, built as module(spec)
+MLPS: dict[str, type[nn.Module]] = {"dense": MLP, "sparse_moe": SparseMoE}  # each one's module, built as module(spec)
 
 
 def kind_problems(kinds: list[LayerKind]) -> list[str]:
@@ -143,7 +152,7 @@ class DecoderLayer(nn.Module):
     def fold_norms(self) -> None:
         """Each norm's weight into the one GEMM that reads the norm's output (`fold_norm_weight`)."""
         fold_norm_weight(self.input_layernorm, self.self_attn.qkv_proj)
-        fold_norm_weight(self.post_attention_layernorm, self.mlp.gate_up_proj)
+        self.mlp.fold_norm(self.post_attention_layernorm)
 
 
 def decoder_stack(

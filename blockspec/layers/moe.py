@@ -1,0 +1,143 @@
+"""The mixture-of-experts MLP: a router weighs each row's top-k experts, each expert is a gated MLP,
+and a row's output is the weighted sum of its experts' outputs.
+
+The experts of a layer are stacked: `gate_up_proj` [E, 2I, H] (each expert's gate rows, then its
+up rows) and `down_proj` [E, H, I], nn.Linear's layout per expert, optionally biased. The CPU
+reference (`experts_ref`) groups the rows by expert and runs one GEMM pair per expert hit, as
+transformers does; on CUDA the Triton kernel (`blockspec.layers.kernels.fused_moe`) groups them on
+the device and reads each touched expert's weights once, inside the step's CUDA graph."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.layers.fast_path import fast_kernels
+from blockspec.layers.norm import RMSNorm
+
+ROUTINGS = ("softmax_topk", "topk_softmax")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The experts of a model's MoE layers and how rows are routed to them."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    # softmax_topk: softmax over every expert, then its top k (renormalized to sum 1 where
+    # norm_topk_prob): Qwen3-MoE. topk_softmax: the top k router logits, then their softmax: gpt-oss.
+    routing: str
+    norm_topk_prob: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    # swiglu: SiLU(gate) * up. clamped_swiglu (gpt-oss): gate clamped above and up on both sides at
+    # `swiglu_limit`, then gate * sigmoid(alpha * gate) * (up + 1).
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.routing not in ROUTINGS:
+            problems.append(f"MoE routing {self.routing!r} is not supported (supported: {', '.join(ROUTINGS)})")
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"expert activation {self.activation!r} is not supported")
+        if not 0 < self.top_k <= self.num_experts:
+            problems.append(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        return problems
+
+
+def route(logits: torch.Tensor, m: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> each row's expert weights [T, k] (in the logits' dtype, as
+    transformers rounds them) and expert ids [T, k]."""
+    if m.routing == "topk_softmax":
+        top, ids = torch.topk(logits, m.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top, ids = torch.topk(probs, m.top_k, dim=-1)
+    if m.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), ids
+
+
+def expert_activation(gate_up: torch.Tensor, m: MoESpec) -> torch.Tensor:
+    """[..., 2I] (gate | up) -> [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if m.activation == "swiglu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=m.swiglu_limit), up.clamp(-m.swiglu_limit, m.swiglu_limit)
+    return gate * torch.sigmoid(gate * m.swiglu_alpha) * (up + 1)
+
+
+def experts_ref(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    m: MoESpec,
+) -> torch.Tensor:
+    """x [T, H], weights and ids [T, k] -> [T, H]: per expert hit (in id order), its rows' gated MLP,
+    weighed and added to those rows."""
+    out = torch.zeros_like(x)
+    order = ids.flatten().argsort(stable=True)
+    counts = torch.bincount(ids.flatten(), minlength=m.num_experts).tolist()
+    flat_weights = weights.flatten()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        start += n
+        rows = pairs // m.top_k
+        h = expert_activation(F.linear(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]), m)
+        y = F.linear(h, down[e], None if down_bias is None else down_bias[e])
+        out.index_add_(0, rows, (y * flat_weights[pairs, None]).to(x.dtype))
+    return out
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "Experts") -> torch.Tensor:
+    """`experts_ref`; on CUDA without grad the Triton grouped kernel (no host sync: it runs in graphs)."""
+    args = (x, weights, ids, experts.gate_up_proj, experts.down_proj, experts.gate_up_bias, experts.down_bias)
+    kernels = fast_kernels(x, "fused_moe")
+    if kernels is not None:
+        return kernels.fused_moe_triton(*args, experts.spec)
+    return experts_ref(*args, experts.spec)
+
+
+class Experts(nn.Module):
+    def __init__(self, m: MoESpec, hidden_size: int) -> None:
+        super().__init__()
+        self.spec = m
+        E, inter = m.num_experts, m.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(E, hidden_size, inter))
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * inter)) if m.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(E, hidden_size)) if m.expert_bias else None
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP kind of `LayerSpec.moe`, called as the dense MLP is."""
+
+    def __init__(self, s) -> None:
+        super().__init__()
+        m = s.moe
+        self.spec = m
+        self.router = nn.Linear(s.hidden_size, m.num_experts, bias=m.router_bias)
+        self.experts = Experts(m, s.hidden_size)
+
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None, residual: bool = True) -> torch.Tensor:
+        """x + moe(norm(x)) (without `residual`: moe(norm(x)))."""
+        h = norm(x) if norm is not None else x
+        flat = h.reshape(-1, h.shape[-1])
+        weights, ids = route(F.linear(flat, self.router.weight, self.router.bias), self.spec)
+        y = moe_experts(flat, weights, ids, self.experts).view(x.shape)
+        return x + y if residual else y
+
+    def fold_norm(self, norm: RMSNorm) -> None:
+        """The norm before an MoE stays: it feeds the router and every expert."""
