@@ -10,7 +10,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_target
@@ -24,6 +35,13 @@ FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+}
+# Each MoE family's tiny experts: 8 of width 32, 2 a row (overridable as any config field).
+MOE_GEOMETRY = {
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    "gpt_oss": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8},
 }
 ROPES = {
     "none": None,
@@ -55,6 +73,7 @@ def make_target(
     if ROPES[rope]:
         rope_params.update(ROPES[rope])
     geometry = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
+    geometry |= MOE_GEOMETRY.get(family, {})
     config = config_cls(
         vocab_size=vocab,
         hidden_size=hidden,

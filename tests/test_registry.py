@@ -42,7 +42,9 @@ def test_unknown_architectures_name_the_supported_ones():
         family_for(PretrainedConfig(architectures=["GPT2LMHeadModel"]))
     config = PretrainedConfig()
     config.model_type = "gpt2"
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported \(supported: llama, qwen2, qwen3"):
+    with pytest.raises(
+        ValueError, match=r"model_type 'gpt2' is not supported \(supported: gpt_oss, llama, qwen2, qwen3, qwen3_moe"
+    ):
         family_for(config)
     with pytest.raises(ValueError, match=r"architecture Qwen3ForCausalLM is not a supported drafter \(supported: DFl"):
         drafter_kind_for(PretrainedConfig(architectures=["Qwen3ForCausalLM"]))

@@ -177,15 +177,24 @@ def stored_name(name: str) -> str | None:
     return None if "rotary_emb" in name else name
 
 
+Convert = Callable[[dict[str, torch.Tensor], LayerSpec, Path], dict[str, torch.Tensor]]
+
+
+def as_stored(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
+    return weights
+
+
 @dataclass(frozen=True)
 class WeightMapping:
     """A checkpoint's tensor names -> a model's parameters: `rename` maps each name (None: the
-    tensor is not loaded), then the parts of each packed projection are concatenated (`packing` of
-    the model's layer spec)."""
+    tensor is not loaded), `convert` brings tensors stored in another layout into the model's
+    (per-expert tensors stacked, MXFP4 dequantized; it may consume the dict it is given), then the
+    parts of each packed projection are concatenated (`packing` of the model's layer spec)."""
 
     rename: Callable[[str], str | None] = stored_name
     packing: Callable[[LayerSpec], Packing] = packed_parts
+    convert: Convert = as_stored
 
     def to_model(self, weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
         renamed = {new: t for name, t in weights.items() if (new := self.rename(name)) is not None}
-        return pack(renamed, source, self.packing(spec))
+        return pack(self.convert(renamed, spec, source), source, self.packing(spec))

@@ -25,7 +25,7 @@ from blockspec.models.hf_config import config_problems, decoder_layer_kinds
 class TargetFamily:
     """A family of targets: the config.json that selects it (`architectures`, or where it names
     none, `model_types`), its config read as our layer spec and per-layer kinds (mixer: full or
-    sliding attention; MLP: dense), its checkpoint names mapped to ours, and the model built."""
+    sliding attention; MLP: dense or sparse_moe), its checkpoint names mapped to ours, and the model built."""
 
     name: str
     architectures: tuple[str, ...]
@@ -37,7 +37,8 @@ class TargetFamily:
 
     def problems(self, config: PretrainedConfig) -> list[str]:
         """What `config` asks for that this family's model cannot do."""
-        return config_problems(config, self.layer_kinds(config))
+        moe = self.layer_spec(config).moe
+        return config_problems(config, self.layer_kinds(config)) + (moe.problems() if moe is not None else [])
 
     def cache_kinds(self, config: PretrainedConfig) -> tuple[str, ...]:
         """The caches its layers keep of each sequence (`LayerKind.cache`), each once; of a config

@@ -1,0 +1,91 @@
+"""gpt-oss: biased q/k/v/o projections and a learned sink logit per head in every attention softmax;
+sliding (window `sliding_window`, 128) and full attention layers as `layer_types` alternate them;
+YaRN rope; every MLP sparse: a biased router whose top `num_experts_per_tok` logits are
+softmaxed, and biased experts with the clamped SwiGLU (`MoESpec.activation`).
+
+Checkpoints come in two layouts, both loaded here: OpenAI's, the experts in MXFP4
+(`*_blocks`/`*_scales`, dequantized at load: `blockspec.loading.mxfp4`), and transformers'
+dequantized one (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]). Both store
+gate|up with gate and up interleaved column by column; ours puts the gate rows first."""
+
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from blockspec.layers.decoder import LayerKind, LayerSpec
+from blockspec.layers.moe import MoESpec
+from blockspec.loading.mxfp4 import dequantize_mxfp4, mxfp4_problems
+from blockspec.loading.weights import CheckpointError, WeightMapping
+from blockspec.models.hf_config import decoder_spec, layer_types
+from blockspec.models.registry import TargetFamily
+
+
+def layer_spec(config: PretrainedConfig) -> LayerSpec:
+    moe = MoESpec(
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.intermediate_size,
+        routing="topk_softmax",
+        router_bias=True,
+        expert_bias=True,
+        activation="clamped_swiglu",
+        swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
+        swiglu_limit=config.swiglu_limit,
+    )
+    spec = decoder_spec(config, qkv_bias=True, o_bias=True)
+    return LayerSpec(**{**vars(spec), "attention_sinks": True, "moe": moe})
+
+
+def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
+    return [LayerKind(t, "sparse_moe") for t in layer_types(config)]
+
+
+def gate_first(gate_up: torch.Tensor, dim: int) -> torch.Tensor:
+    """Interleaved gate|up (gate at the even indices of `dim`) -> the gate half, then the up half."""
+    pairs = gate_up.unflatten(dim, (-1, 2))
+    return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim)
+
+
+def take(weights: dict[str, torch.Tensor], name: str, source: Path) -> torch.Tensor:
+    if name not in weights:
+        raise CheckpointError(f"{source}: tensors missing from the checkpoint: {[name]}")
+    return weights.pop(name)
+
+
+def dequantized(weights: dict[str, torch.Tensor], prefix: str, source: Path) -> torch.Tensor:
+    """The MXFP4 weight `prefix` in bf16 (exact: `blockspec.loading.mxfp4`)."""
+    blocks, scales = take(weights, f"{prefix}_blocks", source), take(weights, f"{prefix}_scales", source)
+    problems = mxfp4_problems(blocks, scales)
+    if problems:
+        raise CheckpointError(f"{source}: {prefix}: " + "; ".join(problems))
+    return dequantize_mxfp4(blocks, scales, torch.bfloat16)
+
+
+def expert_layout(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
+    """Each layer's experts in ours: gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I], and
+    the biases (`gate_up_bias`, `down_bias`)."""
+    for name in [n for n in weights if n.endswith(".experts.gate_up_proj_bias")]:
+        prefix = name.removesuffix("_bias")
+        experts = prefix.removesuffix(".gate_up_proj")
+        if f"{prefix}_blocks" in weights:  # MXFP4: [E, 2I, H] and [E, H, I] once dequantized
+            gate_up, down = dequantized(weights, prefix, source), dequantized(weights, f"{experts}.down_proj", source)
+        elif prefix in weights:  # transformers' [E, H, 2I] and [E, I, H]
+            gate_up, down = (take(weights, n, source).transpose(1, 2) for n in (prefix, f"{experts}.down_proj"))
+        else:
+            raise CheckpointError(f"{source}: {prefix} is missing (neither MXFP4 blocks nor a dense tensor)")
+        weights[f"{experts}.gate_up_proj"] = gate_first(gate_up, 1).contiguous()
+        weights[f"{experts}.down_proj"] = down.contiguous()
+        weights[f"{experts}.gate_up_bias"] = gate_first(weights.pop(name), 1)
+        weights[f"{experts}.down_bias"] = take(weights, f"{experts}.down_proj_bias", source)
+    return weights
+
+
+FAMILY = TargetFamily(
+    "gpt_oss",
+    architectures=("GptOssForCausalLM",),
+    model_types=("gpt_oss",),
+    layer_spec=layer_spec,
+    layer_kinds=layer_kinds,
+    weights=WeightMapping(convert=expert_layout),
+)

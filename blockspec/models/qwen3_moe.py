@@ -1,0 +1,76 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): Qwen3's attention; the MLP of layer i is sparse
+(softmax router, top `num_experts_per_tok` of `num_experts`, renormalized where `norm_topk_prob`)
+when i is not in `mlp_only_layers` and (i + 1) is a multiple of `decoder_sparse_step`, else dense.
+Checkpoints store each expert's projections apart; loading stacks them per layer."""
+
+import re
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from blockspec.layers.decoder import LayerKind, LayerSpec
+from blockspec.layers.moe import MoESpec
+from blockspec.loading.weights import CheckpointError, WeightMapping, stored_name
+from blockspec.models.hf_config import layer_types
+from blockspec.models.qwen3 import layer_spec as qwen3_spec
+from blockspec.models.registry import TargetFamily
+
+EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def layer_spec(config: PretrainedConfig) -> LayerSpec:
+    moe = MoESpec(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        routing="softmax_topk",
+        norm_topk_prob=bool(config.norm_topk_prob),
+    )
+    return LayerSpec(**{**vars(qwen3_spec(config)), "moe": moe})
+
+
+def is_sparse(config: PretrainedConfig, i: int) -> bool:
+    dense = getattr(config, "mlp_only_layers", None) or []
+    return i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+
+
+def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
+    return [LayerKind(t, "sparse_moe" if is_sparse(config, i) else "dense") for i, t in enumerate(layer_types(config))]
+
+
+def rename(name: str) -> str | None:
+    return stored_name(name.replace(".mlp.gate.weight", ".mlp.router.weight"))
+
+
+def stack_experts(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
+    """Each layer's `experts.{e}.{gate,up,down}_proj.weight` -> `experts.gate_up_proj` [E, 2I, H] and
+    `experts.down_proj` [E, H, I]; the per-expert tensors leave `weights` as they are stacked."""
+    layers: dict[str, dict[tuple[str, int], str]] = {}
+    for name in list(weights):
+        if (m := EXPERT.fullmatch(name)) is not None:
+            layers.setdefault(m[1], {})[m[3], int(m[2])] = name
+    for prefix, names in layers.items():
+        experts = range(spec.moe.num_experts)
+        expected = {(part, e) for part in ("gate", "up", "down") for e in experts}
+        if set(names) != expected:
+            missing, extra = sorted(expected - set(names)), sorted(set(names) - expected)
+            raise CheckpointError(f"{source}: {prefix}: expert tensors missing {missing[:4]}, unexpected {extra[:4]}")
+        part = {key: weights.pop(name) for key, name in names.items()}
+        for kind in ("gate", "up", "down"):
+            shapes = {tuple(part[kind, e].shape) for e in experts}
+            if len(shapes) > 1:
+                raise CheckpointError(f"{source}: {prefix}.*.{kind}_proj.weight have different shapes {sorted(shapes)}")
+        weights[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([part["gate", e], part["up", e]]) for e in experts])
+        weights[f"{prefix}.down_proj"] = torch.stack([part["down", e] for e in experts])
+    return weights
+
+
+FAMILY = TargetFamily(
+    "qwen3_moe",
+    architectures=("Qwen3MoeForCausalLM",),
+    model_types=("qwen3_moe",),
+    layer_spec=layer_spec,
+    layer_kinds=layer_kinds,
+    weights=WeightMapping(rename=rename, convert=stack_experts),
+)

@@ -1,0 +1,221 @@
+"""MoE targets (Qwen3-MoE, gpt-oss) against transformers' own models: logits through the paged
+path, greedy decoding plain and speculative, gpt-oss's MXFP4 experts, and checkpoints that do not
+fit."""
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+from safetensors.torch import load_file, save_file
+from test_target_logits import paged_logits
+from transformers import AutoModelForCausalLM
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from blockspec import LLM
+from blockspec.layers.moe import MoESpec, SparseMoE, experts_ref, route
+from blockspec.loading.hf import load_target
+from blockspec.loading.mxfp4 import dequantize_mxfp4
+from blockspec.loading.weights import CheckpointError
+from blockspec.sampling import SamplingParams
+
+CASES = [
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"norm_topk_prob": False, "num_experts_per_tok": 3}),
+    ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [3]}),  # dense layers 0, 2, 3
+    ("gpt_oss", {}),  # window 8, shorter than the prompts
+    ("gpt_oss", {"num_experts_per_tok": 4, "swiglu_limit": 0.3}),  # the clamp binds
+]
+
+
+def scale_tensors(path, suffix: str, factor: float) -> None:
+    """Multiply the checkpoint's tensors named *suffix by factor (sinks away from transformers' ~0
+    init, so that a sink ignored or applied twice shows)."""
+    file = path / "model.safetensors"
+    weights = load_file(file)
+    save_file({n: t * factor if n.endswith(suffix) else t for n, t in weights.items()}, file, {"format": "pt"})
+
+
+def moe_target(tmp_path, family: str, **extra):
+    path = make_target(tmp_path / "t", family, rope="yarn" if family == "gpt_oss" else "none", **extra)
+    if family == "gpt_oss":
+        scale_tensors(path, ".sinks", 20.0)
+    return path
+
+
+@pytest.mark.parametrize("family,extra", CASES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CASES)])
+def test_logits_match_transformers(tmp_path, family, extra):
+    path = moe_target(tmp_path, family, **extra)
+    ours = load_target(path, torch.float32, torch.device("cpu")).model
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert [isinstance(layer.mlp, SparseMoE) for layer in ours.layers] == [
+        hasattr(layer.mlp, "experts") for layer in ref.model.layers
+    ]
+    ids = torch.randint(0, 128, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    for split in (70, 89):  # a verify-sized tail and a one-row decode
+        torch.testing.assert_close(paged_logits(ours, ids, split=split), expected[split:], atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_greedy_plain_and_speculative_equal_transformers_generate(tmp_path, family):
+    """Past gpt-oss's window (8) and across many experts: plain and speculative decoding are
+    transformers' greedy generate, token for token."""
+    t = moe_target(tmp_path, family)
+    d = make_drafter(tmp_path / "d", t, block_size=4)
+    ref = AutoModelForCausalLM.from_pretrained(t, dtype=torch.float32).eval()
+    prompt = [5, 9, 17, 3, 40, 41, 42, 7, 8, 100, 101]
+    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for spec in (None, {"model": str(d)}):
+        out = LLM(str(t), spec, device="cpu", page_size=4).generate([prompt], params)[0].outputs[0].token_ids
+        assert out == expected[0, len(prompt) :].tolist()
+
+
+def test_sliding_window_target_preempts_without_changing_outputs(tmp_path):
+    """gpt-oss (sliding layers, sinks, experts) through a pool too small for its requests: the
+    preempted and recomputed outputs equal each request run alone."""
+    t = moe_target(tmp_path, "gpt_oss")
+    d = make_drafter(tmp_path / "d", t, block_size=4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, 127, (int(n),), generator=gen).tolist() for n in torch.randint(5, 25, (6,), generator=gen)
+    ]
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=12 + 2 * i, ignore_eos=True)
+        for i in range(6)
+    ]
+    small = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4, num_pages=13, max_model_len=44)
+    outs = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    alone = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4, max_model_len=44)
+    for p, sp, o in zip(prompts, params, outs):
+        assert o.outputs[0].token_ids == alone.generate([p], sp)[0].outputs[0].token_ids
+
+
+def random_mxfp4(gen: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [*shape[:-1], K/32, 16] and scales [*shape[:-1], K/32] of a weight [*shape]: every
+    nibble, and exponents 2^-6 .. 2^0 (biased 121 .. 127)."""
+    *rows, k = shape
+    blocks = torch.randint(0, 256, (*rows, k // 32, 16), generator=gen, dtype=torch.uint8)
+    return blocks, torch.randint(121, 128, (*rows, k // 32), generator=gen, dtype=torch.uint8)
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    blocks, scales = random_mxfp4(torch.Generator().manual_seed(0), 3, 10, 96)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # transposed: [E, K, N]
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), ours)  # exact in bf16
+
+
+def to_mxfp4_checkpoint(path, gen: torch.Generator) -> None:
+    """Replace the transformers-layout experts of a gpt-oss checkpoint by random MXFP4 ones, as
+    OpenAI's checkpoints store them, and write the same weights dequantized (transformers' layout)
+    to path / "dense" for the reference."""
+    weights = load_file(path / "model.safetensors")
+    mxfp4, dense = dict(weights), dict(weights)
+    for name in [n for n in weights if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        E, k, n = weights[name].shape  # transformers' [E, in, out]
+        blocks, scales = random_mxfp4(gen, E, n, k)
+        del mxfp4[name]
+        mxfp4 |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(mxfp4, path / "model.safetensors", {"format": "pt"})
+    (path / "dense").mkdir()
+    save_file(dense, path / "dense" / "model.safetensors", {"format": "pt"})
+    (path / "dense" / "config.json").write_text((path / "config.json").read_text())
+
+
+def test_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path):
+    path = moe_target(tmp_path, "gpt_oss")
+    to_mxfp4_checkpoint(path, torch.Generator().manual_seed(3))
+    ours = load_target(path, torch.float32, torch.device("cpu")).model
+    ref = AutoModelForCausalLM.from_pretrained(path / "dense", dtype=torch.float32).eval()
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(paged_logits(ours, ids, split=30), expected[30:], atol=1e-4, rtol=1e-4)
+
+
+def test_routing_follows_each_family():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    qwen = MoESpec(num_experts=4, top_k=2, intermediate_size=8, routing="softmax_topk")
+    weights, ids = route(logits, qwen)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, torch.softmax(logits, -1)[:, [1, 2]])  # not renormalized
+    weights, _ = route(logits, MoESpec(**{**vars(qwen), "norm_topk_prob": True}))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1))
+    weights, _ = route(logits, MoESpec(**{**vars(qwen), "routing": "topk_softmax"}))
+    torch.testing.assert_close(weights, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))
+
+
+def test_experts_reference_against_a_dense_loop():
+    """Each row's output is the router-weighted sum of its own experts' gated MLPs, whatever the
+    grouping by expert does."""
+    gen = torch.Generator().manual_seed(0)
+    m = MoESpec(
+        num_experts=5,
+        top_k=2,
+        intermediate_size=6,
+        routing="topk_softmax",
+        expert_bias=True,
+        activation="clamped_swiglu",
+        swiglu_limit=0.5,
+    )
+    x = torch.randn(7, 8, generator=gen)
+    gate_up, down = torch.randn(5, 12, 8, generator=gen), torch.randn(5, 8, 6, generator=gen)
+    gate_up_bias, down_bias = torch.randn(5, 12, generator=gen), torch.randn(5, 8, generator=gen)
+    weights, ids = route(torch.randn(7, 5, generator=gen), m)
+    expected = torch.zeros(7, 8)
+    for t in range(7):
+        for j in range(2):
+            e = ids[t, j]
+            g, u = (gate_up[e] @ x[t] + gate_up_bias[e]).chunk(2)
+            g, u = g.clamp(max=0.5), u.clamp(-0.5, 0.5)
+            expected[t] += weights[t, j] * (down[e] @ (g * torch.sigmoid(1.702 * g) * (u + 1)) + down_bias[e])
+    got = experts_ref(x, weights, ids, gate_up, down, gate_up_bias, down_bias, m)
+    torch.testing.assert_close(got, expected)
+
+
+def test_mismatched_moe_checkpoints_fail_naming_the_tensor(tmp_path):
+    path = moe_target(tmp_path, "qwen3_moe")
+    weights = load_file(path / "model.safetensors")
+    save_file(
+        {n: t for n, t in weights.items() if n != "model.layers.1.mlp.experts.5.up_proj.weight"},
+        path / "model.safetensors",
+    )
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts: expert tensors missing \[\('up', 5\)\]"):
+        load_target(path, torch.float32, torch.device("cpu"))
+    weights["model.layers.2.mlp.experts.3.down_proj.weight"] = torch.zeros(64, 31)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"down_proj.weight have different shapes"):
+        load_target(path, torch.float32, torch.device("cpu"))
+
+
+def test_malformed_mxfp4_fails_naming_the_tensor(tmp_path):
+    path = moe_target(tmp_path, "gpt_oss")
+    to_mxfp4_checkpoint(path, torch.Generator().manual_seed(0))
+    weights = load_file(path / "model.safetensors")
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    save_file({**weights, name: weights[name][:, :3].contiguous()}, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.down_proj: MXFP4 blocks .* do not fit scales"):
+        load_target(path, torch.float32, torch.device("cpu"))
+
+
+def test_moe_config_that_cannot_run_is_refused(tmp_path):
+    path = moe_target(tmp_path, "qwen3_moe", num_experts_per_tok=9)
+    with pytest.raises(CheckpointError, match=r"num_experts_per_tok 9 must be in 1..num_experts \(8\)"):
+        load_target(path, torch.float32, torch.device("cpu"))
+
+
+def test_moe_module_adds_its_residual():
+    torch.manual_seed(0)
+    from blockspec.layers.decoder import LayerSpec
+
+    m = MoESpec(num_experts=4, top_k=2, intermediate_size=8, routing="softmax_topk")
+    s = LayerSpec(16, 2, 1, 8, 32, 1e-6, False, False, False, False, moe=m)
+    moe = SparseMoE(s)
+    for p in moe.parameters():
+        p.data.normal_()
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(moe(x, None), x + moe(x, None, residual=False))
