@@ -135,7 +135,12 @@ def paged_attention_ref(
 
 
 def sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, S, Hq, D]; k, v: [B, L, Hkv, D]; mask: [B, 1, S, L]; returns [B, S, Hq, D]. `sinks` [Hq]
     (gpt-oss): a logit per head that joins every row's softmax with no value, so the row's weights
