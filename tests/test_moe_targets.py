@@ -2,6 +2,9 @@
 path, greedy decoding plain and speculative, gpt-oss's MXFP4 experts, and checkpoints that do not
 fit."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import make_drafter, make_target
@@ -12,9 +15,9 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from blockspec import LLM
 from blockspec.layers.moe import MoESpec, SparseMoE, experts_ref, route
-from blockspec.loading.hf import load_target
+from blockspec.loading.hf import load_config, load_target, target_family
 from blockspec.loading.mxfp4 import dequantize_mxfp4
-from blockspec.loading.weights import CheckpointError
+from blockspec.loading.weights import CheckpointError, check_tensors
 from blockspec.sampling import SamplingParams
 
 CASES = [
@@ -219,3 +222,51 @@ def test_moe_module_adds_its_residual():
         p.data.normal_()
     x = torch.randn(2, 3, 16)
     torch.testing.assert_close(moe(x, None), x + moe(x, None, residual=False))
+
+
+TARGET_FIXTURES = Path(__file__).parent / "fixtures" / "targets"  # SOURCES.md there says where each came from
+DTYPES = {"BF16": torch.bfloat16, "U8": torch.uint8, "F32": torch.float32}
+
+
+def qwen3_moe_tensors(config) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE checkpoint's tensors on the meta device, by the naming of Qwen's index files
+    (targets/SOURCES.md): one tensor per expert projection."""
+    H, E, inter, heads, kv, D = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
+                                 config.num_attention_heads, config.num_key_value_heads, config.head_dim)  # fmt: skip
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, H), "lm_head.weight": (config.vocab_size, H),
+              "model.norm.weight": (H,)}  # fmt: skip
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.input_layernorm.weight": (H,), f"{p}.post_attention_layernorm.weight": (H,),
+                   f"{p}.self_attn.q_proj.weight": (heads * D, H), f"{p}.self_attn.k_proj.weight": (kv * D, H),
+                   f"{p}.self_attn.v_proj.weight": (kv * D, H), f"{p}.self_attn.o_proj.weight": (H, heads * D),
+                   f"{p}.self_attn.q_norm.weight": (D,), f"{p}.self_attn.k_norm.weight": (D,),
+                   f"{p}.mlp.gate.weight": (E, H)}  # fmt: skip
+        for e in range(E):
+            x = f"{p}.mlp.experts.{e}"
+            shapes |= {f"{x}.gate_proj.weight": (inter, H), f"{x}.up_proj.weight": (inter, H),
+                       f"{x}.down_proj.weight": (H, inter)}  # fmt: skip
+    return {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("name", ["Qwen--Qwen3-Coder-30B-A3B-Instruct", "openai--gpt-oss-20b", "openai--gpt-oss-120b"])
+def test_published_targets_build_with_every_tensor(name):
+    """The published MoE targets' config.json select their family and build on the meta device;
+    their tensors (gpt-oss: the MXFP4 checkpoint's own list) fill every parameter, none left over."""
+    folder = TARGET_FIXTURES / name
+    config = load_config(folder)
+    family = target_family(config, folder)
+    with torch.device("meta"):
+        model = family.build(config)
+    if (folder / "tensors.json").is_file():
+        header = json.loads((folder / "tensors.json").read_text())
+        tensors = {n: torch.empty(t["shape"], dtype=DTYPES[t["dtype"]], device="meta") for n, t in header.items()}
+        assert any(n.endswith("_blocks") for n in tensors)  # MXFP4 experts, dequantized at load
+    else:
+        tensors = qwen3_moe_tensors(config)
+    check_tensors(model, family.weights.to_model(tensors, family.layer_spec(config), folder), folder)
+    moe = model.layers[0].mlp.spec
+    expected = {"Qwen": (128, 8, 768), "openai--gpt-oss-20b": (32, 4, 2880), "openai--gpt-oss-120b": (128, 4, 2880)}
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == next(
+        v for k, v in expected.items() if name.startswith(k)
+    )

@@ -29,6 +29,9 @@ TARGETS = {
     "Qwen3.8-27B": qwen3(5120, 64, 248320),
     "Llama-3.1-8B": LlamaConfig(hidden_size=4096, num_hidden_layers=32, vocab_size=128256),
     "z-lab-fixture-target": qwen3(6656, 52, 202048),  # the geometry z-lab's DFlash2 fixture reads
+    "Qwen3-Coder-30B-A3B": qwen3(2048, 48),
+    "gpt-oss-20b": qwen3(2880, 24, 201088),
+    "gpt-oss-120b": qwen3(2880, 36, 201088),
 }
 
 # folder -> (target, kind, shifted, drafts a block, draft vocabulary, Markov rank, confidence head)
@@ -47,6 +50,10 @@ EXPECTED = {
     # DFlash2: (selector rank, top-k) in place of the Markov rank and confidence head
     "z-lab--dflash2-fixture": ("z-lab-fixture-target", "dflash2", False, 15, 202048, 256, 16),
     "z-lab--Qwen3.8-27B-DFlash2": ("Qwen3.8-27B", "dflash2", False, 7, 248320, 256, 16),
+    # MoE targets' drafters (tests/fixtures/targets has the targets themselves)
+    "z-lab--Qwen3-Coder-30B-A3B-DFlash": ("Qwen3-Coder-30B-A3B", "dflash", False, 15, 151936, None, None),
+    "z-lab--gpt-oss-20b-DFlash": ("gpt-oss-20b", "dflash", False, 7, 201088, None, None),
+    "z-lab--gpt-oss-120b-DFlash": ("gpt-oss-120b", "dflash", False, 9, 201088, None, None),
 }
 
 

@@ -22,6 +22,7 @@ from blockspec.config import EngineConfig, KernelConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.layers.fast_path import use_kernels
+from blockspec.layers.moe import SparseMoE
 from blockspec.llm import resolve_device, resolve_dtype
 from blockspec.loading.drafters import load_drafter
 from blockspec.loading.finish import drafter_options, target_options
@@ -43,6 +44,7 @@ class Result:
     phases_ms: dict[str, float] = field(default_factory=dict)  # drafter / verify / context / host
     floor_ms: float = 0.0
     tau_histogram: dict[int, int] = field(default_factory=dict)
+    experts_per_layer: float = 0.0  # MoE targets: experts a step reads per MoE layer, on average
 
 
 class PhaseMarks:
@@ -111,6 +113,33 @@ def weight_bytes(target, drafter) -> int:
     return total
 
 
+def moe_layers(target) -> list[SparseMoE]:
+    return [m for m in target.modules() if isinstance(m, SparseMoE)]
+
+
+def expert_bytes(moe: SparseMoE) -> int:
+    """Bytes of one expert of `moe` (weights and biases)."""
+    return sum(p.numel() * p.element_size() for p in moe.experts.parameters()) // moe.spec.num_experts
+
+
+def count_experts(target) -> None:
+    """Make the target's MoE layers record the experts they route to (`SparseMoE.touched`: one index
+    write per layer in the step, captured in its graphs)."""
+    for moe in moe_layers(target):
+        moe.touched = torch.zeros(moe.spec.num_experts, dtype=torch.bool, device=moe.router.weight.device)
+
+
+def touched_expert_bytes(target) -> tuple[int, int]:
+    """Bytes of the experts the MoE layers routed to since the last call, and how many they were;
+    clears the record."""
+    total = count = 0
+    for moe in moe_layers(target):
+        n = int(moe.touched.sum())
+        total, count = total + n * expert_bytes(moe), count + n
+        moe.touched.zero_()
+    return total, count
+
+
 def total_steps(steps: int, warmup: int) -> int:
     """Steps a measurement runs: warmup, the timed steps, then PHASE_STEPS read one by one."""
     return warmup + steps + PHASE_STEPS
@@ -143,16 +172,23 @@ def measure(engine: LLMEngine, batch: int, args, warmup: int, marks: PhaseMarks)
     run_ahead, engine.run_ahead = engine.run_ahead, False
     run_steps(engine, 1)  # completes the step in flight
     totals = dict.fromkeys(PHASES, 0.0)
+    touched = [0, 0]
+    moe = bool(moe_layers(engine.target.model))
+    if moe:
+        touched_expert_bytes(engine.target.model)
     for _ in range(PHASE_STEPS):
         run_steps(engine, 1)
         for name, ms in marks.phases().items():
             totals[name] += ms
+        if moe:  # one step's experts
+            touched = [a + b for a, b in zip(touched, touched_expert_bytes(engine.target.model))]
     engine.run_ahead = run_ahead
     phases = {k: v / PHASE_STEPS for k, v in totals.items()}
     phases["host"] = max(0.0, elapsed * 1e3 / args.steps - sum(phases.values()))
     for s in seqs:
         engine.abort(s.request_id)
-    return {"tokens": sum(taus), "elapsed": elapsed, "taus": taus, "phases": phases}
+    experts = {"expert_bytes": touched[0] / PHASE_STEPS, "experts": touched[1] / PHASE_STEPS}
+    return {"tokens": sum(taus), "elapsed": elapsed, "taus": taus, "phases": phases} | experts
 
 
 def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) -> Result:
@@ -179,12 +215,16 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
     )
     engine = LLMEngine(target, drafter, spec, config)
     marks = engine.runner.phase_marks = PhaseMarks(cuda)  # before any step: graphs capture the marks
+    count_experts(target.model)  # as the marks
     m = measure(engine, batch, args, warmup, marks)
     step_ms = m["elapsed"] * 1e3 / args.steps
     hist = {}
     for t in m["taus"]:
         hist[t] = hist.get(t, 0) + 1
-    floor_ms = weight_bytes(target.model, drafter) / bandwidth * 1e3
+    # MoE: the floor reads only the experts a step routes to (measured over the phase steps)
+    layers = moe_layers(target.model)
+    all_experts = sum(expert_bytes(moe) * moe.spec.num_experts for moe in layers)
+    floor_ms = (weight_bytes(target.model, drafter) - all_experts + m["expert_bytes"]) / bandwidth * 1e3
     del engine
     if cuda:
         torch.cuda.empty_cache()
@@ -198,6 +238,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
         m["phases"],
         floor_ms,
         dict(sorted(hist.items())),
+        m["experts"] / len(layers) if layers else 0.0,
     )
 
 

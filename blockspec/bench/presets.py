@@ -4,7 +4,7 @@
 and small presets (`random:small`, `random:small-DFlash`, `random:small-DSpark`) that run on a CPU."""
 
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from blockspec.loading.finish import AS_STORED, LoadOptions, finish_drafter, finish_target
 from blockspec.loading.hf import Target
@@ -46,6 +46,71 @@ TARGETS = {
             "original_max_position_embeddings": 8192,
         },
         architectures=["LlamaForCausalLM"],
+    ),
+    # Qwen/Qwen3-Coder-30B-A3B-Instruct's config.json
+    "Qwen3-Coder-30B-A3B": lambda: Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=262144,
+        rope_theta=10000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=["Qwen3MoeForCausalLM"],
+    ),
+    # openai/gpt-oss-20b's config.json (its experts here in bf16: MXFP4 is dequantized at load)
+    "gpt-oss-20b": lambda: GptOssConfig(
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        swiglu_limit=7.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        architectures=["GptOssForCausalLM"],
+    ),
+    "small-moe": lambda: Qwen3MoeConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        architectures=["Qwen3MoeForCausalLM"],
     ),
     "small": lambda: Qwen3Config(
         vocab_size=8192,

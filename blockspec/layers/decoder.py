@@ -79,7 +79,7 @@ class Attention(nn.Module):
         self.eps = s.eps
         self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
-        self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.attention_sinks else None
+        self.sinks = nn.Parameter(torch.zeros(s.num_heads)) if s.attention_sinks else None
 
     def forward(
         self,

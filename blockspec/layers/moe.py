@@ -119,6 +119,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, hidden_size, inter))
         self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * inter)) if m.expert_bias else None
         self.down_bias = nn.Parameter(torch.empty(E, hidden_size)) if m.expert_bias else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization per expert (random presets time models built this way)."""
+        for weight, bias in ((self.gate_up_proj, self.gate_up_bias), (self.down_proj, self.down_bias)):
+            bound = weight.shape[-1] ** -0.5
+            for p in (weight, bias) if bias is not None else (weight,):
+                nn.init.uniform_(p, -bound, bound)
 
 
 class SparseMoE(nn.Module):
@@ -130,12 +139,16 @@ class SparseMoE(nn.Module):
         self.spec = m
         self.router = nn.Linear(s.hidden_size, m.num_experts, bias=m.router_bias)
         self.experts = Experts(m, s.hidden_size)
+        self.touched: torch.Tensor | None = None  # [E] bool, where a benchmark counts the experts read
+
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None, residual: bool = True) -> torch.Tensor:
         """x + moe(norm(x)) (without `residual`: moe(norm(x)))."""
         h = norm(x) if norm is not None else x
         flat = h.reshape(-1, h.shape[-1])
         weights, ids = route(F.linear(flat, self.router.weight, self.router.bias), self.spec)
+        if self.touched is not None:
+            self.touched[ids.flatten()] = True
         y = moe_experts(flat, weights, ids, self.experts).view(x.shape)
         return x + y if residual else y
 

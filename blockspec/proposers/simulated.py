@@ -6,7 +6,12 @@ random drafter are never the target's tokens. Output tokens are then not the tar
 Each draft is accepted with one probability p, given the ones before it were (p solves
 1 + p + ... + p^max_drafts = tau): as with real drafters, long runs are rarer than short ones and
 narrower blocks commit fewer tokens. The draws are a function of (request seed, block position),
-made on the device."""
+made on the device.
+
+Its drafts are tokens hashed from (request seed, draft position), not the random drafter's: those
+repeat one token down a block, where real drafts are as varied as text, and an MoE target routes
+a block of one token to a handful of experts, a real block to many (its verify would be timed
+far too cheap)."""
 
 import math
 from typing import TYPE_CHECKING
@@ -14,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from blockspec.proposers.base import Proposal, Proposer
-from blockspec.sampling import Stream, uniform
+from blockspec.sampling import Stream, random_bits, uniform
 
 if TYPE_CHECKING:
     from blockspec.engine.runner import ModelRunner
@@ -51,6 +56,8 @@ class SimulatedProposer(Proposer):
 
     def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
         proposal = self.inner.propose(runner, inputs)
+        varied = random_bits(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
+        proposal.drafts = (varied % runner.target.config.vocab_size).to(proposal.drafts.dtype)
         proposal.accepted = self.accepted(inputs.seeds, inputs.starts, inputs.lengths - 1)
         return proposal
 
