@@ -1,7 +1,9 @@
 """Models with random weights at real geometry, for timing without any download:
 `random:Qwen3-8B`, `random:Qwen3-8B-DFlash-b16`, `random:Qwen3-8B-DSpark-b7`, `random:Qwen3-8B-DFlash2-b8`,
-`random:Llama-3.1-8B`,
-and small presets (`random:small`, `random:small-DFlash`, `random:small-DSpark`) that run on a CPU."""
+`random:Llama-3.1-8B`; MoE targets `random:Qwen3-Coder-30B-A3B` and `random:gpt-oss-20b` with their
+drafters `random:Qwen3-Coder-30B-A3B-DFlash` and `random:gpt-oss-20b-DFlash`;
+and small presets (`random:small`, `random:small-moe`, `random:small-DFlash`, `random:small-DSpark`)
+that run on a CPU."""
 
 import torch
 from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
@@ -168,7 +170,37 @@ DFLASH2_LAYERS = {
     "sliding_window": 2048,
     "is_causal": False,
 }
+# z-lab's drafters for the MoE targets (tests/fixtures/drafters/SOURCES.md: their geometry is quoted
+# from the published configs; the Coder drafter's mask token is a guess, Qwen3's <|MASK|> slot)
+MOE_DRAFTER_LAYERS = {"num_hidden_layers": 8, "architectures": [ARCHITECTURE]}
 DRAFTERS = {
+    "Qwen3-Coder-30B-A3B-DFlash": lambda: Qwen3Config(
+        **MOE_DRAFTER_LAYERS,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=262144,
+        rope_theta=10000000.0,
+        block_size=16,
+        dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]},
+    ),
+    "gpt-oss-20b-DFlash": lambda: Qwen3Config(
+        **MOE_DRAFTER_LAYERS,
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=7680,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        attention_bias=True,
+        max_position_embeddings=131072,
+        rope_parameters=TARGETS["gpt-oss-20b"]().rope_parameters,
+        block_size=8,
+        dflash_config={"mask_token_id": 200000, "target_layer_ids": [1, 6, 11, 16, 21]},
+    ),
     "Qwen3-8B-DFlash-b16": lambda: Qwen3Config(
         **QWEN3_8B_LAYERS, block_size=16, dflash_config=QWEN3_8B_IDS, architectures=[ARCHITECTURE]
     ),
