@@ -38,6 +38,18 @@ def test_fp32_fast_path_equals_cpu_reference(tmp_path, sliding):
         assert outputs(gpu_llm) == cpu
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fp32_moe_fast_path_equals_cpu_reference(tmp_path, family):
+    """MoE targets in CUDA graphs, the experts in the Triton kernel (gpt-oss: sinks in the attention
+    kernel, sliding window 8 inside these prompts): greedy output as the CPU reference's, plain and
+    speculative."""
+    t = make_target(tmp_path / "t", family, vocab=128, rope="yarn" if family == "gpt_oss" else "none")
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    for spec in (None, {"model": str(d)}):
+        cpu = outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
+        assert outputs(LLM(str(t), spec, device="cuda", dtype="float32")) == cpu
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"head": "rnn", "draft_vocab": 48}], ids=["vanilla", "rnn-d2t"])
 def test_dspark_fast_path_equals_cpu_reference(tmp_path, kwargs):
     """The Markov chain inside the step's CUDA graph: greedy output as the CPU's; seeded sampling

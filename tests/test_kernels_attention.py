@@ -7,6 +7,8 @@ again in a subprocess with TRITON_INTERPRET=1 (test_kernels_in_interpreter; by h
 `TRITON_INTERPRET=1 python -m pytest tests/test_kernels_attention.py`). Skipped where triton
 is not installed."""
 
+import math
+
 import pytest
 import torch
 
@@ -213,6 +215,61 @@ def test_out_buffer() -> None:
     check(out, case)
 
 
+# Sink logits of query heads 0, 1, ...: moderate ones, large ones that leave a head a tiny share
+# (e^-25) or all of it, and ones past exp's float32 range (e^1e4: inf) that must neither overflow
+# nor NaN: the head's output is then 0, or that without a sink.
+SINKS = [1.5, -25.0, 25.0, 1e4, -1.0, -1e4, 4.0, 0.5]
+
+
+def head_sinks(heads: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(SINKS[:heads], dtype=dtype, device=DEVICE)
+
+
+def check_sinks(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """out against expected head by head, relative to the head's largest output: a large sink scales
+    a head's outputs down by orders of magnitude, under any absolute tolerance."""
+    tol = 2e-2 if out.dtype == torch.bfloat16 else 1e-4
+    scale = expected.float().abs().amax(dim=(0, 1, 3), keepdim=True).clamp_min(1e-30)
+    torch.testing.assert_close(out.float() / scale, expected.float() / scale, atol=tol, rtol=tol)
+
+
+def assert_catches_wrong_sinks(expected: torch.Tensor, attend) -> None:
+    """`check_sinks` fails the outputs of a kernel that ignores the sinks, or adds them to each
+    split's partial (its log-sum-exp then holds the sink, and the combine counts it once a split:
+    over two splits, the sink plus log 2). attend(sinks): the reference's output with those sinks."""
+    sinks = expected.new_tensor(SINKS[: expected.shape[2]])
+    for wrong in (attend(None), attend(sinks + math.log(2))):
+        with pytest.raises(AssertionError):
+            check_sinks(wrong, expected)
+
+
+@runs_kernel
+@pytest.mark.parametrize("splits", [1, 2, 7])  # 2: combined by the last split to arrive, 7: by the combine kernel
+@pytest.mark.parametrize("name", ["decode_g4_d128", "causal_window_g3_s5", "draft_block_window_g1"])
+def test_sinks_match_reference(name: str, splits: int, poisoned_partials, arrivals) -> None:
+    """Attention sinks (gpt-oss) against the reference: GQA groups of 4, 3 and 1, sliding windows
+    (k_start > 0), the sink applied once to the whole row whether its keys were split or not."""
+    case = make_case(*CASES[name], dtype=DTYPES[0])
+    sinks = head_sinks(case["q"].shape[2])
+    expected = reference(case | {"sinks": sinks})
+    check_sinks(paged_attention_triton(**case, num_splits=splits, sinks=sinks), expected)
+    assert_catches_wrong_sinks(expected, lambda s: reference(case | {"sinks": s}))
+
+
+@runs_kernel
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_sinks_with_a_row_that_sees_no_key(splits: int, poisoned_partials, arrivals) -> None:
+    """A row with an empty key range gives its whole weight to the sink: zeros, as in the reference
+    (no split holds any of its keys, so every partial is empty). bf16 sink logits (gpt-oss's)."""
+    case = make_case(*CASES["causal_window_g3_s5"], dtype=DTYPES[0])
+    case["k_start"][0, 2] = case["k_end"][0, 2]
+    sinks = head_sinks(3, torch.bfloat16)
+    expected = reference(case | {"sinks": sinks})
+    out = paged_attention_triton(**case, num_splits=splits, sinks=sinks)
+    assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2]))
+    check_sinks(out, expected)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_dispatch_uses_kernel_on_cuda() -> None:
     case = make_case(*CASES["verify_g4_s16_ragged"], dtype=torch.bfloat16)
@@ -321,24 +378,12 @@ def test_layers_kv_write_kernel_matches_reference(dtype: torch.dtype) -> None:
             torch.testing.assert_close(c[1:].float(), e[1:].float(), rtol=tol, atol=tol)
 
 
-@runs_kernel
-@pytest.mark.parametrize("block_m", [None, 64], ids=["step_grid", "one_tile"])
-@pytest.mark.parametrize("splits", [1, 3, 7])
-@pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
-@pytest.mark.parametrize(
-    "name",
-    ["decode_g4_d128", "verify_g4_s16_ragged", "verify_g4_s7_ragged", "draft_block_g3_d64", "draft_block_window_g1",
-     "causal_window_g3_s5", "causal_window_3_s5", "tiny_model_d16_page_4"],
-)  # fmt: skip
-def test_qkv_attention_is_rope_and_write_then_attention(
-    name: str, weights: bool, splits: int, block_m: int | None, poisoned_partials, arrivals
-) -> None:
-    """The fused launch against qk_norm_rope_ref (with the K/V write) then paged_attention_ref, as
-    a step runs them: rows at their positions (padding rows of a ragged batch at position 0, slot
-    0), the new K/V written to their slots. Real rows' outputs and every real slot must agree.
-    With 7 splits most hold none of the keys (their partials are zeros); 3 combine as they arrive. `step_grid` cuts these small
-    batches' rows into tiles of 16 (each tile's last split makes the new keys, the first tile
-    writes them); 64 keeps them in one tile."""
+def fused_step(name: str, weights: bool) -> dict:
+    """A step of CASES[name] for the fused launch, as the engine runs it: a q|k|v projection whose
+    rows sit at their positions (padding rows of a ragged batch at position 0, slot 0) and the new
+    K/V's slots. "args": `qkv_attention_triton`'s (its caches, "caches", are written in place);
+    "roped_q", "expected_caches": qk_norm_rope_ref's (with the K/V write), which paged_attention_ref
+    over "ranges" turns into the expected output of the "real" rows."""
     starts, widths, (hq, hkv), d, page, *_ = CASES[name]
     case, dtype = make_case(*CASES[name], dtype=DTYPES[0]), DTYPES[0]
     gen = torch.Generator().manual_seed(5)
@@ -354,17 +399,61 @@ def test_qkv_attention_is_rope_and_write_then_attention(
     ranges = (case["block_tables"], case["k_start"], case["k_end"], page, case["scale"])
     expected_caches = [case["k_cache"].clone(), case["v_cache"].clone()]
     roped = qk_norm_rope_ref(qkv.clone(), *norms, 1e-6, cos, sin, hq, hkv, kv_write=(*expected_caches, slots))
-    expected = paged_attention_ref(roped[:, :, :hq], *expected_caches, *ranges)
     caches = [case["k_cache"].clone(), case["v_cache"].clone()]
+    first = torch.tensor(starts, device=DEVICE)
+    args = [qkv, *norms, 1e-6, cos, sin, first, slots, *caches, *ranges]
+    return {"args": args, "caches": caches, "roped_q": roped[:, :, :hq], "expected_caches": expected_caches,
+            "ranges": ranges, "real": real}  # fmt: skip
+
+
+@runs_kernel
+@pytest.mark.parametrize("block_m", [None, 64], ids=["step_grid", "one_tile"])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+@pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "rope_only"])
+@pytest.mark.parametrize(
+    "name",
+    ["decode_g4_d128", "verify_g4_s16_ragged", "verify_g4_s7_ragged", "draft_block_g3_d64", "draft_block_window_g1",
+     "causal_window_g3_s5", "causal_window_3_s5", "tiny_model_d16_page_4"],
+)  # fmt: skip
+def test_qkv_attention_is_rope_and_write_then_attention(
+    name: str, weights: bool, splits: int, block_m: int | None, poisoned_partials, arrivals
+) -> None:
+    """The fused launch against qk_norm_rope_ref (with the K/V write) then paged_attention_ref, as
+    a step runs them (`fused_step`). Real rows' outputs and every real slot must agree.
+    With 7 splits most hold none of the keys (their partials are zeros); 3 combine as they arrive. `step_grid` cuts these small
+    batches' rows into tiles of 16 (each tile's last split makes the new keys, the first tile
+    writes them); 64 keeps them in one tile."""
+    step = fused_step(name, weights)
+    qkv, caches, real = step["args"][0], step["caches"], step["real"]
+    expected = paged_attention_ref(step["roped_q"], *step["expected_caches"], *step["ranges"])
     original = qkv.clone()
     assert fuses_qkv(qkv, caches[0])
-    first = torch.tensor(starts, device=DEVICE)
-    got = qkv_attention_triton(qkv, *norms, 1e-6, cos, sin, first, slots, *caches, *ranges, splits, block_m)
+    got = qkv_attention_triton(*step["args"], splits, block_m)
     assert torch.equal(qkv, original)  # q and k rotated in registers only
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = 1e-4 if qkv.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[real], expected[real], atol=tol, rtol=tol)
-    for c, e in zip(caches, expected_caches, strict=True):  # slot 0: the padding rows' trash slot
+    for c, e in zip(caches, step["expected_caches"], strict=True):  # slot 0: the padding rows' trash slot
         torch.testing.assert_close(c[1:].float(), e[1:].float(), atol=tol, rtol=tol)
+
+
+@runs_kernel
+@pytest.mark.parametrize("splits", [1, 3, 7])
+@pytest.mark.parametrize("name", ["decode_g4_d128", "verify_g4_s7_ragged", "causal_window_g3_s5"])
+def test_qkv_attention_with_sinks(name: str, splits: int, poisoned_partials, arrivals) -> None:
+    """The fused launch with attention sinks against the reference: splits combined as they arrive
+    (3) and by the combine kernel (7), a verify cut into tiles of 16 rows, a sliding window."""
+    step = fused_step(name, weights=True)
+    sinks = head_sinks(step["roped_q"].shape[2])
+    real = step["real"]
+
+    def attend(s: torch.Tensor | None) -> torch.Tensor:  # the oracle in fp32, as `reference`
+        q, caches = step["roped_q"].float(), [c.float() for c in step["expected_caches"]]
+        return paged_attention_ref(q, *caches, *step["ranges"], sinks=s)[real]
+
+    got = qkv_attention_triton(*step["args"], splits, sinks=sinks)
+    expected = attend(sinks)
+    check_sinks(got[real][:, None], expected[:, None])  # [rows, 1, Hq, D]: check_sinks's head dim
+    assert_catches_wrong_sinks(expected[:, None], lambda s: attend(s)[:, None])
 
 
 def test_qkv_attention_takes_one_query_tile_of_power_of_two_heads() -> None:
@@ -391,7 +480,7 @@ def test_engine_through_the_fused_attention_decodes_as_the_reference(tmp_path, m
     monkeypatch.setattr(
         kernel_module("paged_attention"),
         "qkv_attention_triton",
-        lambda *a: fused.append(a[0].shape[1]) or qkv_attention_triton(*a),
+        lambda *a, **kw: fused.append(a[0].shape[1]) or qkv_attention_triton(*a, **kw),
     )
     got = [o.outputs[0].token_ids for o in LLM(str(t), spec, device="cpu").generate(prompts, params)]
     assert got == expected and {1, 4} <= set(fused)

@@ -136,19 +136,20 @@ def test_dequantize_compiles():
 SPLIT_POINTERS = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "arrivals_ptr": "*i32"}
 
 
-@pytest.mark.parametrize("split,arrive,fp32", [(True, True, False), (True, False, False), (False, False, False),
-                                               (True, True, True)])  # fmt: skip
-def test_paged_attention_compiles(split, arrive, fp32):
+@pytest.mark.parametrize("split,arrive,fp32,sinks", [(True, True, False, False), (True, False, False, False),
+                                                     (False, False, False, True), (True, True, True, True)])  # fmt: skip
+def test_paged_attention_compiles(split, arrive, fp32, sinks):
     flags = {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 32 if fp32 else 64, "SPLIT": split}
-    flags |= {"ARRIVE": arrive, "UNROLL": 1, "PRECISION": "ieee" if fp32 else "tf32"}
+    flags |= {"ARRIVE": arrive, "UNROLL": 1, "PRECISION": "ieee" if fp32 else "tf32", "HAS_SINKS": sinks}
     pointers = dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS
     if fp32:
         pointers |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*fp32")
     compile_for_hopper(paged_attention._attention_kernel, flags, **pointers)
 
 
-def test_attention_combine_compiles():
-    flags = {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128, "D_PAD": 128, "PDL": True}
+@pytest.mark.parametrize("sinks", [False, True])
+def test_attention_combine_compiles(sinks):
+    flags = {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128, "D_PAD": 128, "PDL": True, "HAS_SINKS": sinks}
     compile_for_hopper(paged_attention._combine_kernel, flags, part_ptr="*fp32", lse_ptr="*fp32")
 
 
@@ -165,13 +166,14 @@ def test_quantize_rows_compiles(norm, weight):
 
 
 @pytest.mark.parametrize(
-    "rows,split,arrive,norm,fp32",
-    [(1, True, True, True, False), (16, True, False, True, False), (16, False, False, False, False),
-     (4, True, True, True, True)],
+    "rows,split,arrive,norm,fp32,sinks",
+    [(1, True, True, True, False, False), (16, True, False, True, False, True), (16, False, False, False, False, False),
+     (4, True, True, True, True, True)],
 )  # fmt: skip
-def test_qkv_attention_compiles(rows, split, arrive, norm, fp32):
+def test_qkv_attention_compiles(rows, split, arrive, norm, fp32, sinks):
     flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": max(16, 4 * rows), "BLOCK_N": 32 if fp32 else 64, "TILES": 1}
     flags |= {"BLOCK_S": 16, "HAS_NORM": norm, "SPLIT": split, "PRECISION": "ieee" if fp32 else "tf32", "PDL": True}
+    flags |= {"HAS_SINKS": sinks}
     flags |= {"ARRIVE": arrive, "UNROLL": 1}
     pointers = dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
     tensors = "*fp32" if fp32 else "*bf16"
@@ -219,6 +221,7 @@ def test_fused_attention_fits_three_programs_an_sm_in_16_row_tiles(rows):
     block_m, tiles, splits = paged_attention.step_grid(1 if rows > 1 else 16, 8, rows * 4, 1024, 132)
     assert block_m == 16
     flags = {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": block_m, "TILES": tiles, "BLOCK_S": 16, "HAS_NORM": True}
+    flags |= {"HAS_SINKS": False}
     flags |= paged_attention.split_flags(splits, block_m) | {"PDL": True}  # as launched on Hopper
     unit = ("stride_tm", "stride_pb", "stride_mb", "stride_ms", "stride_sb", "stride_ss", "stride_eb", "stride_es")
     flags |= tile | dict.fromkeys(unit, 1) | ({"S": 1} if rows == 1 else {})
@@ -232,7 +235,8 @@ def test_fused_attention_fits_three_programs_an_sm_in_16_row_tiles(rows):
 
 def qkv_attention_flags(pdl: bool) -> dict:
     return {"G": 4, "HALF": 64, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_S": 16, "HAS_NORM": True,
-            "SPLIT": True, "ARRIVE": True, "UNROLL": 1, "PRECISION": "tf32", "PDL": pdl, "TILES": 1}  # fmt: skip
+            "SPLIT": True, "ARRIVE": True, "UNROLL": 1, "PRECISION": "tf32", "PDL": pdl, "TILES": 1,
+            "HAS_SINKS": False}  # fmt: skip
 
 
 PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programmatic dependent launch
@@ -244,7 +248,7 @@ PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programm
                   dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
                   | SPLIT_POINTERS),
     "combine": (paged_attention._combine_kernel, lambda pdl: {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128,
-                "D_PAD": 128, "PDL": pdl}, {"part_ptr": "*fp32", "lse_ptr": "*fp32"}),
+                "D_PAD": 128, "PDL": pdl, "HAS_SINKS": False}, {"part_ptr": "*fp32", "lse_ptr": "*fp32"}),
     "quantize": (quantize_rows._quantize_rows_kernel, lambda pdl: {"K": 4096, "NORM": True, "NORM_WEIGHT": False,
                  "BLOCK": quantize_rows.MAX_BLOCK, "PDL": pdl}, {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
 }  # fmt: skip

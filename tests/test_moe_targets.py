@@ -15,8 +15,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from blockspec import LLM
 from blockspec.layers.moe import MoESpec, SparseMoE, experts_ref, route
+from blockspec.layers.mxfp4 import dequantize_mxfp4
 from blockspec.loading.hf import load_config, load_target, target_family
-from blockspec.loading.mxfp4 import dequantize_mxfp4
 from blockspec.loading.weights import CheckpointError, check_tensors
 from blockspec.sampling import SamplingParams
 

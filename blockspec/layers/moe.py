@@ -141,7 +141,6 @@ class SparseMoE(nn.Module):
         self.experts = Experts(m, s.hidden_size)
         self.touched: torch.Tensor | None = None  # [E] bool, where a benchmark counts the experts read
 
-
     def forward(self, x: torch.Tensor, norm: RMSNorm | None, residual: bool = True) -> torch.Tensor:
         """x + moe(norm(x)) (without `residual`: moe(norm(x)))."""
         h = norm(x) if norm is not None else x

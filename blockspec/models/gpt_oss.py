@@ -4,7 +4,7 @@ YaRN rope; every MLP sparse: a biased router whose top `num_experts_per_tok` log
 softmaxed, and biased experts with the clamped SwiGLU (`MoESpec.activation`).
 
 Checkpoints come in two layouts, both loaded here: OpenAI's, the experts in MXFP4
-(`*_blocks`/`*_scales`, dequantized at load: `blockspec.loading.mxfp4`), and transformers'
+(`*_blocks`/`*_scales`, dequantized at load: `blockspec.layers.mxfp4`), and transformers'
 dequantized one (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]). Both store
 gate|up with gate and up interleaved column by column; ours puts the gate rows first."""
 
@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from blockspec.layers.decoder import LayerKind, LayerSpec
 from blockspec.layers.moe import MoESpec
-from blockspec.loading.mxfp4 import dequantize_mxfp4, mxfp4_problems
+from blockspec.layers.mxfp4 import dequantize_mxfp4, mxfp4_problems
 from blockspec.loading.weights import CheckpointError, WeightMapping
 from blockspec.models.hf_config import decoder_spec, layer_types
 from blockspec.models.registry import TargetFamily
@@ -54,7 +54,7 @@ def take(weights: dict[str, torch.Tensor], name: str, source: Path) -> torch.Ten
 
 
 def dequantized(weights: dict[str, torch.Tensor], prefix: str, source: Path) -> torch.Tensor:
-    """The MXFP4 weight `prefix` in bf16 (exact: `blockspec.loading.mxfp4`)."""
+    """The MXFP4 weight `prefix` in bf16 (exact: `blockspec.layers.mxfp4`)."""
     blocks, scales = take(weights, f"{prefix}_blocks", source), take(weights, f"{prefix}_scales", source)
     problems = mxfp4_problems(blocks, scales)
     if problems:

@@ -21,6 +21,12 @@ kernel does. The chunk boundaries are computed inside the kernel from the actual
 so the launch grid depends only on shapes (B, S, M, Hkv): the call has no host sync and can be
 captured in a CUDA graph. The one-launch step kernel (`qkv_attention_triton`) and the combine
 launch with programmatic dependent launch (`blockspec.layers.kernels.pdl`).
+
+Attention sinks (gpt-oss, HAS_SINKS): a logit per query head that joins each row's softmax as one
+more column of value zero, so out = acc / (l + 2^(sink - m)) in the log2 domain (sink * log2 e),
+where the row's keys gave the running max m and sum l. It is added once, where a row's output is
+made: unsplit in `_finish`; split, never to a partial (a partial's lse must stay its keys' alone
+for the combine's weights) but in the combine, as one more term of its max and denominator.
 """
 
 import torch
@@ -35,6 +41,7 @@ LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # query rows per program
 MIN_KEYS_PER_SPLIT = 64  # a bf16 key tile at head_dim <= 128: one tile a split beats two
 MAX_SPLITS = 32
+_LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (a jit function reads only constexpr globals)
 
 
 @triton.jit
@@ -74,11 +81,28 @@ def _attend_cache(
 
 
 @triton.jit
-def _combined(part_ptr, lse_ptr, rows, num_splits, split_rows, row_ok, d, D_PAD: tl.constexpr, UNROLL: tl.constexpr):
+def _sink_logits(sinks_ptr, h, HAS_SINKS: tl.constexpr):
+    """The sink logit of each row's query head h (always a real head, padding rows too), in the
+    log2 domain of the kernels' log-sum-exps; zeros, unread, without sinks."""
+    if HAS_SINKS:
+        return tl.load(sinks_ptr + h).to(tl.float32) * _LOG2E
+    else:
+        return tl.zeros(h.shape, tl.float32)
+
+
+@triton.jit
+def _combined(
+    part_ptr, lse_ptr, sink, rows, num_splits, split_rows, row_ok, d, D_PAD: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):  # fmt: skip
     """The splits' partial outputs of `rows` (split 0's flat indices) weighted by their
     log-sum-exps, in one pass (a running max, as the online softmax); the loads are independent of
-    the running sums, so unrolled they are in flight together."""
+    the running sums, so unrolled they are in flight together. With sinks the sink is a split of
+    zero output: it starts the running max (finite, so a row that no split holds keys of gets 0,
+    and no term overflows) and adds its weight to the denominator at the end."""
     m = tl.full(rows.shape, float("-inf"), tl.float32)
+    if HAS_SINKS:
+        m = sink
     den = tl.zeros(rows.shape, tl.float32)
     acc = tl.zeros([rows.shape[0], D_PAD], tl.float32)
     for i in tl.range(0, num_splits, loop_unroll_factor=UNROLL):
@@ -93,19 +117,25 @@ def _combined(part_ptr, lse_ptr, rows, num_splits, split_rows, row_ok, d, D_PAD:
         acc = acc * alpha[:, None] + w[:, None] * part
         den = den * alpha + w
         m = m_new
+    if HAS_SINKS:
+        den += tl.exp2(sink - m)
     return acc / tl.where(den == 0.0, 1.0, den)[:, None]
 
 
 @triton.jit
 def _finish(
-    m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, group, split, num_splits, flat, split_rows, o_ptrs, row_ok, d,
-    d_ok, D_PAD: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, UNROLL: tl.constexpr,
+    m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, sink, group, split, num_splits, flat, split_rows, o_ptrs, row_ok,
+    d, d_ok, D_PAD: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """The rows' output: normalized, to o_ptrs; with SPLIT a partial to part_ptr [splits, B, S, Hq,
     D_PAD] (fp32; zeros where the split holds none of a row's keys) and its log-sum-exp to lse_ptr
-    [splits, B, S, Hq] (log2 domain) at `flat`, and the group's last split to arrive combines them."""
-    empty = l_i == 0.0  # only possible for a split that holds none of a row's keys (acc is 0 there)
+    [splits, B, S, Hq] (log2 domain) at `flat`, and the group's last split to arrive combines them.
+    `sink`: the rows' sink logits (log2 domain, HAS_SINKS), added once a row's output is whole."""
+    empty = l_i == 0.0  # a split that holds none of a row's keys, or a row that sees none (acc is 0 there)
     l_i = tl.where(empty, 1.0, l_i)
+    if HAS_SINKS and not SPLIT:  # split: the combine adds it (a partial's lse must stay its keys' own)
+        l_i += tl.exp2(sink - m_i)  # may overflow to inf, where the keys' weight rounds to 0 anyway
     out = acc / l_i[:, None]
     if SPLIT:
         tl.store(lse_ptr + flat, tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
@@ -114,8 +144,8 @@ def _finish(
             tl.debug_barrier()  # every thread's partial is stored before the arrival releases them
             if tl.atomic_add(arrivals_ptr + group, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 tl.store(arrivals_ptr + group, 0)  # for the next launch (all splits have arrived)
-                out = _combined(part_ptr, lse_ptr, flat - split * split_rows, num_splits, split_rows, row_ok, d,
-                                D_PAD, UNROLL)  # fmt: skip
+                out = _combined(part_ptr, lse_ptr, sink, flat - split * split_rows, num_splits, split_rows, row_ok,
+                                d, D_PAD, UNROLL, HAS_SINKS)  # fmt: skip
                 tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -129,6 +159,7 @@ def _attention_kernel(
     table_ptr,
     k_start_ptr,
     k_end_ptr,
+    sinks_ptr,
     out_ptr,
     part_ptr,
     lse_ptr,
@@ -163,6 +194,7 @@ def _attention_kernel(
     PRECISION: tl.constexpr,
     ARRIVE: tl.constexpr,
     UNROLL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -198,8 +230,9 @@ def _attention_kernel(
     flat = split * split_rows + (b * S + s) * (Hkv * G) + h
     o_ptrs = out_ptr + b * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
     group = bh * tl.num_programs(0) + tile
-    _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, group, split, num_splits, flat, split_rows, o_ptrs,
-            row_ok, d, d_ok, D_PAD, SPLIT, ARRIVE, UNROLL)  # fmt: skip
+    sink = _sink_logits(sinks_ptr, h, HAS_SINKS)  # loaded after the key loop: no registers held across it
+    _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, sink, group, split, num_splits, flat, split_rows, o_ptrs,
+            row_ok, d, d_ok, D_PAD, SPLIT, ARRIVE, UNROLL, HAS_SINKS)  # fmt: skip
 
 
 @triton.jit
@@ -226,11 +259,11 @@ def _norm_rope_rows(rows, w_ptr, cos_rows, sin_rows, eps, HAS_NORM: tl.constexpr
 @triton.jit
 def _qkv_attention_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, table_ptr, k_start_ptr,
-    k_end_ptr, out_ptr, part_ptr, lse_ptr, arrivals_ptr, B, S, Hkv, stride_kn, stride_kh, stride_vn, stride_vh, stride_tb, stride_tm,
-    stride_pb, stride_mb, stride_ms, stride_sb, stride_ss, stride_eb, stride_es, eps, qk_scale,
+    k_end_ptr, sinks_ptr, out_ptr, part_ptr, lse_ptr, arrivals_ptr, B, S, Hkv, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_tb, stride_tm, stride_pb, stride_mb, stride_ms, stride_sb, stride_ss, stride_eb, stride_es, eps, qk_scale,
     G: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    TILES: tl.constexpr, ARRIVE: tl.constexpr, UNROLL: tl.constexpr,
+    TILES: tl.constexpr, ARRIVE: tl.constexpr, UNROLL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """`_attention_kernel` for a step of S <= BLOCK_S new rows at positions [pos0, pos0 + S), its
     S * G query rows of a kv head in TILES tiles of BLOCK_M, reading the fused q|k|v projection
@@ -290,14 +323,16 @@ def _qkv_attention_kernel(
     split_rows = B * S * HQ
     flat = split * split_rows + token * HQ + h
     o_ptrs = out_ptr + (token * HQ + h)[:, None] * D + d[None, :]  # out [B, S, Hq, D] contiguous
-    _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, tl.program_id(0), split, num_splits, flat, split_rows,
-            o_ptrs, row_ok, d, d_ok, D, SPLIT, ARRIVE, UNROLL)  # fmt: skip
+    sink = _sink_logits(sinks_ptr, h, HAS_SINKS)
+    _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, sink, tl.program_id(0), split, num_splits, flat,
+            split_rows, o_ptrs, row_ok, d, d_ok, D, SPLIT, ARRIVE, UNROLL, HAS_SINKS)  # fmt: skip
 
 
 @triton.jit
 def _combine_kernel(
     part_ptr,
     lse_ptr,
+    sinks_ptr,
     out_ptr,
     S,
     Hq,
@@ -310,6 +345,7 @@ def _combine_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     await_previous_kernel(PDL)
     row = tl.program_id(0)  # flat (b, s, h)
@@ -317,9 +353,16 @@ def _combine_kernel(
     sp_ok = sp < NUM_SPLITS
     d = tl.arange(0, D_PAD)
     lse = tl.load(lse_ptr + sp * num_rows + row, mask=sp_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # every row has a key, so some split's lse is finite
-    part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
-    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    if HAS_SINKS:  # the sink: a split of zero output, in the max (finite then) and the denominator
+        sink = tl.load(sinks_ptr + row % Hq).to(tl.float32) * _LOG2E
+        m = tl.maximum(tl.max(lse, 0), sink)
+        w = tl.exp2(lse - m)
+        part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+        out = tl.sum(w[:, None] * part, 0) / (tl.sum(w, 0) + tl.exp2(sink - m))
+    else:  # (a branch of its own: the code without sinks as it was)
+        w = tl.exp2(lse - tl.max(lse, 0))  # every row has a key, so some split's lse is finite
+        part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+        out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     b, s, h = row // (S * Hq), (row // Hq) % S, row % Hq
     tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -412,16 +455,25 @@ def _split_outputs(num_splits: int, out: torch.Tensor, d_pad: int, groups: int, 
     return [out, part, lse, _arrivals(out.device, groups) if flags["ARRIVE"] else out]
 
 
-def _combine(outputs: list[torch.Tensor], flags: dict) -> None:
+def _sinks(sinks: torch.Tensor | None, heads: int, out: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The kernels' sinks_ptr and HAS_SINKS: the sink logits [Hq] (any float dtype), or `out` in
+    their place, unread."""
+    if sinks is None:
+        return out, {"HAS_SINKS": False}
+    assert sinks.shape == (heads,) and sinks.is_floating_point(), f"sinks {tuple(sinks.shape)}: one per query head"
+    return sinks.contiguous(), {"HAS_SINKS": True}
+
+
+def _combine(outputs: list[torch.Tensor], flags: dict, sinks: torch.Tensor, has_sinks: dict) -> None:
     """The combine kernel, where the keys were split and the splits did not combine as they arrived."""
     if not flags["SPLIT"] or flags["ARRIVE"]:
         return
     out, part, lse, _ = outputs
     num_splits, (B, S, Hq, D), d_pad = part.shape[0], out.shape, part.shape[-1]
     _combine_kernel[(B * S * Hq,)](
-        part, lse, out, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2), NUM_SPLITS=num_splits,
+        part, lse, sinks, out, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2), NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits), D=D, D_PAD=d_pad, num_warps=1 if d_pad <= 64 else 2,
-        **pdl_launch(out.device),
+        **has_sinks, **pdl_launch(out.device),
     )  # fmt: skip
 
 
@@ -436,10 +488,13 @@ def paged_attention_triton(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, S, Hq, D]; caches [num_slots, Hkv, D]; block_tables [B, M]; k_start, k_end [B, S]
     (any integer dtype, any strides); returns [B, S, Hq, D] in q's dtype (written into `out`
-    when given). `num_splits` overrides the split-K heuristic (1: no split)."""
+    when given). `num_splits` overrides the split-K heuristic (1: no split). `sinks` [Hq]: each
+    head's attention-sink logit (gpt-oss; None: no sinks); with sinks a row that sees no key gets
+    zeros, as in the reference (the sink takes all its weight)."""
     B, S, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
@@ -450,14 +505,16 @@ def paged_attention_triton(
     d_pad = triton.next_power_of_2(D)
     flags = split_flags(num_splits, block_m)
     outputs = _split_outputs(num_splits, out, d_pad, tiles * B * Hkv, flags)
+    sinks, has_sinks = _sinks(sinks, Hq, out)
     _attention_kernel[(tiles, B * Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, k_start, k_end, *outputs, B, S, Hkv,
+        q, k_cache, v_cache, block_tables, k_start, k_end, sinks, *outputs, B, S, Hkv,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_tables.stride(0), block_tables.stride(1), k_start.stride(0), k_start.stride(1),
         k_end.stride(0), k_end.stride(1), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
-        G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, **flags, **_key_tile(q.dtype, d_pad),
+        G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, **flags, **has_sinks,
+        **_key_tile(q.dtype, d_pad),
     )  # fmt: skip
-    _combine(outputs, flags)
+    _combine(outputs, flags, sinks, has_sinks)
     return out
 
 
@@ -490,6 +547,7 @@ def qkv_attention_triton(
     scale: float,
     num_splits: int | None = None,
     block_m: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`qk_norm_rope` with the K/V write, then `paged_attention_triton`, in one launch (+ the
     split-K combine), for a step whose rows sit at positions starts[b] + s and fit one 64-row query
@@ -499,7 +557,8 @@ def qkv_attention_triton(
     Padding rows past a sequence's real ones may sit anywhere: the keys they make land at positions
     past every real row's k_end, in slots no real row reads (the engine's trash slot 0). Returns
     [B, S, Hq, D]. `block_m` (query rows a program, at most) replaces `step_grid`'s tiles (the
-    splits then follow `choose_splits`); `num_splits` replaces the splits."""
+    splits then follow `choose_splits`); `num_splits` replaces the splits. `sinks` [Hq]: as in
+    `paged_attention_triton`."""
     B, S, heads, D = qkv.shape
     Hkv = k_cache.shape[1]
     Hq = heads - 2 * Hkv
@@ -518,14 +577,15 @@ def qkv_attention_triton(
     flags = split_flags(num_splits, block_m)
     outputs = _split_outputs(num_splits, out, D, B * Hkv * tiles, flags)
     norms = (q_norm, k_norm) if q_norm is not None else (cos, cos)  # unread without HAS_NORM
+    sinks, has_sinks = _sinks(sinks, Hq, out)
     _qkv_attention_kernel[(B * Hkv * tiles, num_splits)](
-        qkv, *norms, cos, sin, starts, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, *outputs,
+        qkv, *norms, cos, sin, starts, slot_mapping, k_cache, v_cache, block_tables, k_start, k_end, sinks, *outputs,
         B, S, Hkv, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), block_tables.stride(1), starts.stride(0), slot_mapping.stride(0),
         slot_mapping.stride(1), k_start.stride(0), k_start.stride(1), k_end.stride(0), k_end.stride(1), eps,
         scale * LOG2E, G=Hq // Hkv, HALF=D // 2, PAGE=page_size, BLOCK_M=block_m, TILES=tiles,
-        BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, **flags,
+        BLOCK_S=max(16, triton.next_power_of_2(S)), HAS_NORM=q_norm is not None, **flags, **has_sinks,
         **_key_tile(qkv.dtype, D), **pdl_launch(qkv.device),
     )  # fmt: skip
-    _combine(outputs, flags)
+    _combine(outputs, flags, sinks, has_sinks)
     return out
