@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.layers.fast_path import fast_kernels
+from blockspec.layers.fast_path import cuda_compiled, fast_kernels
+from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
@@ -50,6 +51,7 @@ class MoESpec:
         return problems
 
 
+@cuda_compiled  # on CUDA one or two fused launches around the top-k, where eager runs five
 def route(logits: torch.Tensor, m: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> each row's expert weights [T, k] (in the logits' dtype, as
     transformers rounds them) and expert ids [T, k]."""
@@ -81,9 +83,10 @@ def experts_ref(
     gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None,
     m: MoESpec,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], weights and ids [T, k] -> [T, H]: per expert hit (in id order), its rows' gated MLP,
-    weighed and added to those rows."""
+    weighed and added to those rows; then added to `residual` [T, H] where given."""
     out = torch.zeros_like(x)
     order = ids.flatten().argsort(stable=True)
     counts = torch.bincount(ids.flatten(), minlength=m.num_experts).tolist()
@@ -98,16 +101,18 @@ def experts_ref(
         h = expert_activation(F.linear(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]), m)
         y = F.linear(h, down[e], None if down_bias is None else down_bias[e])
         out.index_add_(0, rows, (y * flat_weights[pairs, None]).to(x.dtype))
-    return out
+    return out if residual is None else residual + out
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "Experts") -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "Experts", residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """`experts_ref`; on CUDA without grad the Triton grouped kernel (no host sync: it runs in graphs)."""
     args = (x, weights, ids, experts.gate_up_proj, experts.down_proj, experts.gate_up_bias, experts.down_bias)
     kernels = fast_kernels(x, "fused_moe")
     if kernels is not None:
-        return kernels.fused_moe_triton(*args, experts.spec)
-    return experts_ref(*args, experts.spec)
+        return kernels.fused_moe_triton(*args, experts.spec, residual=residual)
+    return experts_ref(*args, experts.spec, residual)
 
 
 class Experts(nn.Module):
@@ -137,7 +142,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         m = s.moe
         self.spec = m
-        self.router = nn.Linear(s.hidden_size, m.num_experts, bias=m.router_bias)
+        self.router = Linear(s.hidden_size, m.num_experts, bias=m.router_bias)  # few rows: the skinny kernel
         self.experts = Experts(m, s.hidden_size)
         self.touched: torch.Tensor | None = None  # [E] bool, where a benchmark counts the experts read
 
@@ -145,11 +150,10 @@ class SparseMoE(nn.Module):
         """x + moe(norm(x)) (without `residual`: moe(norm(x)))."""
         h = norm(x) if norm is not None else x
         flat = h.reshape(-1, h.shape[-1])
-        weights, ids = route(F.linear(flat, self.router.weight, self.router.bias), self.spec)
+        weights, ids = route(self.router(flat), self.spec)
         if self.touched is not None:
-            self.touched[ids.flatten()] = True
-        y = moe_experts(flat, weights, ids, self.experts).view(x.shape)
-        return x + y if residual else y
+            self.touched.index_fill_(0, ids.flatten(), True)
+        return moe_experts(flat, weights, ids, self.experts, x.reshape(flat.shape) if residual else None).view(x.shape)
 
     def fold_norm(self, norm: RMSNorm) -> None:
         """The norm before an MoE stays: it feeds the router and every expert."""

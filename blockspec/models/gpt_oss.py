@@ -31,7 +31,7 @@ def layer_spec(config: PretrainedConfig) -> LayerSpec:
         expert_bias=True,
         activation="clamped_swiglu",
         swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
-        swiglu_limit=config.swiglu_limit,
+        swiglu_limit=getattr(config, "swiglu_limit", 7.0),
     )
     spec = decoder_spec(config, qkv_bias=True, o_bias=True)
     return LayerSpec(**{**vars(spec), "attention_sinks": True, "moe": moe})

@@ -254,6 +254,7 @@ def fused_moe_triton(
     down_bias: torch.Tensor | None,
     m: MoESpec,
     config: MoEConfig | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`experts_ref` (blockspec.layers.moe) in two grouped GEMMs, up to rounding (fp32 accumulation):
     x [T, H], weights [T, k] (x's dtype) and ids [T, k] (int64) -> [T, H] in x's dtype. gate_up
@@ -262,7 +263,7 @@ def fused_moe_triton(
     E, I = m.num_experts, m.intermediate_size
     assert gate_up.shape == (E, 2 * I, x.shape[1]) and down.shape == (E, x.shape[1], I), (gate_up.shape, down.shape)
     assert gate_up.dtype == down.dtype == x.dtype, f"expert weights in x's dtype {x.dtype}"
-    return _launch(x, weights, ids, (gate_up,), (down,), gate_up_bias, down_bias, m, config)
+    return _launch(x, weights, ids, (gate_up,), (down,), gate_up_bias, down_bias, m, config, residual)
 
 
 def fused_moe_mxfp4(
@@ -275,6 +276,7 @@ def fused_moe_mxfp4(
     down_bias: torch.Tensor | None,
     m: MoESpec,
     config: MoEConfig | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fused_moe_triton` with MXFP4 expert weights, each (blocks, scales) as gpt-oss stores them:
     gate_up ([E, 2I, H / 32, 16], [E, 2I, H / 32]) and down ([E, H, I / 32, 16], [E, H, I / 32])
@@ -284,7 +286,7 @@ def fused_moe_mxfp4(
         assert K % MXFP4_GROUP == 0, f"MXFP4 rows of {K} values: not in groups of {MXFP4_GROUP}"
         assert blocks.shape == (E, N, K // MXFP4_GROUP, 16) and scales.shape == (E, N, K // MXFP4_GROUP)
         assert blocks.dtype == scales.dtype == torch.uint8, (blocks.dtype, scales.dtype)
-    return _launch(x, weights, ids, gate_up, down, gate_up_bias, down_bias, m, config)
+    return _launch(x, weights, ids, gate_up, down, gate_up_bias, down_bias, m, config, residual)
 
 
 def _launch(
@@ -297,14 +299,16 @@ def _launch(
     down_bias: torch.Tensor | None,
     m: MoESpec,
     config: MoEConfig | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Align the pairs by expert, then the two GEMMs, then each row's sum over its k pairs. gate_up
-    and down: (weight,) or MXFP4's (blocks, scales)."""
+    """Align the pairs by expert, then the two GEMMs, then each row's sum over its k pairs (plus
+    `residual` [T, H] where given, in the same launch). gate_up and down: (weight,) or MXFP4's
+    (blocks, scales)."""
     (T, H), k = x.shape, ids.shape[1]
     E, I, P = m.num_experts, m.intermediate_size, x.shape[0] * ids.shape[1]
     assert weights.shape == ids.shape and ids.shape[0] == T and ids.dtype == torch.int64
     if P == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if residual is None else residual.clone()
     mxfp4 = len(gate_up) == 2
     # Pointers that a flag leaves unread (scales, biases) are given some valid tensor: without MXFP4
     # the scales are the weight.
@@ -330,4 +334,12 @@ def _launch(
         H=H, I=I, HAS_BIAS=down_bias is not None, EVEN_K=I % cfg2.block_k == 0, **common,
         BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
     )  # fmt: skip
+    if residual is not None:
+        return _add_pair_sums(residual, out.view(T, k, H))
     return out.view(T, k, H).sum(1) if k > 1 else out
+
+
+@torch.compile(dynamic=True)
+def _add_pair_sums(residual: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """residual [T, H] + pairs [T, k, H] summed over k: one fused launch (eager: a sum, then an add)."""
+    return residual + pairs.sum(1)
