@@ -36,7 +36,9 @@ device copy bandwidth measured in the same run); *x floor*, step time over floor
 committed per step and sequence (accepted drafts plus the bonus token); then the device time of
 each phase of the step in ms (*host*: the step time less the phases). A section marked
 **SIMULATED** ran random weights at a real model's geometry with acceptance drawn at a forced
-mean tau: it times the engine, and says nothing about a drafter's quality.
+mean tau: it times the engine, and says nothing about a drafter's quality. On an MoE target the
+floor counts only the experts each step routes to (*experts_per_layer*: per MoE layer, averaged
+over steps), and simulated drafts are varied tokens, so a verify routes as a real one does.
 
 **Acceptance** (`python -m blockspec.bench.acceptance`). Real prompts (HumanEval, MT-Bench first
 turns), chat template applied, a real target and drafter. Per prompt set and temperature: plain
