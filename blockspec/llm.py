@@ -101,7 +101,9 @@ class LLM:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
         config = EngineConfig(**engine_args)
         use_kernels(config.kernels)  # before the load options: they depend on the kernels in force
-        target = load_target(model, self.dtype, self.device, target_options(config.fold_norms, self.device))
+        target = load_target(
+            model, self.dtype, self.device, target_options(config.fold_norms, self.device, config.mxfp4_experts)
+        )
         spec = resolve_speculative_config(speculative_config, model)
         drafter = None
         if spec is not None and spec.method in DRAFTER_METHODS:

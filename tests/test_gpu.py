@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from conftest import make_dflash2, make_drafter, make_dspark, make_target
+from test_moe_targets import to_mxfp4_checkpoint
 
 from blockspec import LLM, SamplingParams
 from blockspec.bench.presets import random_drafter, random_target
@@ -38,16 +39,22 @@ def test_fp32_fast_path_equals_cpu_reference(tmp_path, sliding):
         assert outputs(gpu_llm) == cpu
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"])
 def test_fp32_moe_fast_path_equals_cpu_reference(tmp_path, family):
     """MoE targets in CUDA graphs, the experts in the Triton kernel (gpt-oss: sinks in the attention
-    kernel, sliding window 8 inside these prompts): greedy output as the CPU reference's, plain and
-    speculative."""
-    t = make_target(tmp_path / "t", family, vocab=128, rope="yarn" if family == "gpt_oss" else "none")
+    kernel, sliding window 8 inside these prompts; MXFP4 experts read as stored on CUDA, dequantized
+    at load on the CPU): greedy output as the CPU reference's, plain and speculative."""
+    t = make_target(
+        tmp_path / "t", family.removesuffix("_mxfp4"), vocab=128, rope="yarn" if "gpt" in family else "none"
+    )
+    if family.endswith("mxfp4"):
+        to_mxfp4_checkpoint(t, torch.Generator().manual_seed(0))
     d = make_drafter(tmp_path / "d", t, block_size=8)
     for spec in (None, {"model": str(d)}):
         cpu = outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
-        assert outputs(LLM(str(t), spec, device="cuda", dtype="float32")) == cpu
+        gpu = LLM(str(t), spec, device="cuda", dtype="float32", mxfp4_experts=family.endswith("mxfp4"))
+        assert gpu.engine.target.model.layers[0].mlp.experts.mxfp4 == family.endswith("mxfp4")
+        assert outputs(gpu) == cpu
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"head": "rnn", "draft_vocab": 48}], ids=["vanilla", "rnn-d2t"])

@@ -15,7 +15,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from blockspec import LLM
 from blockspec.layers.moe import MoESpec, SparseMoE, experts_ref, route
-from blockspec.layers.mxfp4 import dequantize_mxfp4
+from blockspec.layers.mxfp4 import E2M1, dequantize_mxfp4, quantize_mxfp4
+from blockspec.loading.finish import LoadOptions
 from blockspec.loading.hf import load_config, load_target, target_family
 from blockspec.loading.weights import CheckpointError, check_tensors
 from blockspec.sampling import SamplingParams
@@ -126,7 +127,9 @@ def to_mxfp4_checkpoint(path, gen: torch.Generator) -> None:
     save_file(mxfp4, path / "model.safetensors", {"format": "pt"})
     (path / "dense").mkdir()
     save_file(dense, path / "dense" / "model.safetensors", {"format": "pt"})
-    (path / "dense" / "config.json").write_text((path / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text())
+    (path / "dense" / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "mxfp4"}}))
 
 
 def test_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path):
@@ -137,7 +140,36 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_pa
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(paged_logits(ours, ids, split=30), expected[30:], atol=1e-4, rtol=1e-4)
+    logits = paged_logits(ours, ids, split=30)
+    torch.testing.assert_close(logits, expected[30:], atol=1e-4, rtol=1e-4)
+    # kept in MXFP4 (the CUDA default), requantized exactly: the same weights, the same logits
+    kept = load_target(path, torch.float32, torch.device("cpu"), LoadOptions(mxfp4_experts=True)).model
+    experts = kept.layers[0].mlp.experts
+    assert experts.mxfp4 and experts.gate_up_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
+    assert torch.equal(paged_logits(kept, ids, split=30), logits)
+
+
+def test_mxfp4_experts_are_kept_only_from_mxfp4_checkpoints(tmp_path):
+    """A dense gpt-oss checkpoint stays dense whatever the option: quantizing it would change it."""
+    path = moe_target(tmp_path, "gpt_oss")
+    model = load_target(path, torch.float32, torch.device("cpu"), LoadOptions(mxfp4_experts=True)).model
+    assert not model.layers[0].mlp.experts.mxfp4
+
+
+def test_quantize_mxfp4_is_exact_on_mxfp4_weights_and_rounds_to_nearest():
+    gen = torch.Generator().manual_seed(0)
+    blocks, scales = random_mxfp4(gen, 4, 6, 64)
+    w = dequantize_mxfp4(blocks, scales)
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(w)), w)
+    x = torch.randn(3, 64, generator=gen)
+    q = dequantize_mxfp4(*quantize_mxfp4(x))
+    _, new_scales = quantize_mxfp4(x)
+    grid = torch.tensor(E2M1)[None, None, :] * torch.exp2(new_scales.float() - 127)[..., None]  # [3, 2, 16]
+    groups = x.unflatten(-1, (2, 32))
+    nearest = (groups[..., None] - grid[:, :, None, :]).abs().min(-1).values  # each value's distance to the grid
+    torch.testing.assert_close((q.unflatten(-1, (2, 32)) - groups).abs(), nearest)
+    assert (groups.abs().amax(-1) <= 6 * torch.exp2(new_scales.float() - 127)).all()  # every value in range
+    assert (groups.abs().amax(-1) > 3 * torch.exp2(new_scales.float() - 127)).all()  # and the smallest such scale
 
 
 def test_routing_follows_each_family():

@@ -97,8 +97,8 @@ def sync(device: torch.device) -> None:
 
 
 def weight_bytes(target, drafter) -> int:
-    """Bytes read per step: every target weight but the embedding table (only B*S rows are
-    read), plus the drafter's weights and, again, the target's LM head that it uses."""
+    """Bytes read per step: every target weight (MoE: every expert) but the embedding table (only
+    B*S rows are read), plus the drafter's weights and, again, the target's LM head that it uses."""
 
     def size(tensors):
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -106,6 +106,7 @@ def weight_bytes(target, drafter) -> int:
     embed = target.model.embed_tokens.weight
     tied = target.lm_head.weight is embed
     total = size(p for p in target.parameters() if p is not embed) + (size([embed]) if tied else 0)
+    total += size(b for moe in moe_layers(target) for b in moe.experts.buffers())  # MXFP4 experts
     if drafter is not None:  # FP8 weights and scales are buffers; the FP8 LM head copy replaces the target's
         total += size(drafter.parameters()) + size(b for n, b in drafter.named_buffers() if "rotary" not in n)
         total += size([drafter.fused_kv_weight]) if drafter.fused_kv_weight is not None else 0  # context GEMM
@@ -118,8 +119,9 @@ def moe_layers(target) -> list[SparseMoE]:
 
 
 def expert_bytes(moe: SparseMoE) -> int:
-    """Bytes of one expert of `moe` (weights and biases)."""
-    return sum(p.numel() * p.element_size() for p in moe.experts.parameters()) // moe.spec.num_experts
+    """Bytes of one expert of `moe` (weights and biases; MXFP4 blocks and scales)."""
+    tensors = [*moe.experts.parameters(), *moe.experts.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) // moe.spec.num_experts
 
 
 def count_experts(target) -> None:

@@ -70,7 +70,8 @@ TARGETS = {
         tie_word_embeddings=False,
         architectures=["Qwen3MoeForCausalLM"],
     ),
-    # openai/gpt-oss-20b's config.json (its experts here in bf16: MXFP4 is dequantized at load)
+    # openai/gpt-oss-20b's config.json: its experts MXFP4 (random weights in the model's dtype, as an
+    # MXFP4 checkpoint loads without EngineConfig.mxfp4_experts)
     "gpt-oss-20b": lambda: GptOssConfig(
         vocab_size=201088,
         hidden_size=2880,
@@ -94,6 +95,7 @@ TARGETS = {
             "truncate": False,
         },
         swiglu_limit=7.0,
+        quantization_config={"quant_method": "mxfp4"},
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         architectures=["GptOssForCausalLM"],

@@ -15,6 +15,7 @@ from torch import nn
 
 from blockspec.layers.fast_path import cuda_compiled, fast_kernels
 from blockspec.layers.linear import Linear
+from blockspec.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from blockspec.layers.norm import RMSNorm
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
@@ -107,12 +108,16 @@ def experts_ref(
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: "Experts", residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`experts_ref`; on CUDA without grad the Triton grouped kernel (no host sync: it runs in graphs)."""
-    args = (x, weights, ids, experts.gate_up_proj, experts.down_proj, experts.gate_up_bias, experts.down_bias)
-    kernels = fast_kernels(x, "fused_moe")
+    """`experts_ref`; on CUDA without grad the Triton grouped kernel (no host sync: it runs in graphs),
+    which reads MXFP4 experts as they are stored."""
+    biases, kernels = (experts.gate_up_bias, experts.down_bias), fast_kernels(x, "fused_moe")
     if kernels is not None:
-        return kernels.fused_moe_triton(*args, experts.spec, residual=residual)
-    return experts_ref(*args, experts.spec, residual)
+        fused = kernels.fused_moe_mxfp4 if experts.mxfp4 else kernels.fused_moe_triton
+        return fused(x, weights, ids, *experts.weights(), *biases, experts.spec, residual=residual)
+    gate_up, down = (
+        experts.weights() if not experts.mxfp4 else (dequantize_mxfp4(*w, x.dtype) for w in experts.weights())
+    )
+    return experts_ref(x, weights, ids, gate_up, down, *biases, experts.spec, residual)
 
 
 class Experts(nn.Module):
@@ -124,12 +129,31 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, hidden_size, inter))
         self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * inter)) if m.expert_bias else None
         self.down_bias = nn.Parameter(torch.empty(E, hidden_size)) if m.expert_bias else None
+        self.mxfp4 = False  # `to_mxfp4` ran: the projections are (blocks, scales) buffers
         self.reset_parameters()
+
+    def weights(self) -> tuple:
+        """gate|up and down: each a weight, or MXFP4's (blocks, scales)."""
+        if self.mxfp4:
+            return (self.gate_up_blocks, self.gate_up_scales), (self.down_blocks, self.down_scales)
+        return self.gate_up_proj, self.down_proj
+
+    @torch.no_grad()
+    def to_mxfp4(self) -> None:
+        """The projections as MXFP4 (`quantize_mxfp4`, one expert at a time): exact for weights that
+        a checkpoint stored in MXFP4, a quarter of their bf16 bytes for the kernel to read."""
+        for name in ("gate_up", "down"):
+            w = getattr(self, f"{name}_proj")
+            parts = [quantize_mxfp4(expert) for expert in w]
+            delattr(self, f"{name}_proj")
+            self.register_buffer(f"{name}_blocks", torch.stack([b for b, _ in parts]))
+            self.register_buffer(f"{name}_scales", torch.stack([s for _, s in parts]))
+        self.mxfp4 = True
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """nn.Linear's initialization per expert (random presets time models built this way)."""
-        for weight, bias in ((self.gate_up_proj, self.gate_up_bias), (self.down_proj, self.down_bias)):
+        for weight, bias in zip(self.weights(), (self.gate_up_bias, self.down_bias)):
             bound = weight.shape[-1] ** -0.5
             for p in (weight, bias) if bias is not None else (weight,):
                 nn.init.uniform_(p, -bound, bound)

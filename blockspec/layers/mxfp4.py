@@ -2,7 +2,7 @@
 `blocks` uint8 [..., K / 32, 16], two FP4 (e2m1) values a byte, the low nibble first, and
 `scales` uint8 [..., K / 32], one e8m0 exponent (bias 127) per group of 32 values:
 value = E2M1[nibble] * 2**(scale - 127). Every value is exact in bf16, so dequantizing to bf16 or
-fp32 loses nothing. The CUDA MoE kernel can read them as they are
+fp32 loses nothing. The CUDA MoE kernel reads them as they are
 (`blockspec.layers.kernels.fused_moe.fused_moe_mxfp4`); this is its reference."""
 
 import torch
@@ -28,3 +28,23 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     nibbles = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32], low first
     values = torch.ldexp(table[nibbles], scales.to(torch.int32)[..., None] - 127)
     return values.flatten(-2).to(dtype)
+
+
+# Boundaries between consecutive e2m1 magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6): nearest-value rounding.
+MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (K a multiple of 32) -> (blocks, scales): per group of 32 the smallest power of two
+    under which the group's largest magnitude fits e2m1's 6, each value rounded to the nearest e2m1
+    value there. Exact for a weight that MXFP4 holds (`dequantize_mxfp4` of its result is w): any
+    scale that holds a group's largest value exactly holds the others, e2m1's values doubled stay
+    e2m1's values up to 6."""
+    groups = w.float().unflatten(-1, (-1, GROUP))
+    mantissa, exponent = torch.frexp(groups.abs().amax(-1) / 6)
+    exponent = (exponent - (mantissa == 0.5).int()).clamp(-127, 127)  # ceil(log2(amax / 6))
+    scaled = torch.ldexp(groups, -exponent[..., None])
+    magnitude = torch.bucketize(scaled.abs(), torch.tensor(MIDPOINTS, device=w.device))
+    nibbles = (magnitude + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)

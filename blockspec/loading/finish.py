@@ -1,6 +1,6 @@
 """A model's derived weights, made once when it is loaded or built with random weights, under
-explicit options (`LoadOptions`): a target's norm weights folded into the GEMMs after them, a
-drafter's stacked context K/V weight and its FP8 copies. The models record what was made
+explicit options (`LoadOptions`): a target's norm weights folded into the GEMMs after them and its
+MXFP4 experts kept as such, a drafter's stacked context K/V weight and its FP8 copies. The models record what was made
 (`norms_folded`, `fp8`, both derived from the weights); nothing changes them afterwards."""
 
 from dataclasses import dataclass
@@ -9,6 +9,7 @@ import torch
 
 from blockspec.config import SpeculativeConfig
 from blockspec.layers.linear import fused_gemms_on
+from blockspec.layers.moe import Experts
 from blockspec.loading.fp8 import quantize_drafter, resolve_fp8
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.registry import Drafter
@@ -23,15 +24,27 @@ class LoadOptions:
     fold_norms: bool = False
     fp8: bool = False  # a drafter's projections and context K/V weight as FP8 copies (`quantize_drafter`)
     fp8_lm_head: bool = False  # with fp8, an FP8 copy of the target's LM head for the drafter's logits
+    # A target's experts kept in MXFP4 where its checkpoint stores them so (`stores_mxfp4`; exact,
+    # `Experts.to_mxfp4`), for the MoE kernel to read a quarter of their bf16 bytes.
+    mxfp4_experts: bool = False
 
 
 AS_STORED = LoadOptions()  # nothing derived
 
 
-def target_options(fold_norms: bool | None, device: torch.device) -> LoadOptions:
-    """A target's options: norms folded as asked, by default where the GEMMs that fuse them run.
-    Call after `use_kernels`, which decides those GEMMs."""
-    return LoadOptions(fold_norms=fold_norms if fold_norms is not None else fused_gemms_on(device))
+def target_options(fold_norms: bool | None, device: torch.device, mxfp4_experts: bool = False) -> LoadOptions:
+    """A target's options: norms folded as asked, by default where the GEMMs that fuse them run;
+    MXFP4 experts kept as asked. Call after `use_kernels`, which decides those GEMMs."""
+    return LoadOptions(
+        fold_norms=fold_norms if fold_norms is not None else fused_gemms_on(device), mxfp4_experts=mxfp4_experts
+    )
+
+
+def stores_mxfp4(config) -> bool:
+    """The checkpoint's experts are MXFP4 (gpt-oss: `quantization_config.quant_method`)."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    return method == "mxfp4"
 
 
 def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: int) -> LoadOptions:
@@ -41,9 +54,12 @@ def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: 
 
 
 def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
-    """`model` ready for inference, its norms folded as `options` ask."""
+    """`model` ready for inference, its norms folded and its MXFP4 experts kept as `options` ask."""
     if options.fold_norms:
         model.fold_norms()
+    if options.mxfp4_experts and stores_mxfp4(model.config):
+        for experts in [m for m in model.modules() if isinstance(m, Experts)]:
+            experts.to_mxfp4()
     return model.eval()
 
 
