@@ -118,7 +118,10 @@ def chat(args: argparse.Namespace) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     """Load the engine, then serve it until interrupted."""
-    from blockspec.server.api import serve as run_server  # fastapi and uvicorn only for this command
+    try:
+        from blockspec.server.api import serve as run_server  # fastapi and uvicorn only for this command
+    except ModuleNotFoundError as e:  # reported as bad input is (`main`)
+        raise ValueError(f"serve needs the server's packages, and {e.name} is missing: pip install 'blockspec[serve]'")
 
     llm = build_llm(args)
     api_key = args.api_key or os.environ.get("BLOCKSPEC_API_KEY")  # the variable keeps the key out of `ps`

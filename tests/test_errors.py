@@ -3,6 +3,7 @@ impossible sampling parameters."""
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -289,6 +290,15 @@ def test_cli_bad_input_is_one_line(pair, capsys, flags, message):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("blockspec: error: ") and message in err
     assert "Traceback" not in err
+
+
+def test_cli_serve_without_the_server_packages_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed: importing it fails
+    monkeypatch.delitem(sys.modules, "blockspec.server.api", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["serve", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "uvicorn is missing: pip install 'blockspec[serve]'" in err
 
 
 def test_cli_refuses_both_block_width_flags(capsys):
