@@ -82,9 +82,8 @@ class EngineConfig:
     # those GEMMs run (CUDA with the Triton kernels on).
     fold_norms: bool | None = None
     # Keep an MXFP4 checkpoint's experts in MXFP4 (gpt-oss), read so by the MoE kernel: exact, and a
-    # quarter of the bytes. Off: they are dequantized to the model's dtype at load (the path timed
-    # and tested on the H200; the MXFP4 kernel is tested in Triton's interpreter and compiled for
-    # sm_90, not yet run on a GPU). On the CPU the reference dequantizes them at every call.
+    # quarter of the bytes. Off: they are dequantized to the model's dtype at load, the path that the
+    # GPU tests and docs/benchmarks.md cover. On the CPU the reference dequantizes them at every call.
     mxfp4_experts: bool = False
     # The CUDA fast paths' switches, put in force for the process when the engine is built.
     kernels: KernelConfig = field(default_factory=KernelConfig)

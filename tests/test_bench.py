@@ -7,6 +7,7 @@ import gzip
 import json
 
 import pytest
+import torch
 from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target
 
 from blockspec.bench import acceptance, bench
@@ -34,6 +35,24 @@ def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, cap
         assert (phases["context"] > 0.01 * phases["verify"]) == drafted
         assert sum(r["tau_histogram"].values()) == 3 * r["batch_size"]  # every timed step of every sequence
     assert "acceptance SIMULATED" in capsys.readouterr().out
+
+
+def test_moe_floor_counts_the_experts_a_step_reads(tmp_path, monkeypatch):
+    """An MoE target: a decode row reads its top 4 of 16 experts a layer, a block of varied drafts
+    many more, and the floor counts only those (below that of every expert read)."""
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e11)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    args = parser.parse_args(
+        ["--model", "random:small-moe", "--draft", "random:small-DFlash", "--device", "cpu", "--dtype", "float32",
+         "--batch-sizes", "1", "--steps", "2", "--warmup", "1", "--simulate-tau", "3", "--out", str(out)]
+    )  # fmt: skip
+    bench.run(args)
+    plain, dflash = json.loads(out.read_text())["results"]
+    assert plain["experts_per_layer"] == 4 and dflash["experts_per_layer"] > 8
+    target, _ = bench.load(args, torch.device("cpu"), torch.float32)
+    assert plain["floor_ms"] < bench.weight_bytes(target.model, None) / 1e11 * 1e3
 
 
 def test_acceptance_compares_drafters_of_different_kinds(tmp_path):

@@ -25,23 +25,27 @@ CASES = [
     ("qwen3_moe", {}),
     ("qwen3_moe", {"norm_topk_prob": False, "num_experts_per_tok": 3}),
     ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [3]}),  # dense layers 0, 2, 3
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}),  # every layer slides
     ("gpt_oss", {}),  # window 8, shorter than the prompts
     ("gpt_oss", {"num_experts_per_tok": 4, "swiglu_limit": 0.3}),  # the clamp binds
 ]
 
 
-def scale_tensors(path, suffix: str, factor: float) -> None:
-    """Multiply the checkpoint's tensors named *suffix by factor (sinks away from transformers' ~0
-    init, so that a sink ignored or applied twice shows)."""
-    file = path / "model.safetensors"
+def vary_sinks_and_biases(path) -> None:
+    """The checkpoint's sinks and biases away from transformers' init (sinks ~0, biases 0), so that
+    a sink or bias ignored, applied twice or (gate|up) left interleaved shows."""
+    file, gen = path / "model.safetensors", torch.Generator().manual_seed(5)
     weights = load_file(file)
-    save_file({n: t * factor if n.endswith(suffix) else t for n, t in weights.items()}, file, {"format": "pt"})
+    for name, t in weights.items():
+        if name.endswith(".sinks") or "bias" in name:
+            weights[name] = torch.randn(t.shape, generator=gen) * (2.0 if name.endswith(".sinks") else 0.3)
+    save_file(weights, file, {"format": "pt"})
 
 
 def moe_target(tmp_path, family: str, **extra):
     path = make_target(tmp_path / "t", family, rope="yarn" if family == "gpt_oss" else "none", **extra)
     if family == "gpt_oss":
-        scale_tensors(path, ".sinks", 20.0)
+        vary_sinks_and_biases(path)
     return path
 
 
@@ -150,10 +154,27 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_pa
 
 
 def test_mxfp4_experts_are_kept_only_from_mxfp4_checkpoints(tmp_path):
-    """A dense gpt-oss checkpoint stays dense whatever the option: quantizing it would change it."""
+    """A dense gpt-oss checkpoint stays dense whatever the option; one whose config names MXFP4 over
+    weights that are not MXFP4's is refused: quantizing them would change the model."""
     path = moe_target(tmp_path, "gpt_oss")
-    model = load_target(path, torch.float32, torch.device("cpu"), LoadOptions(mxfp4_experts=True)).model
-    assert not model.layers[0].mlp.experts.mxfp4
+    keep = LoadOptions(mxfp4_experts=True)
+    assert not load_target(path, torch.float32, torch.device("cpu"), keep).model.layers[0].mlp.experts.mxfp4
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError, match="gate_up_proj holds values that MXFP4 does not"):
+        load_target(path, torch.float32, torch.device("cpu"), keep)
+
+
+def test_experts_stored_in_two_layouts_are_refused(tmp_path):
+    path = moe_target(tmp_path, "gpt_oss")
+    dense = load_file(path / "model.safetensors")
+    to_mxfp4_checkpoint(path, torch.Generator().manual_seed(0))
+    both = load_file(path / "model.safetensors") | {
+        "model.layers.1.mlp.experts.gate_up_proj": dense["model.layers.1.mlp.experts.gate_up_proj"]
+    }
+    save_file(both, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.gate_up_proj is stored twice"):
+        load_target(path, torch.float32, torch.device("cpu"))
 
 
 def test_quantize_mxfp4_is_exact_on_mxfp4_weights_and_rounds_to_nearest():
@@ -241,19 +262,6 @@ def test_moe_config_that_cannot_run_is_refused(tmp_path):
     path = moe_target(tmp_path, "qwen3_moe", num_experts_per_tok=9)
     with pytest.raises(CheckpointError, match=r"num_experts_per_tok 9 must be in 1..num_experts \(8\)"):
         load_target(path, torch.float32, torch.device("cpu"))
-
-
-def test_moe_module_adds_its_residual():
-    torch.manual_seed(0)
-    from blockspec.layers.decoder import LayerSpec
-
-    m = MoESpec(num_experts=4, top_k=2, intermediate_size=8, routing="softmax_topk")
-    s = LayerSpec(16, 2, 1, 8, 32, 1e-6, False, False, False, False, moe=m)
-    moe = SparseMoE(s)
-    for p in moe.parameters():
-        p.data.normal_()
-    x = torch.randn(2, 3, 16)
-    torch.testing.assert_close(moe(x, None), x + moe(x, None, residual=False))
 
 
 TARGET_FIXTURES = Path(__file__).parent / "fixtures" / "targets"  # SOURCES.md there says where each came from

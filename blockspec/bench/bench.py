@@ -247,7 +247,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
 def load(args, device, dtype):
     """The target and drafter, ready as `LLM` loads them (kernels in force first: the options read them)."""
     use_kernels(KernelConfig())
-    options = target_options(None, device)
+    options = target_options(None, device, args.mxfp4_experts)
     target = (
         random_target(args.model, dtype, device, options)
         if is_preset(args.model)
@@ -324,6 +324,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--adaptive-width", action="store_true", help="let steps narrow the block (default: every step at full width)"
+    )
+    p.add_argument(
+        "--mxfp4-experts",
+        action="store_true",
+        help="keep an MXFP4 target's experts in MXFP4 (EngineConfig.mxfp4_experts)",
     )
     p.add_argument("--out", default="bench.json")
 

@@ -17,17 +17,20 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
+from blockspec.bench.presets import TARGETS, preset
 from blockspec.bench.timing import time_us
 from blockspec.layers.kernels.fused_moe import MoEConfig, choose_block_m, fused_moe_triton
 from blockspec.layers.moe import MoESpec, route
+from blockspec.models.registry import family_for
 
-MODELS = {  # (hidden size, spec): the MoE presets' layers
-    "Qwen3-Coder-30B-A3B": (2048, MoESpec(128, 8, 768, "softmax_topk", norm_topk_prob=True)),
-    "gpt-oss-20b": (
-        2880,
-        MoESpec(32, 4, 2880, "topk_softmax", router_bias=True, expert_bias=True, activation="clamped_swiglu"),
-    ),
-}
+MODELS = ("Qwen3-Coder-30B-A3B", "gpt-oss-20b")  # MoE presets (`blockspec.bench.presets`)
+
+
+def moe_layer(name: str) -> tuple[int, MoESpec]:
+    """A preset's hidden size and experts."""
+    config = preset(TARGETS, f"random:{name}")
+    spec = family_for(config).layer_spec(config)
+    return spec.hidden_size, spec.moe
 
 
 def make_inputs(H: int, m: MoESpec, rows: int, seed: int = 0) -> dict:
@@ -49,9 +52,9 @@ def make_inputs(H: int, m: MoESpec, rows: int, seed: int = 0) -> dict:
 
 
 def touched_bytes(x: dict) -> int:
-    experts = x["ids"].unique().numel()
-    per_expert = sum(t[0].numel() * t.element_size() for t in (x["gate_up"], x["down"]))
-    return experts * per_expert
+    """Bytes of the experts the rows route to (weights and biases)."""
+    tensors = [x[n] for n in ("gate_up", "down", "gate_up_bias", "down_bias") if x[n] is not None]
+    return x["ids"].unique().numel() * sum(t[0].numel() * t.element_size() for t in tensors)
 
 
 def main() -> None:
@@ -68,7 +71,7 @@ def main() -> None:
         + ("  sweep: bn/bk/stages=µs" if args.sweep else "")
     )
     for name in args.models:
-        H, m = MODELS[name]
+        H, m = moe_layer(name)
         for rows in args.rows:
             x = make_inputs(H, m, rows)
             us = time_us([lambda x=x: fused_moe_triton(**x)], args.calls, args.reps)

@@ -8,7 +8,9 @@ that run on a CPU."""
 import torch
 from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-from blockspec.loading.finish import AS_STORED, LoadOptions, finish_drafter, finish_target
+from blockspec.layers.moe import Experts
+from blockspec.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from blockspec.loading.finish import AS_STORED, LoadOptions, finish_drafter, finish_target, stores_mxfp4
 from blockspec.loading.hf import Target
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import ARCHITECTURE
@@ -53,7 +55,7 @@ TARGETS = {
     "Qwen3-Coder-30B-A3B": lambda: Qwen3MoeConfig(
         vocab_size=151936,
         hidden_size=2048,
-        intermediate_size=6144,
+        intermediate_size=5472,
         moe_intermediate_size=768,
         num_hidden_layers=48,
         num_attention_heads=32,
@@ -70,8 +72,7 @@ TARGETS = {
         tie_word_embeddings=False,
         architectures=["Qwen3MoeForCausalLM"],
     ),
-    # openai/gpt-oss-20b's config.json: its experts MXFP4 (random weights in the model's dtype, as an
-    # MXFP4 checkpoint loads without EngineConfig.mxfp4_experts)
+    # openai/gpt-oss-20b's config.json: its experts MXFP4 (random ones, rounded to MXFP4 values)
     "gpt-oss-20b": lambda: GptOssConfig(
         vocab_size=201088,
         hidden_size=2880,
@@ -249,7 +250,19 @@ def random_target(name: str, dtype: torch.dtype, device: torch.device, options: 
     torch.manual_seed(0)
     config = preset(TARGETS, name)
     model = build_random(family_for(config).build, config, dtype=dtype, device=device)
+    if stores_mxfp4(config):
+        as_mxfp4_values(model)
     return Target(finish_target(model, options), None, [], name)
+
+
+@torch.no_grad()
+def as_mxfp4_values(model: CausalLM) -> None:
+    """Each expert weight rounded to MXFP4 values, as an MXFP4 checkpoint's load: kept in MXFP4
+    (`LoadOptions.mxfp4_experts`) or not, the model is the same."""
+    for experts in [m for m in model.modules() if isinstance(m, Experts)]:
+        for weight in experts.weights():
+            for expert in weight:
+                expert.copy_(dequantize_mxfp4(*quantize_mxfp4(expert), expert.dtype))
 
 
 def random_drafter(

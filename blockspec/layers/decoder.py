@@ -150,7 +150,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, self.post_attention_layernorm)
 
     def fold_norms(self) -> None:
-        """Each norm's weight into the one GEMM that reads the norm's output (`fold_norm_weight`)."""
+        """Each norm's weight into the one GEMM that reads the norm's output (`fold_norm_weight`);
+        an MoE MLP keeps its norm (`SparseMoE.fold_norm`)."""
         fold_norm_weight(self.input_layernorm, self.self_attn.qkv_proj)
         self.mlp.fold_norm(self.post_attention_layernorm)
 

@@ -5,9 +5,11 @@ The experts of a layer are stacked: `gate_up_proj` [E, 2I, H] (each expert's gat
 up rows) and `down_proj` [E, H, I], nn.Linear's layout per expert, optionally biased. The CPU
 reference (`experts_ref`) groups the rows by expert and runs one GEMM pair per expert hit, as
 transformers does; on CUDA the Triton kernel (`blockspec.layers.kernels.fused_moe`) groups them on
-the device and reads each touched expert's weights once, inside the step's CUDA graph."""
+the device and reads each touched expert's weights once per block of its rows (once, for the few
+rows of a decode or verify step), inside the step's CUDA graph."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,9 @@ from blockspec.layers.fast_path import cuda_compiled, fast_kernels
 from blockspec.layers.linear import Linear
 from blockspec.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from blockspec.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from blockspec.layers.decoder import LayerSpec
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
@@ -42,11 +47,14 @@ class MoESpec:
     swiglu_limit: float = 7.0
 
     def problems(self) -> list[str]:
+        """What of this spec the layers cannot run."""
         problems = []
         if self.routing not in ROUTINGS:
             problems.append(f"MoE routing {self.routing!r} is not supported (supported: {', '.join(ROUTINGS)})")
         if self.activation not in ACTIVATIONS:
-            problems.append(f"expert activation {self.activation!r} is not supported")
+            problems.append(
+                f"expert activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
         if not 0 < self.top_k <= self.num_experts:
             problems.append(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
         return problems
@@ -87,7 +95,10 @@ def experts_ref(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], weights and ids [T, k] -> [T, H]: per expert hit (in id order), its rows' gated MLP,
-    weighed and added to those rows; then added to `residual` [T, H] where given."""
+    weighed and added to those rows; then added to `residual` [T, H] where given. The grouping is
+    read on the host: a CUDA graph cannot hold it (the Triton kernel serves CUDA)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("MoE layers in CUDA graphs need the Triton expert kernel (triton missing, or reference_ops)")
     out = torch.zeros_like(x)
     order = ids.flatten().argsort(stable=True)
     counts = torch.bincount(ids.flatten(), minlength=m.num_experts).tolist()
@@ -98,7 +109,7 @@ def experts_ref(
             continue
         pairs = order[start : start + n]
         start += n
-        rows = pairs // m.top_k
+        rows = pairs // ids.shape[1]
         h = expert_activation(F.linear(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]), m)
         y = F.linear(h, down[e], None if down_bias is None else down_bias[e])
         out.index_add_(0, rows, (y * flat_weights[pairs, None]).to(x.dtype))
@@ -132,7 +143,7 @@ class Experts(nn.Module):
         self.mxfp4 = False  # `to_mxfp4` ran: the projections are (blocks, scales) buffers
         self.reset_parameters()
 
-    def weights(self) -> tuple:
+    def weights(self) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], ...]:
         """gate|up and down: each a weight, or MXFP4's (blocks, scales)."""
         if self.mxfp4:
             return (self.gate_up_blocks, self.gate_up_scales), (self.down_blocks, self.down_scales)
@@ -140,11 +151,14 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def to_mxfp4(self) -> None:
-        """The projections as MXFP4 (`quantize_mxfp4`, one expert at a time): exact for weights that
-        a checkpoint stored in MXFP4, a quarter of their bf16 bytes for the kernel to read."""
+        """The projections as MXFP4 (`quantize_mxfp4`, one expert at a time), a quarter of their
+        bf16 bytes for the kernel to read; ValueError unless that is exact (weights that a
+        checkpoint stored in MXFP4, loaded in bf16 or fp32)."""
         for name in ("gate_up", "down"):
             w = getattr(self, f"{name}_proj")
             parts = [quantize_mxfp4(expert) for expert in w]
+            if not all(torch.equal(dequantize_mxfp4(*q, w.dtype), expert) for q, expert in zip(parts, w)):
+                raise ValueError(f"{name}_proj holds values that MXFP4 does not: its experts are not MXFP4's")
             delattr(self, f"{name}_proj")
             self.register_buffer(f"{name}_blocks", torch.stack([b for b, _ in parts]))
             self.register_buffer(f"{name}_scales", torch.stack([s for _, s in parts]))
@@ -162,7 +176,7 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """The MoE MLP kind of `LayerSpec.moe`, called as the dense MLP is."""
 
-    def __init__(self, s) -> None:
+    def __init__(self, s: "LayerSpec") -> None:
         super().__init__()
         m = s.moe
         self.spec = m

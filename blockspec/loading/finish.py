@@ -6,6 +6,7 @@ MXFP4 experts kept as such, a drafter's stacked context K/V weight and its FP8 c
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from blockspec.config import SpeculativeConfig
 from blockspec.layers.linear import fused_gemms_on
@@ -40,7 +41,7 @@ def target_options(fold_norms: bool | None, device: torch.device, mxfp4_experts:
     )
 
 
-def stores_mxfp4(config) -> bool:
+def stores_mxfp4(config: PretrainedConfig) -> bool:
     """The checkpoint's experts are MXFP4 (gpt-oss: `quantization_config.quant_method`)."""
     quantization = getattr(config, "quantization_config", None) or {}
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method

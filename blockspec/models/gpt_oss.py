@@ -8,6 +8,8 @@ Checkpoints come in two layouts, both loaded here: OpenAI's, the experts in MXFP
 dequantized one (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]). Both store
 gate|up with gate and up interleaved column by column; ours puts the gate rows first."""
 
+import dataclasses
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +21,8 @@ from blockspec.layers.mxfp4 import dequantize_mxfp4, mxfp4_problems
 from blockspec.loading.weights import CheckpointError, WeightMapping
 from blockspec.models.hf_config import decoder_spec, layer_types
 from blockspec.models.registry import TargetFamily
+
+EXPERTS = re.compile(r"(.+\.experts)\.gate_up_proj(_blocks)?")  # a layer's experts, in either layout
 
 
 def layer_spec(config: PretrainedConfig) -> LayerSpec:
@@ -33,8 +37,8 @@ def layer_spec(config: PretrainedConfig) -> LayerSpec:
         swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
         swiglu_limit=getattr(config, "swiglu_limit", 7.0),
     )
-    spec = decoder_spec(config, qkv_bias=True, o_bias=True)
-    return LayerSpec(**{**vars(spec), "attention_sinks": True, "moe": moe})
+    bias = getattr(config, "attention_bias", True)
+    return dataclasses.replace(decoder_spec(config, qkv_bias=bias, o_bias=bias), attention_sinks=True, moe=moe)
 
 
 def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
@@ -65,18 +69,17 @@ def dequantized(weights: dict[str, torch.Tensor], prefix: str, source: Path) -> 
 def expert_layout(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
     """Each layer's experts in ours: gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I], and
     the biases (`gate_up_bias`, `down_bias`)."""
-    for name in [n for n in weights if n.endswith(".experts.gate_up_proj_bias")]:
-        prefix = name.removesuffix("_bias")
-        experts = prefix.removesuffix(".gate_up_proj")
+    for experts in sorted({m[1] for n in weights if (m := EXPERTS.fullmatch(n))}):
+        prefix = f"{experts}.gate_up_proj"
+        if f"{prefix}_blocks" in weights and prefix in weights:
+            raise CheckpointError(f"{source}: {prefix} is stored twice: in MXFP4 and dense")
         if f"{prefix}_blocks" in weights:  # MXFP4: [E, 2I, H] and [E, H, I] once dequantized
             gate_up, down = dequantized(weights, prefix, source), dequantized(weights, f"{experts}.down_proj", source)
-        elif prefix in weights:  # transformers' [E, H, 2I] and [E, I, H]
+        else:  # transformers' [E, H, 2I] and [E, I, H]
             gate_up, down = (take(weights, n, source).transpose(1, 2) for n in (prefix, f"{experts}.down_proj"))
-        else:
-            raise CheckpointError(f"{source}: {prefix} is missing (neither MXFP4 blocks nor a dense tensor)")
         weights[f"{experts}.gate_up_proj"] = gate_first(gate_up, 1).contiguous()
         weights[f"{experts}.down_proj"] = down.contiguous()
-        weights[f"{experts}.gate_up_bias"] = gate_first(weights.pop(name), 1)
+        weights[f"{experts}.gate_up_bias"] = gate_first(take(weights, f"{prefix}_bias", source), 1)
         weights[f"{experts}.down_bias"] = take(weights, f"{experts}.down_proj_bias", source)
     return weights
 

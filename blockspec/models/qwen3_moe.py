@@ -3,6 +3,7 @@
 when i is not in `mlp_only_layers` and (i + 1) is a multiple of `decoder_sparse_step`, else dense.
 Checkpoints store each expert's projections apart; loading stacks them per layer."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -20,6 +21,8 @@ EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def layer_spec(config: PretrainedConfig) -> LayerSpec:
+    if config.num_experts == 0:  # every MLP dense (`is_sparse`)
+        return qwen3_spec(config)
     moe = MoESpec(
         num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
@@ -27,7 +30,7 @@ def layer_spec(config: PretrainedConfig) -> LayerSpec:
         routing="softmax_topk",
         norm_topk_prob=bool(config.norm_topk_prob),
     )
-    return LayerSpec(**{**vars(qwen3_spec(config)), "moe": moe})
+    return dataclasses.replace(qwen3_spec(config), moe=moe)
 
 
 def is_sparse(config: PretrainedConfig, i: int) -> bool:
@@ -36,7 +39,11 @@ def is_sparse(config: PretrainedConfig, i: int) -> bool:
 
 
 def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
-    return [LayerKind(t, "sparse_moe" if is_sparse(config, i) else "dense") for i, t in enumerate(layer_types(config))]
+    """Each layer's MLP (`is_sparse`); with `use_sliding_window` (transformers then keeps
+    `sliding_window`, else None) every layer slides, as transformers' Qwen3-MoE does."""
+    types = layer_types(config) if getattr(config, "sliding_window", None) is None else None
+    types = types or ["sliding_attention"] * config.num_hidden_layers
+    return [LayerKind(t, "sparse_moe" if is_sparse(config, i) else "dense") for i, t in enumerate(types)]
 
 
 def rename(name: str) -> str | None:
@@ -46,11 +53,15 @@ def rename(name: str) -> str | None:
 def stack_experts(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
     """Each layer's `experts.{e}.{gate,up,down}_proj.weight` -> `experts.gate_up_proj` [E, 2I, H] and
     `experts.down_proj` [E, H, I]; the per-expert tensors leave `weights` as they are stacked."""
+    if spec.moe is None:  # no sparse layer: expert tensors are the checkpoint's mismatch (`check_tensors`)
+        return weights
     layers: dict[str, dict[tuple[str, int], str]] = {}
     for name in list(weights):
         if (m := EXPERT.fullmatch(name)) is not None:
             layers.setdefault(m[1], {})[m[3], int(m[2])] = name
     for prefix, names in layers.items():
+        if f"{prefix}.gate_up_proj" in weights:
+            raise CheckpointError(f"{source}: {prefix} is stored twice: per expert and stacked")
         experts = range(spec.moe.num_experts)
         expected = {(part, e) for part in ("gate", "up", "down") for e in experts}
         if set(names) != expected:

@@ -65,7 +65,7 @@ class FlexBlockAttention:
     kv_write = DenseAttention.kv_write
     attend_qkv = rope_then_attend
 
-    def attend(self, q, k, v, cache, layer_type: str, scale: float, sinks: None = None) -> torch.Tensor:
+    def attend(self, q, k, v, cache, layer_type: str, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         assert sinks is None, "drafter layers have no attention sinks"
         k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -84,7 +84,7 @@ class BlockRows:
     kv_write = DenseAttention.kv_write
     attend_qkv = rope_then_attend
 
-    def attend(self, q, k, v, cache, layer_type: str, scale: float, sinks: None = None) -> torch.Tensor:
+    def attend(self, q, k, v, cache, layer_type: str, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         rows = q.shape[:2]
         q, k, v = (t.reshape(-1, self.blocks * rows[1], *t.shape[2:]) for t in (q, k, v))
         out = self.inner.attend(q, k, v, cache, layer_type, scale, sinks)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Qwen3Config
 
+from blockspec.layers.moe import SparseMoE
 from blockspec.layers.rotary import rope_parameters
 from blockspec.loading.drafters import validate
 from blockspec.models.causal_lm import CausalLM
@@ -72,7 +73,8 @@ def drafter_config(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> Qw
 
 
 def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
-    """Copy init (see the module doc); False, leaving the random init, when shapes differ."""
+    """Copy init (see the module doc); False, leaving the random init, when shapes differ or the
+    target's last layers are MoE."""
     n = len(drafter.layers)
     sources = list(target.model.layers)[-n:]
     pairs = []
@@ -81,7 +83,8 @@ def copy_target_layers(drafter: DFlashDrafter, target: CausalLM) -> bool:
         for name, p in dst.named_parameters():
             if name in src_params:
                 pairs.append((p, src_params[name]))
-    if len(sources) < n or any(p.shape != q.shape for p, q in pairs):
+    moe = any(isinstance(src.mlp, SparseMoE) for src in sources)  # its MLPs are not the drafter's dense ones
+    if len(sources) < n or moe or any(p.shape != q.shape for p, q in pairs):
         return False
     with torch.no_grad():
         for p, q in pairs:

@@ -17,9 +17,10 @@ programs of blocks past the used ones exit at once, so the grid and every buffer
 Both compute acc[BLOCK_N, BLOCK_M] = w_tile @ rows_tile.T ("swap AB", as `skinny_linear`): the
 weight rows fill the MMA's wide side and the few rows of a decode step its narrow one. At small T
 each touched expert's weights are read once (one block per expert) by programs spread over N,
-which is what bounds the step; at prefill the blocks grow to 128 rows (`choose_config`). The
-tiles are first choices, compiled for sm_90 (wgmma, cp.async pipelines, no spills) but not yet
-timed on an H200; loads are by pointers (no TMA) and launches plain (no PDL).
+which is what bounds the step; at prefill the blocks grow to 128 rows (`choose_config`). On the
+H200 the decode tiles read the routed experts at 2.3-4.2 TB/s (`blockspec.bench.moe_bench`, whose
+--sweep found other tiles within 5% of these); loads are by pointers (no TMA) and launches plain
+(no PDL).
 
 `fused_moe_mxfp4` takes the experts' weights in MXFP4 (gpt-oss's checkpoints: FP4 e2m1 values in
 groups of 32 sharing an e8m0 scale, `blockspec.layers.mxfp4`), dequantized in registers after the
@@ -35,10 +36,10 @@ import triton.language as tl
 from blockspec.layers.kernels import num_sms
 from blockspec.layers.kernels.skinny_linear import _output_cols, _weight_rows, load_tile
 from blockspec.layers.moe import MoESpec
+from blockspec.layers.mxfp4 import GROUP as MXFP4_GROUP
 
 ALIGN_CHUNK = 1024  # ids an align program reads at once
-MXFP4_GROUP = 32  # values sharing a scale
-GROUP = tl.constexpr(MXFP4_GROUP)  # the same, for the kernels
+GROUP = tl.constexpr(MXFP4_GROUP)  # values sharing a scale, for the kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ class MoEConfig:
 
 # block_m -> (block_n, block_k, num_warps, num_stages). Up to 64 rows an expert's GEMM is bound by
 # reading its weight: narrow weight tiles in long K steps, deep pipelines; at 128 rows (prefill)
-# the square tile of a compute-bound GEMM. First choices, not yet timed on the H200.
+# the square tile of a compute-bound GEMM.
 TILES = {16: (64, 128, 4, 4), 32: (64, 128, 4, 4), 64: (64, 128, 4, 3), 128: (128, 64, 8, 3)}
 
 

@@ -359,7 +359,7 @@ def _combine_kernel(
         w = tl.exp2(lse - m)
         part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
         out = tl.sum(w[:, None] * part, 0) / (tl.sum(w, 0) + tl.exp2(sink - m))
-    else:  # (a branch of its own: the code without sinks as it was)
+    else:  # a branch of its own: without sinks, the compiled kernel is the same as before they existed
         w = tl.exp2(lse - tl.max(lse, 0))  # every row has a key, so some split's lse is finite
         part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
         out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
