@@ -25,9 +25,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """blocks [..., G, 16] and scales [..., G] (uint8, without `mxfp4_problems`) -> the weight
     [..., G * 32] in `dtype`."""
     table = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
-    nibbles = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32], low first
-    values = torch.ldexp(table[nibbles], scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).to(dtype)
+    byte_values = torch.stack((table.repeat(16), table.repeat_interleave(16)), dim=-1)  # byte -> (low, high)
+    values = byte_values[blocks.int()].flatten(-2)  # [..., G, 32]: one int32 index a byte, not an int64 a value
+    return torch.ldexp(values, scales.to(torch.int32)[..., None] - 127).flatten(-2).to(dtype)
 
 
 # Boundaries between consecutive e2m1 magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6): nearest-value rounding.
