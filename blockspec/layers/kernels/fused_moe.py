@@ -17,10 +17,9 @@ programs of blocks past the used ones exit at once, so the grid and every buffer
 Both compute acc[BLOCK_N, BLOCK_M] = w_tile @ rows_tile.T ("swap AB", as `skinny_linear`): the
 weight rows fill the MMA's wide side and the few rows of a decode step its narrow one. At small T
 each touched expert's weights are read once (one block per expert) by programs spread over N,
-which is what bounds the step; at prefill the blocks grow to 128 rows (`choose_config`). On the
-H200 the decode tiles read the routed experts at 2.3-4.2 TB/s (`blockspec.bench.moe_bench`, whose
---sweep found other tiles within 5% of these); loads are by pointers (no TMA) and launches plain
-(no PDL).
+which is what bounds the step; at prefill the blocks grow to 128 rows (`choose_config`). The tiles
+are checked against others by `blockspec.bench.moe_bench --sweep`; loads are by pointers (no TMA)
+and launches plain (no PDL).
 
 `fused_moe_mxfp4` takes the experts' weights in MXFP4 (gpt-oss's checkpoints: FP4 e2m1 values in
 groups of 32 sharing an e8m0 scale, `blockspec.layers.mxfp4`), dequantized in registers after the
