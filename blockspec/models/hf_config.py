@@ -36,8 +36,12 @@ def decoder_spec(config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm
 def layer_types(config: PretrainedConfig) -> list[str]:
     """Each layer's attention as transformers lays them out (`layer_types`; Qwen2/Qwen3 with
     use_sliding_window slide from max_window_layers on): full causal, or over the last
-    `sliding_window` positions."""
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    `sliding_window` positions. A config without `layer_types` slides every layer where it keeps a
+    window (Qwen3-MoE: `sliding_window` is None unless use_sliding_window), as transformers does."""
+    if getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
 
 
 def decoder_layer_kinds(config: PretrainedConfig) -> list[LayerKind]:

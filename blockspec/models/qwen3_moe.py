@@ -39,11 +39,8 @@ def is_sparse(config: PretrainedConfig, i: int) -> bool:
 
 
 def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
-    """Each layer's MLP (`is_sparse`); with `use_sliding_window` (transformers then keeps
-    `sliding_window`, else None) every layer slides, as transformers' Qwen3-MoE does."""
-    types = layer_types(config) if getattr(config, "sliding_window", None) is None else None
-    types = types or ["sliding_attention"] * config.num_hidden_layers
-    return [LayerKind(t, "sparse_moe" if is_sparse(config, i) else "dense") for i, t in enumerate(types)]
+    """Each layer's attention (`layer_types`) and MLP (`is_sparse`)."""
+    return [LayerKind(t, "sparse_moe" if is_sparse(config, i) else "dense") for i, t in enumerate(layer_types(config))]
 
 
 def rename(name: str) -> str | None:
