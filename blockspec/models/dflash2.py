@@ -122,7 +122,7 @@ class DFlash2Drafter(DFlashDrafter):
     def decoder_layer(self, kind: LayerKind) -> nn.Module:
         taps = int(dflash_value(self.config, "conv_kernel_size", 0))
         if not taps:
-            return DecoderLayer(self.spec, kind)
+            return super().decoder_layer(kind)
         return DFlash2Layer(self.spec, kind, taps, int(dflash_value(self.config, "conv_group_size")))
 
     def checkpoint_fields(self) -> dict:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from blockspec.models.dflash2 import DFlash2Drafter
-from blockspec.proposers.base import Proposal, draft_from_logits
+from blockspec.proposers.base import Proposal
 from blockspec.proposers.dflash import DFlashProposer
-from blockspec.sampling import Stream, draw, uniform
+from blockspec.sampling import Stream, draw, tempered_scores, uniform
 
 if TYPE_CHECKING:
     from blockspec.engine.runner import ModelRunner
@@ -25,10 +25,10 @@ class DFlash2Proposer(DFlashProposer):
 
     def propose(self, runner: "ModelRunner", inputs: "StepInputs") -> Proposal:
         d = self.drafter
+        if d.candidate_selector is None:
+            return super().propose(runner, inputs)
         hidden = self.draft_hidden(runner, inputs)
         logits = d.compute_logits(hidden, runner.target)
-        if d.candidate_selector is None:
-            return draft_from_logits(logits, inputs)
         ids, scores = d.candidate_selector.lattice(logits, hidden, inputs.tokens[:, 0])
         return walk(ids, scores, inputs, logits.shape[-1])
 
@@ -40,7 +40,6 @@ def walk(ids: torch.Tensor, scores: torch.Tensor, inputs: "StepInputs", vocab: i
     sampled = inputs.sampling is not None
     if sampled:
         t = inputs.sampling_params[:, 0, None]
-        temperature = torch.where(t > 0, t, 1.0)
         u = uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
     slot = torch.zeros(b, dtype=torch.long, device=ids.device)
     slots, qs = [], []
@@ -48,7 +47,7 @@ def walk(ids: torch.Tensor, scores: torch.Tensor, inputs: "StepInputs", vocab: i
         row_scores = scores[:, row].gather(1, slot[:, None, None].expand(-1, 1, k))[:, 0]  # [B, K]
         slot = row_scores.argmax(-1)
         if sampled:
-            q = torch.softmax(row_scores / temperature, -1)
+            q = torch.softmax(tempered_scores(row_scores, t), -1)
             slot = torch.where(inputs.greedy, slot, draw(q, u[:, row]))
             qs.append(q)
         slots.append(slot)
