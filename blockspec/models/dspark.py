@@ -71,6 +71,9 @@ class MarkovHead(nn.Module):
         """Every row's latent [..., n, r] and markov_w1[prev] [..., n, r] for known previous tokens
         prev [..., n] (teacher forcing), hidden [..., n, H]; rank-sized, so that only the rows
         wanted are projected to the vocabulary."""
+        if self.kind != "rnn":  # no state carried from row to row: every row in one call
+            latent, e, _ = self.step(prev, hidden, None)
+            return latent, e
         state, latents, embeddings = self.initial_state(hidden[..., 0, :]), [], []
         for j in range(prev.shape[-1]):
             latent, e, state = self.step(prev[..., j], hidden[..., j, :], state)

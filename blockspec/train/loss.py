@@ -160,13 +160,11 @@ def dflash_loss(
     return step_result(blocks, valid, (ce * w).sum(), w.sum(), logits.argmax(-1))
 
 
-def candidates_with_gold(logits: torch.Tensor, gold: torch.Tensor, k: int) -> torch.Tensor:
-    """Each row's top k token ids [M, k] of its logits [M, V], the gold token [M] in the lowest
-    one's place where it is not among them: the recipe's candidates."""
-    top = logits.topk(k, -1).indices
+def candidates_with_gold(top: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
+    """Each row's top token ids [M, k], the gold token [M] in the lowest one's place where it is
+    not among them: the recipe's candidates."""
     missing = (top != gold[:, None]).all(-1)
-    top[:, -1] = torch.where(missing, gold, top[:, -1])
-    return top
+    return torch.cat([top[:, :-1], torch.where(missing, gold, top[:, -1])[:, None]], -1)
 
 
 def dflash2_loss(
@@ -189,14 +187,14 @@ def dflash2_loss(
     ce = F.cross_entropy(logits, gold, reduction="none")
     w = weights.expand_as(labelled)[labelled]
     prev = blocks.previous[labelled]
+    unary, top = logits.topk(selector.top_k, -1)  # the serving candidates
     # each candidate scored after the one predecessor teacher forcing gives its row
-    ids = candidates_with_gold(logits, gold, selector.top_k)
+    ids = candidates_with_gold(top, gold)
     scores = selector.scores(logits.gather(-1, ids), ids, hidden, prev[:, None])[:, 0]
     selector_ce = F.cross_entropy(scores, (ids == gold[:, None]).int().argmax(-1), reduction="sum")
-    with torch.no_grad():  # the serving candidates
-        unary, ids = logits.topk(selector.top_k, -1)
-        scores = selector.scores(unary, ids, hidden, prev[:, None])[:, 0]
-        greedy = ids.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+    with torch.no_grad():
+        scores = selector.scores(unary.detach(), top, hidden, prev[:, None])[:, 0]
+        greedy = top.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
     loss_sum = torch.stack([(ce * w).sum(), selector_weight * selector_ce])
     return step_result(blocks, valid, loss_sum, torch.stack([w.sum(), w.new_tensor(len(gold))]), greedy)
 
