@@ -353,16 +353,16 @@ def _combine_kernel(
     sp_ok = sp < NUM_SPLITS
     d = tl.arange(0, D_PAD)
     lse = tl.load(lse_ptr + sp * num_rows + row, mask=sp_ok, other=float("-inf"))
+    m = tl.max(lse, 0)  # without sinks every row has a key, so some split's lse is finite
     if HAS_SINKS:  # the sink: a split of zero output, in the max (finite then) and the denominator
         sink = tl.load(sinks_ptr + row % Hq).to(tl.float32) * _LOG2E
-        m = tl.maximum(tl.max(lse, 0), sink)
-        w = tl.exp2(lse - m)
-        part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
-        out = tl.sum(w[:, None] * part, 0) / (tl.sum(w, 0) + tl.exp2(sink - m))
-    else:  # a branch of its own: without sinks, the compiled kernel is the same as before they existed
-        w = tl.exp2(lse - tl.max(lse, 0))  # every row has a key, so some split's lse is finite
-        part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
-        out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+        m = tl.maximum(m, sink)
+    w = tl.exp2(lse - m)
+    part = tl.load(part_ptr + (sp[:, None] * num_rows + row) * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m)
+    out = tl.sum(w[:, None] * part, 0) / total
     b, s, h = row // (S * Hq), (row // Hq) % S, row % Hq
     tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
