@@ -235,7 +235,7 @@ def check_mxfp4(T, k, E, H, I, dtype, bias, activation, config=None, seed=0):
     x, weights, ids, _, _, gate_up_bias, down_bias = make_moe(T, k, E, H, I, dtype, bias, seed=seed)
     gate_up, down = make_mxfp4(E, 2 * I, H, gen), make_mxfp4(E, H, I, gen)
     m = spec(E, k, I, activation, bias)
-    y = kernel.fused_moe_mxfp4(x, weights, ids, gate_up, down, gate_up_bias, down_bias, m, config)
+    y = kernel.fused_moe_triton(x, weights, ids, gate_up, down, gate_up_bias, down_bias, m, config)
     dense = dequantize_mxfp4(*gate_up, dtype), dequantize_mxfp4(*down, dtype)
     assert_close_to_reference(y, (x, weights, ids, *dense, gate_up_bias, down_bias), m)
 

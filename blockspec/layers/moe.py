@@ -123,8 +123,7 @@ def moe_experts(
     which reads MXFP4 experts as they are stored."""
     biases, kernels = (experts.gate_up_bias, experts.down_bias), fast_kernels(x, "fused_moe")
     if kernels is not None:
-        fused = kernels.fused_moe_mxfp4 if experts.mxfp4 else kernels.fused_moe_triton
-        return fused(x, weights, ids, *experts.weights(), *biases, experts.spec, residual=residual)
+        return kernels.fused_moe_triton(x, weights, ids, *experts.weights(), *biases, experts.spec, residual=residual)
     gate_up, down = (
         experts.weights() if not experts.mxfp4 else (dequantize_mxfp4(*w, x.dtype) for w in experts.weights())
     )

@@ -3,7 +3,7 @@
 `scales` uint8 [..., K / 32], one e8m0 exponent (bias 127) per group of 32 values:
 value = E2M1[nibble] * 2**(scale - 127). Every value is exact in bf16, so dequantizing to bf16 or
 fp32 loses nothing. The CUDA MoE kernel reads them as they are
-(`blockspec.layers.kernels.fused_moe.fused_moe_mxfp4`); this is its reference."""
+(`blockspec.layers.kernels.fused_moe.fused_moe_triton`); this is its reference."""
 
 import torch
 

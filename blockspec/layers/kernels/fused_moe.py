@@ -21,8 +21,8 @@ which is what bounds the step; at prefill the blocks grow to 128 rows (`choose_c
 are checked against others by `blockspec.bench.moe_bench --sweep`; loads are by pointers (no TMA)
 and launches plain (no PDL).
 
-`fused_moe_mxfp4` takes the experts' weights in MXFP4 (gpt-oss's checkpoints: FP4 e2m1 values in
-groups of 32 sharing an e8m0 scale, `blockspec.layers.mxfp4`), dequantized in registers after the
+`fused_moe_triton` also takes the experts' weights in MXFP4 (gpt-oss's checkpoints: FP4 e2m1 values
+in groups of 32 sharing an e8m0 scale, `blockspec.layers.mxfp4`), dequantized in registers after the
 load, so that a step reads about a quarter of the bytes. Every MXFP4 value is exact in bf16 (one
 mantissa bit, float32's exponents), so the MMA sees exactly the dequantized weight."""
 
@@ -244,12 +244,15 @@ def align_pairs(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Te
     return pairs, nblocks
 
 
+Weight = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a weight, or MXFP4's (blocks, scales)
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: Weight,
+    down: Weight,
     gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None,
     m: MoESpec,
@@ -258,35 +261,27 @@ def fused_moe_triton(
 ) -> torch.Tensor:
     """`experts_ref` (blockspec.layers.moe) in two grouped GEMMs, up to rounding (fp32 accumulation):
     x [T, H], weights [T, k] (x's dtype) and ids [T, k] (int64) -> [T, H] in x's dtype. gate_up
-    [E, 2I, H] and down [E, H, I] in x's dtype, biases [E, 2I] and [E, H] or None; `m` the MoESpec.
-    `config`: both GEMMs' tiles (tests), else `choose_config`'s."""
-    E, I = m.num_experts, m.intermediate_size
-    assert gate_up.shape == (E, 2 * I, x.shape[1]) and down.shape == (E, x.shape[1], I), (gate_up.shape, down.shape)
-    assert gate_up.dtype == down.dtype == x.dtype, f"expert weights in x's dtype {x.dtype}"
-    return _launch(x, weights, ids, (gate_up,), (down,), gate_up_bias, down_bias, m, config, residual)
-
-
-def fused_moe_mxfp4(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    gate_up: tuple[torch.Tensor, torch.Tensor],
-    down: tuple[torch.Tensor, torch.Tensor],
-    gate_up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None,
-    m: MoESpec,
-    config: MoEConfig | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`fused_moe_triton` with MXFP4 expert weights, each (blocks, scales) as gpt-oss stores them:
-    gate_up ([E, 2I, H / 32, 16], [E, 2I, H / 32]) and down ([E, H, I / 32, 16], [E, H, I / 32])
-    uint8; the result is `experts_ref` of `dequantize_mxfp4`'s weights (in x's dtype)."""
+    [E, 2I, H] and down [E, H, I] in x's dtype, or both MXFP4 as gpt-oss stores them, each (blocks
+    [E, N, K / 32, 16], scales [E, N, K / 32]) uint8, read as `dequantize_mxfp4`'s weights; biases
+    [E, 2I] and [E, H] or None; `m` the MoESpec. `config`: both GEMMs' tiles (tests), else
+    `choose_config`'s."""
     E, I, H = m.num_experts, m.intermediate_size, x.shape[1]
-    for (blocks, scales), (N, K) in zip((gate_up, down), ((2 * I, H), (H, I))):
-        assert K % MXFP4_GROUP == 0, f"MXFP4 rows of {K} values: not in groups of {MXFP4_GROUP}"
-        assert blocks.shape == (E, N, K // MXFP4_GROUP, 16) and scales.shape == (E, N, K // MXFP4_GROUP)
-        assert blocks.dtype == scales.dtype == torch.uint8, (blocks.dtype, scales.dtype)
+    assert isinstance(gate_up, tuple) == isinstance(down, tuple), "both projections MXFP4, or neither"
+    for w, (N, K) in zip((gate_up, down), ((2 * I, H), (H, I))):
+        check_weight(w, (E, N, K), x.dtype)
+    gate_up, down = (w if isinstance(w, tuple) else (w,) for w in (gate_up, down))
     return _launch(x, weights, ids, gate_up, down, gate_up_bias, down_bias, m, config, residual)
+
+
+def check_weight(w: Weight, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """w: a weight of `shape` in `dtype`, or the MXFP4 blocks and scales of one."""
+    if not isinstance(w, tuple):
+        assert w.shape == shape and w.dtype == dtype, f"expert weight {tuple(w.shape)} {w.dtype}: {shape} {dtype}"
+        return
+    (E, N, K), (blocks, scales) = shape, w
+    assert K % MXFP4_GROUP == 0, f"MXFP4 rows of {K} values: not in groups of {MXFP4_GROUP}"
+    assert blocks.shape == (E, N, K // MXFP4_GROUP, 16) and scales.shape == (E, N, K // MXFP4_GROUP)
+    assert blocks.dtype == scales.dtype == torch.uint8, (blocks.dtype, scales.dtype)
 
 
 def _launch(
