@@ -134,12 +134,11 @@ def count_experts(target) -> None:
 def touched_expert_bytes(target) -> tuple[int, int]:
     """Bytes of the experts the MoE layers routed to since the last call, and how many they were;
     clears the record."""
-    total = count = 0
-    for moe in moe_layers(target):
-        n = int(moe.touched.sum())
-        total, count = total + n * expert_bytes(moe), count + n
+    layers = moe_layers(target)
+    counts = torch.stack([moe.touched.sum() for moe in layers]).tolist()  # one copy to the host, not one a layer
+    for moe in layers:
         moe.touched.zero_()
-    return total, count
+    return sum(n * expert_bytes(moe) for n, moe in zip(counts, layers)), sum(counts)
 
 
 def total_steps(steps: int, warmup: int) -> int:
