@@ -79,27 +79,6 @@ def test_greedy_plain_and_speculative_equal_transformers_generate(tmp_path, fami
         assert out == expected[0, len(prompt) :].tolist()
 
 
-def test_sliding_window_target_preempts_without_changing_outputs(tmp_path):
-    """gpt-oss (sliding layers, sinks, experts) through a pool too small for its requests: the
-    preempted and recomputed outputs equal each request run alone."""
-    t = moe_target(tmp_path, "gpt_oss")
-    d = make_drafter(tmp_path / "d", t, block_size=4)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(3, 127, (int(n),), generator=gen).tolist() for n in torch.randint(5, 25, (6,), generator=gen)
-    ]
-    params = [
-        SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=12 + 2 * i, ignore_eos=True)
-        for i in range(6)
-    ]
-    small = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4, num_pages=13, max_model_len=44)
-    outs = small.generate(prompts, params)
-    assert small.engine.scheduler.num_preemptions > 0
-    alone = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4, max_model_len=44)
-    for p, sp, o in zip(prompts, params, outs):
-        assert o.outputs[0].token_ids == alone.generate([p], sp)[0].outputs[0].token_ids
-
-
 def random_mxfp4(gen: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks [*shape[:-1], K/32, 16] and scales [*shape[:-1], K/32] of a weight [*shape]: every
     nibble, and exponents 2^-6 .. 2^0 (biased 121 .. 127)."""

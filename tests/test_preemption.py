@@ -4,13 +4,15 @@ recomputed, and every output equals that request run alone."""
 import pytest
 import torch
 from conftest import count_launches_ahead, make_drafter, make_target
+from test_moe_targets import moe_target
 
 from blockspec import LLM, SamplingParams
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])  # gpt-oss: sliding layers, sinks, experts
 @pytest.mark.parametrize("async_steps", [False, True], ids=["lock-step", "launched-ahead"])
-def test_small_pool_preempts_without_changing_outputs(tmp_path, async_steps):
-    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+def test_small_pool_preempts_without_changing_outputs(tmp_path, async_steps, family):
+    t = make_target(tmp_path / "t", "qwen3", vocab=128) if family == "qwen3" else moe_target(tmp_path, family)
     d = make_drafter(tmp_path / "d", t, block_size=6)
     gen = torch.Generator().manual_seed(0)
     prompts = [
