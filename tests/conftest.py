@@ -17,10 +17,16 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from blockspec.loading.drafters import save_drafter
@@ -37,11 +43,27 @@ FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+}
+# The hybrid families' tiny Gated DeltaNet layers: 2 key heads, 4 value heads (grouped), 8 wide.
+LINEAR_GEOMETRY = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
 }
 # Each MoE family's tiny experts: 8 of width 32, 2 a row (overridable as any config field).
 MOE_GEOMETRY = {
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
     "gpt_oss": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8},
+    "qwen3_5": LINEAR_GEOMETRY,
+    "qwen3_5_moe": LINEAR_GEOMETRY
+    | {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+    "qwen3_next": LINEAR_GEOMETRY
+    | {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
 }
 ROPES = {
     "none": None,
@@ -158,12 +180,13 @@ def add_word_tokenizer(path: Path, vocab: int) -> Path:
 
 class OracleProposer(Proposer):
     """Proposes the plain-greedy continuation `answers[prompt]`, except at every 5th position:
-    acceptance is long and rejections land at varied rows."""
+    acceptance is long and rejections land at varied rows. With `rng`, each block is right for a
+    random number of its drafts instead (every rejection row, in turn)."""
 
     on_device = False
 
-    def __init__(self, answers: dict[tuple, list[int]]) -> None:
-        self.answers = answers
+    def __init__(self, answers: dict[tuple, list[int]], rng: torch.Generator | None = None) -> None:
+        self.answers, self.rng = answers, rng
 
     def host_drafts(self, token_ids: list[list[int]], widths: list[int]) -> list[list[int]]:
         drafts = []
@@ -171,8 +194,15 @@ class OracleProposer(Proposer):
             prompt = next(p for p in self.answers if tuple(tokens[: len(p)]) == p)
             full, generated = self.answers[prompt], len(tokens) - len(prompt)
             ks = range(generated, generated + width - 1)  # indices in `full` of the tokens after the anchor
-            drafts.append([full[k] if k < len(full) and (k + 1) % 5 else (k * 13) % 128 for k in ks])
+            right = int(torch.randint(0, width, (), generator=self.rng)) if self.rng is not None else None
+            drafts.append([self.draft(full, k, k - generated, right) for k in ks])
         return drafts
+
+    @staticmethod
+    def draft(full: list[int], k: int, row: int, right: int | None) -> int:
+        """The k-th answer token, or a wrong one: at every 5th position, or from row `right` on."""
+        wrong = (k + 1) % 5 == 0 if right is None else row >= right
+        return (full[k] + 1 + k % 7) % 128 if k < len(full) and wrong else full[k] if k < len(full) else (k * 13) % 128
 
     def propose(self, runner, inputs) -> Proposal:
         return Proposal(inputs.tokens[:, 1:])
@@ -183,6 +213,16 @@ def oracle(monkeypatch):
     """The engine's DFlash proposer replaced by an `OracleProposer` of the answers filled in."""
     answers: dict[tuple, list[int]] = {}
     factory = SimpleNamespace(from_config=lambda drafter, spec: OracleProposer(answers))
+    monkeypatch.setitem(DRAFTER_PROPOSERS, "dflash", factory)
+    return answers
+
+
+@pytest.fixture
+def random_oracle(monkeypatch):
+    """`oracle` whose blocks are right for a random number of drafts each (seeded)."""
+    answers: dict[tuple, list[int]] = {}
+    rng = torch.Generator().manual_seed(0)
+    factory = SimpleNamespace(from_config=lambda drafter, spec: OracleProposer(answers, rng))
     monkeypatch.setitem(DRAFTER_PROPOSERS, "dflash", factory)
     return answers
 
@@ -333,3 +373,19 @@ def make_dflash2(
                 p.normal_(0, scale).mul_(0 if successor_zero and "successor" in name else 1)
     save_drafter(drafter, target, path, dtype=torch.float32)
     return path
+
+
+def assert_greedy_equals_transformers_generate(target: Path, drafter: Path, n: int = 30) -> None:
+    """Plain and speculative greedy decoding of a prompt are transformers' greedy generate, token
+    for token."""
+    from transformers import AutoModelForCausalLM
+
+    from blockspec import LLM, SamplingParams
+
+    ref = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompt = [5, 9, 17, 3, 40, 41, 42, 7, 8, 100, 101]
+    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for spec in (None, {"model": str(drafter)}):
+        out = LLM(str(target), spec, device="cpu", page_size=4).generate([prompt], params)[0].outputs[0].token_ids
+        assert out == expected[0, len(prompt) :].tolist()

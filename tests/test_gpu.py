@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from conftest import make_dflash2, make_drafter, make_dspark, make_target
+from test_hybrid_targets import hybrid_target
 from test_moe_targets import to_mxfp4_checkpoint
 
 from blockspec import LLM, SamplingParams
@@ -15,7 +16,9 @@ from blockspec.engine.batch import batch_rows, causal_range, window_range
 from blockspec.engine.engine import LLMEngine
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
+from blockspec.layers.gated_deltanet import RECURRENT_MAX_ROWS, gated_delta_rule, gated_delta_rule_ref
 from blockspec.layers.norm import rms_norm
+from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.layers.rotary import norm_rope, rope_tables
 from blockspec.models.causal_lm import embedding
 
@@ -55,6 +58,37 @@ def test_fp32_moe_fast_path_equals_cpu_reference(tmp_path, family):
         gpu = LLM(str(t), spec, device="cuda", dtype="float32", mxfp4_experts=family.endswith("mxfp4"))
         assert gpu.engine.target.model.layers[0].mlp.experts.mxfp4 == family.endswith("mxfp4")
         assert outputs(gpu) == cpu
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_fp32_hybrid_fast_path_equals_cpu_reference(tmp_path, family):
+    """Hybrid targets in CUDA graphs, the Gated DeltaNet recurrence in fla's kernels (chunked for the
+    prompts, recurrent for steps and the rollback's replay), partial rotary by the reference: greedy
+    output as the CPU reference's, plain and speculative."""
+    t = hybrid_target(tmp_path, family)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    # prompts of at most RECURRENT_MAX_ROWS rows: the chunked kernel's fp32 dots run in TF32, and its
+    # prompts' logits (test_gated_delta_rule_kernels_equal_the_reference) move near-ties by that
+    prompts = [p for p in PROMPTS if len(p) <= RECURRENT_MAX_ROWS]
+    for spec in (None, {"model": str(d)}):
+        cpu = outputs(LLM(str(t), spec, device="cpu", fold_norms=True), prompts)
+        assert outputs(LLM(str(t), spec, device="cuda", dtype="float32"), prompts) == cpu
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])  # decode, verify (recurrent kernel); a prompt (chunked)
+def test_gated_delta_rule_kernels_equal_the_reference(rows):
+    gen = torch.Generator().manual_seed(0)
+    B, Hk, Hv, D = 3, 4, 8, 128
+    q, k = (torch.randn(B, rows, Hk, D, generator=gen).cuda().bfloat16() for _ in range(2))
+    v = torch.randn(B, rows, Hv, D, generator=gen).cuda().bfloat16()
+    g = -torch.rand(B, rows, Hv, generator=gen).cuda() * 0.5
+    beta = torch.rand(B, rows, Hv, generator=gen).cuda().bfloat16()
+    state = torch.randn(B, Hv, D, D, generator=gen).cuda() * 0.1
+    with torch.inference_mode():
+        out, final = gated_delta_rule(q, k, v, g, beta, state)
+        ref_out, ref_final = gated_delta_rule_ref(q, k, v, g, beta, state)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(final, ref_final, atol=1e-2, rtol=1e-2)  # bf16 inputs, 300 rows: 4e-3 seen
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"head": "rnn", "draft_vocab": 48}], ids=["vanilla", "rnn-d2t"])
@@ -111,6 +145,11 @@ def teacher_forced_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
             torch.zeros(1, dtype=torch.long, device=dev),
             torch.tensor([n], device=dev),
             tables,
+            RecurrentStates(
+                torch.zeros(1, dtype=torch.long, device=dev),
+                torch.zeros(1, dtype=torch.long, device=dev),
+                torch.tensor([n], device=dev),
+            ),
         )
         return eng.target.model.compute_logits(hidden)[0].float()  # the head's dtype: bf16 here
 

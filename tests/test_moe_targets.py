@@ -7,19 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import assert_greedy_equals_transformers_generate, make_drafter, make_target
 from safetensors.torch import load_file, save_file
 from test_target_logits import paged_logits
 from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from blockspec import LLM
 from blockspec.layers.moe import MoESpec, SparseMoE, experts_ref, route
 from blockspec.layers.mxfp4 import E2M1, dequantize_mxfp4, quantize_mxfp4
 from blockspec.loading.finish import LoadOptions
 from blockspec.loading.hf import load_config, load_target, target_family
 from blockspec.loading.weights import CheckpointError, check_tensors
-from blockspec.sampling import SamplingParams
 
 CASES = [
     ("qwen3_moe", {}),
@@ -69,14 +67,7 @@ def test_greedy_plain_and_speculative_equal_transformers_generate(tmp_path, fami
     """Past gpt-oss's window (8) and across many experts: plain and speculative decoding are
     transformers' greedy generate, token for token."""
     t = moe_target(tmp_path, family)
-    d = make_drafter(tmp_path / "d", t, block_size=4)
-    ref = AutoModelForCausalLM.from_pretrained(t, dtype=torch.float32).eval()
-    prompt = [5, 9, 17, 3, 40, 41, 42, 7, 8, 100, 101]
-    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    for spec in (None, {"model": str(d)}):
-        out = LLM(str(t), spec, device="cpu", page_size=4).generate([prompt], params)[0].outputs[0].token_ids
-        assert out == expected[0, len(prompt) :].tolist()
+    assert_greedy_equals_transformers_generate(t, make_drafter(tmp_path / "d", t, block_size=4))
 
 
 def random_mxfp4(gen: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:

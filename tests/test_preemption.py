@@ -4,15 +4,21 @@ recomputed, and every output equals that request run alone."""
 import pytest
 import torch
 from conftest import count_launches_ahead, make_drafter, make_target
+from test_hybrid_targets import hybrid_target
 from test_moe_targets import moe_target
 
 from blockspec import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])  # gpt-oss: sliding layers, sinks, experts
+# gpt-oss: sliding layers, sinks, experts; Qwen3-Next: recurrent states in slots, recomputed after preemption
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "qwen3_next"])
 @pytest.mark.parametrize("async_steps", [False, True], ids=["lock-step", "launched-ahead"])
 def test_small_pool_preempts_without_changing_outputs(tmp_path, async_steps, family):
-    t = make_target(tmp_path / "t", "qwen3", vocab=128) if family == "qwen3" else moe_target(tmp_path, family)
+    makers = {
+        "qwen3": lambda: make_target(tmp_path / "t", "qwen3", vocab=128),
+        "gpt_oss": lambda: moe_target(tmp_path, family),
+    }
+    t = makers.get(family, lambda: hybrid_target(tmp_path, family))()
     d = make_drafter(tmp_path / "d", t, block_size=6)
     gen = torch.Generator().manual_seed(0)
     prompts = [
@@ -30,6 +36,7 @@ def test_small_pool_preempts_without_changing_outputs(tmp_path, async_steps, fam
     assert any(launched) == async_steps  # launched ahead between preemptions (105 of 186 steps measured)
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.scheduler.allocator.num_free == 14  # every page came back
+    assert small.engine.scheduler.slots.num_free == small.engine.config.max_num_seqs  # and every state slot
     alone = LLM(str(t), spec, device="cpu", page_size=4, max_model_len=48)
     for p, sp, o in zip(prompts, params, outs):
         ref = alone.generate([p], sp)[0]

@@ -32,6 +32,9 @@ TARGETS = {
     "Qwen3-Coder-30B-A3B": qwen3(2048, 48),
     "gpt-oss-20b": qwen3(2880, 24, 201088),
     "gpt-oss-120b": qwen3(2880, 36, 201088),
+    "Qwen3.5-4B": qwen3(2560, 32, 248320),
+    "Qwen3.6-27B": qwen3(5120, 64, 248320),
+    "Qwen3.6-35B-A3B": qwen3(2048, 40, 248320),
 }
 
 # folder -> (target, kind, shifted, drafts a block, draft vocabulary, Markov rank, confidence head)
@@ -54,6 +57,10 @@ EXPECTED = {
     "z-lab--Qwen3-Coder-30B-A3B-DFlash": ("Qwen3-Coder-30B-A3B", "dflash", False, 15, 151936, None, None),
     "z-lab--gpt-oss-20b-DFlash": ("gpt-oss-20b", "dflash", False, 7, 201088, None, None),
     "z-lab--gpt-oss-120b-DFlash": ("gpt-oss-120b", "dflash", False, 9, 201088, None, None),
+    # hybrid (Gated DeltaNet) targets' drafters: sliding layers, then one full
+    "z-lab--Qwen3.5-4B-DFlash": ("Qwen3.5-4B", "dflash", False, 15, 248320, None, None),
+    "z-lab--Qwen3.6-27B-DFlash": ("Qwen3.6-27B", "dflash", False, 15, 248320, None, None),
+    "z-lab--Qwen3.6-35B-A3B-DFlash": ("Qwen3.6-35B-A3B", "dflash", False, 15, 248320, None, None),
 }
 
 
@@ -88,6 +95,9 @@ def test_published_drafter_builds_with_every_tensor(name):
         assert (selector.predecessor_codebook.shape[1], selector.top_k) == (rank, confident)
         assert drafter.is_causal is False and drafter.sliding_window == 2048
         assert all(layer.attention_conv.taps == 2 for layer in drafter.layers)
+    if target_name in ("Qwen3.5-4B", "Qwen3.6-27B", "Qwen3.6-35B-A3B"):  # windowed layers, then one full
+        config = json.loads((folder / "config.json").read_text())
+        assert drafter.sliding_window == config["sliding_window"] and drafter.layer_types[-1] == "full_attention"
     # every stored tensor is a parameter (build_drafter checks that every parameter is stored)
     assert len(params) + (d2t is not None) + ("t2d" in tensors) == len(tensors) - sum(
         ("q_proj" in n) * 2 + ("gate_proj" in n and ".mlp." in n) for n in tensors

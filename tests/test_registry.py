@@ -43,7 +43,8 @@ def test_unknown_architectures_name_the_supported_ones():
     config = PretrainedConfig()
     config.model_type = "gpt2"
     with pytest.raises(
-        ValueError, match=r"model_type 'gpt2' is not supported \(supported: gpt_oss, llama, qwen2, qwen3, qwen3_moe"
+        ValueError,
+        match=r"model_type 'gpt2' is not supported \(supported: gpt_oss, llama, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next",
     ):
         family_for(config)
     with pytest.raises(ValueError, match=r"architecture Qwen3ForCausalLM is not a supported drafter \(supported: DFl"):
@@ -64,9 +65,11 @@ def test_layer_kinds_of_a_sliding_window_qwen2():
     assert model.sliding_window == 16 and model.layer_kinds == expected
     assert [layer.self_attn.layer_type for layer in model.layers] == [k.attention for k in expected]
     assert family.layer_spec(config).qkv_bias and not family.layer_spec(config).o_bias
-    config.layer_types = ["linear_attention"] * 4  # a Gated DeltaNet hybrid's layers, not built here
+    config.layer_types = ["linear_attention"] * 4  # a Gated DeltaNet hybrid's layers: not Qwen2's
+    assert family.problems(config) == ["qwen2 has no linear-attention layers: its layer_types name them"]
+    config.layer_types = ["mamba"] * 4
     assert family.problems(config) == [
-        "layer_types ['linear_attention'] are not supported (supported: full_attention, sliding_attention)"
+        "layer_types ['mamba'] are not supported (supported: full_attention, sliding_attention, linear_attention)"
     ]
 
 

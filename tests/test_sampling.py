@@ -217,7 +217,7 @@ def test_accept_mixes_greedy_and_sampled_rows():
     rows = torch.tensor([sampling_row(SamplingParams(temperature=0)), sampling_row(SamplingParams(temperature=1))])
     inputs = step.StepInputs(
         torch.cat([drafts[:, :1], drafts], 1), torch.tensor([3, 3]), torch.tensor([4, 4]), torch.zeros(2, 1, dtype=torch.long),
-        torch.tensor([1, 2]), torch.from_numpy(rows.float().numpy().view("int64")),
+        torch.tensor([1, 2]), torch.zeros(2, dtype=torch.long), torch.from_numpy(rows.float().numpy().view("int64")),
     )  # fmt: skip
     accepted, bonus = accept(Proposal(drafts, torch.softmax(logits[:, :3], -1)), logits, inputs)
     assert accepted[0] == 2 and bonus[0] == logits[0, 2].argmax()
@@ -231,7 +231,7 @@ def test_accept_keeps_nothing_past_a_cut():
     drafts = logits.argmax(-1)[:, :3]  # every draft the target's choice
     inputs = step.StepInputs(
         torch.cat([drafts[:, :1], drafts], 1), torch.tensor([3, 3]), torch.tensor([4, 4]),
-        torch.zeros(2, 1, dtype=torch.long), torch.tensor([1, 2]),
+        torch.zeros(2, 1, dtype=torch.long), torch.tensor([1, 2]), torch.zeros(2, dtype=torch.long),
     )  # fmt: skip
     cut = torch.tensor([1, 3])
     for imposed in (None, torch.tensor([3, 2])):
@@ -251,7 +251,7 @@ def test_sampling_never_waits_for_the_device() -> None:
     inputs = step.StepInputs(
         torch.cat([drafts[:, :1], drafts], 1), torch.tensor([3, 9], device="cuda"), torch.tensor([5, 5], device="cuda"),
         torch.zeros(2, 1, dtype=torch.long, device="cuda"), torch.tensor([1, 2], device="cuda"),
-        torch.from_numpy(rows).cuda(), filters=True,
+        torch.zeros(2, dtype=torch.long, device="cuda"), torch.from_numpy(rows).cuda(), filters=True,
     )  # fmt: skip
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -4,7 +4,7 @@ lone request is admitted as soon as a slot is free."""
 import torch
 
 from blockspec.config import EngineConfig
-from blockspec.engine.kv_cache import PageAllocator
+from blockspec.engine.kv_cache import PageAllocator, SlotAllocator
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.sampling import SamplingParams
@@ -15,7 +15,9 @@ def sequences(n: int) -> list[Sequence]:
 
 
 def scheduler(max_num_seqs: int) -> Scheduler:
-    return Scheduler(EngineConfig(max_num_seqs=max_num_seqs), PageAllocator(1000, 4), lambda s: 1)
+    return Scheduler(
+        EngineConfig(max_num_seqs=max_num_seqs), PageAllocator(1000, 4), SlotAllocator(max_num_seqs + 1), lambda s: 1
+    )
 
 
 def test_backlog_is_admitted_in_batches() -> None:

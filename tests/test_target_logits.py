@@ -7,10 +7,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM
-from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.kv_cache import PageAllocator, allocate_caches
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.norm import RMSNorm, fold_norm_weight
+from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError
 from blockspec.sampling import SamplingParams
@@ -29,17 +30,17 @@ CASES = [
 
 def paged_logits(model, ids: list[int], split: int, page_size: int = 4) -> torch.Tensor:
     """Logits of ids[split:], with ids[:split] processed first into the paged cache."""
-    s = model.spec
-    cache = allocate_kv_cache(len(model.layers), 64, page_size, s.num_kv_heads, s.head_dim, torch.float32, "cpu")
+    cache = allocate_caches(model.layers, 64, page_size, 2, torch.float32, "cpu")
     runner = ModelRunner(model, None, cache, None, page_size)
     seq = Sequence(None, ids, SamplingParams(), 0)
     PageAllocator(64, page_size).allocate(seq.block_table, len(ids))
+    seq.state_slot = 1
     seq.token_ids = ids[: split + 1]  # prefill processes all but the last ("anchor")
     runner.prefill([seq])
     rest = ids[split:]
-    inputs = runner.tensors([rest], [split], [len(rest)], runner.host_block_tables([seq]))
+    ids_t, *inputs, slots = runner.tensors([rest], [split], [len(rest)], runner.host_block_tables([seq]), [1])
     with torch.inference_mode():
-        hidden, _ = runner.target_forward(*inputs)
+        hidden, _ = runner.target_forward(ids_t, *inputs, RecurrentStates(slots, inputs[0], inputs[1]))
         return model.compute_logits(hidden)[0]
 
 

@@ -3,7 +3,8 @@
 Per batch size: tok/s of plain decoding and of speculative decoding on the same engine, the
 step time split into drafter, target verify, acceptance, context commit and the rest (host, and
 the gaps between steps), from events recorded inside the step (`PhaseMarks`), and the weight-read
-floor (weight bytes read per step / device copy bandwidth measured in this run). With random
+floor (weight bytes read per step, and the recurrent states of linear-attention layers read and
+written once, / device copy bandwidth measured in this run). With random
 weights, `--simulate-tau` sets the acceptance pattern (`proposers.simulated`); the output says so.
 `--temperature` > 0 times sampled decoding."""
 
@@ -21,6 +22,7 @@ from blockspec.bench.presets import is_preset, random_drafter, random_target
 from blockspec.config import EngineConfig, KernelConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
+from blockspec.engine.kv_cache import cache_bytes
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.moe import SparseMoE
 from blockspec.llm import resolve_device, resolve_dtype
@@ -29,7 +31,8 @@ from blockspec.loading.finish import drafter_options, target_options
 from blockspec.loading.hf import load_target
 from blockspec.sampling import SamplingParams
 
-PHASES = ("drafter", "verify", "accept", "context")  # each from the mark before it (`step_forward`)
+# each from the mark before it (`step_forward`); rollback: the linear-attention states' replay
+PHASES = ("drafter", "verify", "accept", "rollback", "context")
 PHASE_STEPS = 10
 
 
@@ -225,7 +228,9 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
     # MoE: the floor reads only the experts a step routes to (measured over the phase steps)
     layers = moe_layers(target.model)
     all_experts = sum(expert_bytes(moe) * moe.spec.num_experts for moe in layers)
-    floor_ms = (weight_bytes(target.model, drafter) - all_experts + m["expert_bytes"]) / bandwidth * 1e3
+    # Linear attention: each sequence's recurrent state is read and written once a step too
+    states = 2 * batch * cache_bytes(target.model.layers, target.model.lm_head.weight.element_size())[1]
+    floor_ms = (weight_bytes(target.model, drafter) - all_experts + m["expert_bytes"] + states) / bandwidth * 1e3
     del engine
     if cuda:
         torch.cuda.empty_cache()

@@ -1,12 +1,14 @@
 """Models with random weights at real geometry, for timing without any download:
 `random:Qwen3-8B`, `random:Qwen3-8B-DFlash-b16`, `random:Qwen3-8B-DSpark-b7`, `random:Qwen3-8B-DFlash2-b8`,
 `random:Llama-3.1-8B`; MoE targets `random:Qwen3-Coder-30B-A3B` and `random:gpt-oss-20b` with their
-drafters `random:Qwen3-Coder-30B-A3B-DFlash` and `random:gpt-oss-20b-DFlash`;
+drafters `random:Qwen3-Coder-30B-A3B-DFlash` and `random:gpt-oss-20b-DFlash`; hybrid (Gated DeltaNet)
+targets `random:Qwen3.5-27B` and `random:Qwen3.6-35B-A3B` with `random:Qwen3.5-27B-DFlash` and
+`random:Qwen3.6-35B-A3B-DFlash`;
 and small presets (`random:small`, `random:small-moe`, `random:small-DFlash`, `random:small-DSpark`)
 that run on a CPU."""
 
 import torch
-from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import GptOssConfig, LlamaConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
 
 from blockspec.layers.moe import Experts
 from blockspec.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -18,6 +20,19 @@ from blockspec.models.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from blockspec.models.dspark import ARCHITECTURES as DSPARK_ARCHITECTURES
 from blockspec.models.registry import Drafter, drafter_kind_for, family_for
 
+# What Qwen3.5 / Qwen3.6 text configs share (their published config.json files)
+HYBRID_FIELDS = {
+    "vocab_size": 248320,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 TARGETS = {
     "Qwen3-8B": lambda: Qwen3Config(
         vocab_size=151936,
@@ -101,6 +116,33 @@ TARGETS = {
         tie_word_embeddings=False,
         architectures=["GptOssForCausalLM"],
     ),
+    # Qwen/Qwen3.5-27B's text_config (tests/fixtures/targets/SOURCES.md): 48 Gated DeltaNet layers, 16 gated
+    # full-attention ones (every 4th), a dense MLP
+    "Qwen3.5-27B": lambda: Qwen3_5TextConfig(
+        **HYBRID_FIELDS,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_value_heads=48,
+        architectures=["Qwen3_5ForCausalLM"],
+    ),
+    # Qwen/Qwen3.6-35B-A3B's text_config: 30 Gated DeltaNet layers, 10 gated full-attention ones, every MLP
+    # 256 experts (top 8) and a shared expert
+    "Qwen3.6-35B-A3B": lambda: Qwen3_5MoeTextConfig(
+        **HYBRID_FIELDS,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        architectures=["Qwen3_5MoeForCausalLM"],
+    ),
     "small-moe": lambda: Qwen3MoeConfig(
         vocab_size=8192,
         hidden_size=256,
@@ -176,6 +218,16 @@ DFLASH2_LAYERS = {
 # z-lab's drafters for the MoE targets (tests/fixtures/drafters/SOURCES.md: their geometry is quoted
 # from the published configs; the Coder drafter's mask token is a guess, Qwen3's <|MASK|> slot)
 MOE_DRAFTER_LAYERS = {"num_hidden_layers": 8, "architectures": [ARCHITECTURE]}
+HYBRID_DRAFTER_FIELDS = {
+    "architectures": [ARCHITECTURE],
+    "vocab_size": 248320,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 262144,
+    "rope_theta": 10000000.0,
+    "use_sliding_window": True,
+}
 DRAFTERS = {
     "Qwen3-Coder-30B-A3B-DFlash": lambda: Qwen3Config(
         **MOE_DRAFTER_LAYERS,
@@ -203,6 +255,28 @@ DRAFTERS = {
         rope_parameters=TARGETS["gpt-oss-20b"]().rope_parameters,
         block_size=8,
         dflash_config={"mask_token_id": 200000, "target_layer_ids": [1, 6, 11, 16, 21]},
+    ),
+    # z-lab's Qwen3.6-27B-DFlash (tests/fixtures/drafters/SOURCES.md): 4 sliding layers of 2048, then a full
+    # one; Qwen3.5-27B-DFlash has the same widths and taps (its layer types are not confirmed)
+    "Qwen3.5-27B-DFlash": lambda: Qwen3Config(
+        **HYBRID_DRAFTER_FIELDS,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=5,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"],
+        sliding_window=2048,
+        block_size=16,
+        dflash_config={"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+    ),
+    # z-lab's Qwen3.6-35B-A3B-DFlash: 5 sliding layers of 4096, then a full one, 8 taps
+    "Qwen3.6-35B-A3B-DFlash": lambda: Qwen3Config(
+        **HYBRID_DRAFTER_FIELDS,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        sliding_window=4096,
+        dflash_config={"block_size": 16, "mask_token_id": 248077, "target_layer_ids": [1, 6, 11, 16, 22, 27, 32, 37]},
     ),
     "Qwen3-8B-DFlash-b16": lambda: Qwen3Config(
         **QWEN3_8B_LAYERS, block_size=16, dflash_config=QWEN3_8B_IDS, architectures=[ARCHITECTURE]

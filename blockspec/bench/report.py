@@ -52,7 +52,7 @@ BENCH_KNOWN = (
     "mode", "batch_size", "temperature", "tok_per_s", "step_ms", "floor_ms", "tau", "phases_ms", "tau_histogram",
 )  # fmt: skip
 BENCH_REQUIRED = ("mode", "batch_size", "tok_per_s")
-PHASE_ORDER = ("drafter", "verify", "accept", "context", "host")  # as the bench marks them
+PHASE_ORDER = ("drafter", "verify", "accept", "rollback", "context", "host")  # as the bench marks them
 ACCEPTANCE_KNOWN = ("set", "temperature", "prompts")
 ENGINE_ORDER = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_fp8", "dspark", "dspark_adaptive", "dspark_fp8")
 META_ORDER = ("label", "command", "device", "dtype", "model", "draft", "bandwidth_Bps", "simulated_tau")

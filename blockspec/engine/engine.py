@@ -11,12 +11,14 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.detokenizer import append_text, find_stop
-from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.kv_cache import PageAllocator, SlotAllocator, allocate_caches, cache_bytes
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, fresh_request_id
 from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_step
+from blockspec.layers.decoder import RECURRENT_STATE
 from blockspec.layers.fast_path import use_kernels
+from blockspec.layers.gated_deltanet import fla_kernels
 from blockspec.loading.hf import Target
 from blockspec.models.registry import Drafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -57,6 +59,8 @@ class LLMEngine:
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
+        if self.device.type == "cuda" and any(layer.cache_kind == RECURRENT_STATE for layer in model.layers):
+            fla_kernels()  # now, not at the first request: what to install, if they are missing
         self.max_width, self.proposer = self.speculation(spec)
         num_pages = config.num_pages or self.default_num_pages()
         pages_per_seq = -(-self.max_model_len // config.page_size)  # a step writes positions < max_model_len
@@ -65,7 +69,8 @@ class LLMEngine:
                 f"{num_pages} KV pages of {config.page_size} tokens cannot hold one sequence of "
                 f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len"
             )
-        caches = [self.kv_cache(m, num_pages) if m is not None else None for m in (model, drafter)]
+        num_slots = config.max_num_seqs + 1  # a state slot per running sequence, and the trash slot 0
+        caches = [self.caches(m, num_pages, num_slots) if m is not None else None for m in (model, drafter)]
         adaptive = spec is not None and spec.adaptive_width and self.max_width > 1
         self.adaptive = AdaptiveWidth(self.max_width) if adaptive else None
         row_classes = self.adaptive.classes if adaptive else (self.max_width,)
@@ -75,7 +80,8 @@ class LLMEngine:
             else None
         )
         self.runner = ModelRunner(model, self.proposer, *caches, config.page_size, graphs, self.max_model_len)
-        self.scheduler = Scheduler(config, PageAllocator(num_pages, config.page_size), self.span)
+        pages, slots = PageAllocator(num_pages, config.page_size), SlotAllocator(num_slots)
+        self.scheduler = Scheduler(config, pages, slots, self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the
         # device: true of the drafter and plain decoding, not of the n-gram proposer (host tokens).
@@ -104,16 +110,18 @@ class LLMEngine:
             return n + 1, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         return 1, None
 
-    def kv_cache(self, model, num_pages: int) -> list:
-        s, dtype = model.spec, self.target.model.lm_head.weight.dtype
-        return allocate_kv_cache(
-            len(model.layers), num_pages, self.config.page_size, s.num_kv_heads, s.head_dim, dtype, self.device
-        )
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.model.lm_head.weight.dtype
 
-    def page_bytes(self) -> int:
+    def caches(self, model, num_pages: int, num_slots: int) -> list:
+        return allocate_caches(model.layers, num_pages, self.config.page_size, num_slots, self.dtype, self.device)
+
+    def cache_bytes(self) -> tuple[int, int]:
+        """(bytes of a KV page, bytes of the states of every slot), target and drafter together."""
         models = [m for m in (self.target.model, self.drafter) if m is not None]
-        per_token = sum(2 * len(m.layers) * m.spec.num_kv_heads * m.spec.head_dim for m in models)
-        return per_token * self.config.page_size * self.target.model.lm_head.weight.element_size()
+        per_token, per_slot = map(sum, zip(*(cache_bytes(m.layers, self.dtype.itemsize) for m in models)))
+        return per_token * self.config.page_size, per_slot * (self.config.max_num_seqs + 1)
 
     def default_num_pages(self) -> int:
         wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.page_size) + 1
@@ -121,7 +129,8 @@ class LLMEngine:
             budget = torch.cuda.mem_get_info(self.device)[0] * GPU_KV_FRACTION
         else:
             budget = CPU_KV_BUDGET
-        return max(2, min(wanted, int(budget // self.page_bytes())))
+        page, states = self.cache_bytes()
+        return max(2, min(wanted, int((budget - states) // page)))
 
     def width(self, seq: Sequence, ahead: int = 0) -> int:
         """Most rows the next step may verify: anchor + drafts, never past max_tokens or the

@@ -1,12 +1,17 @@
-"""Paged KV pools and the page allocator.
+"""Paged KV pools, recurrent state pools, and their allocators.
 
 The target's and the drafter's pools have the same number of pages and a sequence uses the
 same page ids in both, so one block table serves both caches. Page 0 is never handed out:
-padding rows of a batch write their K/V there."""
+padding rows of a batch write their K/V there. A linear-attention layer keeps a state per
+sequence instead, in the slot the sequence holds while it runs (`SlotAllocator`); slot 0 is the
+padding sequences' trash slot."""
 
 from collections import deque
 
 import torch
+from torch import nn
+
+from blockspec.layers.decoder import PAGED_KV, RECURRENT_STATE
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -25,6 +30,63 @@ def allocate_kv_cache(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+def allocate_caches(
+    layers: nn.ModuleList,
+    num_pages: int,
+    page_size: int,
+    num_slots: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[KVCache]:
+    """Each decoder layer's cache, as its mixer keeps one (`DecoderLayer.cache_kind`): paged K/V
+    pools, or a recurrent state per slot (conv state in `dtype`, the recurrence's state in fp32)."""
+    caches = []
+    for layer in layers:
+        mixer = layer.mixer
+        if layer.cache_kind == PAGED_KV:
+            shape = (mixer.num_kv_heads, mixer.head_dim)
+            caches += allocate_kv_cache(1, num_pages, page_size, *shape, dtype, device)
+        elif layer.cache_kind == RECURRENT_STATE:
+            conv, state = mixer.cache_shapes
+            caches.append(
+                (
+                    torch.zeros(num_slots, *conv, dtype=dtype, device=device),
+                    torch.zeros(num_slots, *state, dtype=torch.float32, device=device),
+                )
+            )
+    return caches
+
+
+def cache_bytes(layers: nn.ModuleList, element_size: int) -> tuple[int, int]:
+    """(bytes a token's K/V takes in the paged layers, bytes a sequence's state takes in the others)."""
+    per_token = per_slot = 0
+    for layer in layers:
+        mixer = layer.mixer
+        if layer.cache_kind == PAGED_KV:
+            per_token += 2 * mixer.num_kv_heads * mixer.head_dim * element_size
+        else:
+            conv, state = mixer.cache_shapes
+            per_slot += conv.numel() * element_size + state.numel() * 4
+    return per_token, per_slot
+
+
+class SlotAllocator:
+    """State slots 1 .. num_slots - 1, one per running sequence (slot 0: padding's)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.free_slots = deque(range(1, num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    def allocate(self) -> int:
+        return self.free_slots.popleft()
+
+    def free(self, slot: int) -> None:
+        self.free_slots.append(slot)
 
 
 class PageAllocator:

@@ -12,6 +12,7 @@ from blockspec.engine.kv_cache import KVCache
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step import StepInputs, step_forward
 from blockspec.layers.attention import AttentionMetadata
+from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.models.causal_lm import CausalLM
 from blockspec.proposers.base import Proposer
 from blockspec.sampling import sampling_row
@@ -90,12 +91,18 @@ class ModelRunner:
             self.phase_marks.record(phase)
 
     def target_forward(
-        self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, block_tables: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        block_tables: torch.Tensor,
+        states: RecurrentStates,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's final hidden states and its context features (the proposer's layers)."""
+        """The target's final hidden states and its context features (the proposer's layers);
+        `states`: where its linear-attention layers' states are, and when they are written."""
         b = make_batch(starts, lengths, block_tables, input_ids.shape[1], self.page_size)
         ranges = key_ranges(b, causal_range(b.positions), self.target.sliding_window)
-        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size, b.starts)
+        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size, b.starts, states)
         return self.target(input_ids, b.positions, attn, self.target_cache, self.capture)
 
     @torch.inference_mode()
@@ -104,13 +111,15 @@ class ModelRunner:
         tokens = [s.pending_prefill for s in seqs]
         lengths = [len(t) for t in tokens]
         width = max(lengths)
-        ids, starts, lengths_t, tables = self.tensors(
+        ids, starts, lengths_t, tables, slots = self.tensors(
             [t + [0] * (width - len(t)) for t in tokens],
             [s.num_cached for s in seqs],
             lengths,
             self.host_block_tables(seqs),
+            [s.state_slot for s in seqs],
         )
-        _, features = self.target_forward(ids, starts, lengths_t, tables)  # eager: prompt shapes vary
+        states = RecurrentStates(slots, starts, lengths_t)
+        _, features = self.target_forward(ids, starts, lengths_t, tables, states)  # eager: prompt shapes vary
         if self.proposer is not None:
             self.proposer.commit(self, features, starts, lengths_t, tables)
         for s, n in zip(seqs, lengths):
@@ -129,7 +138,7 @@ class ModelRunner:
         step before still computes them), else the host's, followed by `host_drafts` where a host
         proposer made them. `starts` None: the committed lengths."""
         width = max(widths)
-        arrays = [widths, self.host_block_tables(seqs), [s.seed for s in seqs]]
+        arrays = [widths, self.host_block_tables(seqs), [s.seed for s in seqs], [s.state_slot for s in seqs]]
         if starts is None:
             arrays.append([s.num_cached for s in seqs])
         if host_drafts is not None:
@@ -140,13 +149,13 @@ class ModelRunner:
         if sampled:  # float32 parameters crossing bitwise, two to an int64
             rows = np.asarray([sampling_row(s.params) for s in seqs], dtype=np.float32)
             arrays.append(rows.view(np.int64))
-        lengths, tables, seeds, *rest = self.tensors(*arrays)
+        lengths, tables, seeds, slots, *rest = self.tensors(*arrays)
         sampling = rest.pop() if sampled else None
         tokens = rest.pop() if anchors is None else anchors
         tokens = tokens.expand(-1, width)  # a device proposer reads column 0; the width sets the rows
         starts = rest.pop() if starts is None else starts
         filters = sampled and any(s.params.top_k > 0 or s.params.top_p < 1 for s in seqs if not s.params.greedy)
-        return StepInputs(tokens, starts, lengths, tables, seeds, sampling, filters)
+        return StepInputs(tokens, starts, lengths, tables, seeds, slots, sampling, filters)
 
     @torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
     def step(self, inputs: StepInputs) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Continuous batching: admit waiting sequences while KV pages last, give every running
-sequence the pages its next step needs, and preempt (free and recompute later) the newest
+"""Continuous batching: admit waiting sequences while KV pages (and state slots) last, give every
+running sequence the pages its next step needs, and preempt (free and recompute later) the newest
 sequences when pages run out. A preempted sequence keeps its tokens, so recomputing its KV
 changes nothing in its output."""
 
@@ -7,14 +7,17 @@ from collections import deque
 from collections.abc import Callable
 
 from blockspec.config import EngineConfig
-from blockspec.engine.kv_cache import PageAllocator
+from blockspec.engine.kv_cache import PageAllocator, SlotAllocator
 from blockspec.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator, span: Callable[[Sequence], int]) -> None:
+    def __init__(
+        self, config: EngineConfig, allocator: PageAllocator, slots: SlotAllocator, span: Callable[[Sequence], int]
+    ) -> None:
         self.config = config
         self.allocator = allocator
+        self.slots = slots  # recurrent state slots, one per running sequence
         self.span = span  # positions the sequence's next step writes, from its anchor on
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -43,6 +46,7 @@ class Scheduler:
             if not self.fits(seq, reserved):
                 break
             self.allocator.allocate(seq.block_table, self.first_step_tokens(seq))
+            seq.state_slot = self.slots.allocate()
             seq.status = Status.RUNNING
             admitted.append(self.waiting.popleft())
             num_tokens += num_prefill
@@ -67,11 +71,10 @@ class Scheduler:
         return len(seq.token_ids) - 1 + self.span(seq)
 
     def fits(self, seq: Sequence, reserved: int) -> bool:
-        """Whether the pool holds a newcomer's prefill and first step beside the reserved pages."""
-        return (
-            self.allocator.pages_needed(seq.block_table, self.first_step_tokens(seq))
-            <= self.allocator.num_free - reserved
-        )
+        """Whether the pool holds a newcomer's prefill and first step beside the reserved pages, and
+        a state slot is free."""
+        pages = self.allocator.pages_needed(seq.block_table, self.first_step_tokens(seq))
+        return pages <= self.allocator.num_free - reserved and self.slots.num_free > 0
 
     def allocate_ahead(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
         """Pages for a step launched before the one in flight is committed, or False (nothing
@@ -101,9 +104,16 @@ class Scheduler:
         self.running = scheduled
         return list(scheduled)  # a copy: finishing a sequence edits self.running
 
+    def release(self, seq: Sequence) -> None:
+        """Its pages and its state slot back to the pools."""
+        self.allocator.free(seq.block_table)
+        if seq.state_slot:
+            self.slots.free(seq.state_slot)
+            seq.state_slot = 0
+
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
-        self.allocator.free(seq.block_table)
+        self.release(seq)
         seq.num_cached = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -111,7 +121,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        self.allocator.free(seq.block_table)
+        self.release(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

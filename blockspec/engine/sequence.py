@@ -42,6 +42,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_cached = 0
         self.block_table: list[int] = []
+        self.state_slot = 0  # its linear-attention layers' state slot while it runs (0: none held)
         self.finish_reason: str | None = None
         self.stopped_on_token = False  # by eos or a stop token id: its text is left out, as vLLM does
         self.text = ""  # detokenized output

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from blockspec.engine.sequence import Sequence
+from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.proposers.base import Proposal
 from blockspec.sampling import (
     Stream,
@@ -38,6 +39,7 @@ class StepInputs:
     lengths: torch.Tensor  # [B] rows to verify: the anchor and the drafts (at most w)
     block_tables: torch.Tensor  # [B, M] page ids, padded with the trash page 0
     seeds: torch.Tensor  # [B] 63-bit request seeds
+    state_slots: torch.Tensor  # [B] each sequence's recurrent state slot (`layers.recurrent_state`)
     # [B, 2] int64 holding float32 [B, 4] bitwise (`sampling_params`); None: every row is greedy
     sampling: torch.Tensor | None = None
     filters: bool = False  # some sampled row uses top-k or top-p (their sort runs)
@@ -50,6 +52,7 @@ class StepInputs:
         "lengths": 1,
         "block_tables": 0,
         "seeds": 0,
+        "state_slots": 0,
         "sampling": 0,
     }
 
@@ -111,12 +114,16 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> torch.Tensor:
         proposal = proposer.propose(runner, inputs)
     runner.mark("drafter")
     block = torch.cat([inputs.tokens[:, :1], proposal.drafts], dim=1)
-    hidden, features = runner.target_forward(block, inputs.starts, inputs.lengths, inputs.block_tables)
+    # the linear-attention layers' states advance over the accepted rows only: written after `accept`
+    states = RecurrentStates.deferred(inputs.state_slots, inputs.starts, inputs.lengths)
+    hidden, features = runner.target_forward(block, inputs.starts, inputs.lengths, inputs.block_tables, states)
     logits = runner.target.compute_logits(hidden)
     runner.mark("verify")
     accepted, bonus = accept(proposal, logits, inputs)
     committed = accepted + 1
     runner.mark("accept")
+    states.commit(committed)
+    runner.mark("rollback")
     if proposer is not None:
         proposer.commit(runner, features, inputs.starts, committed, inputs.block_tables)
     runner.mark("context")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from blockspec.layers.fast_path import fast_kernels
 from blockspec.layers.kv_write import KVWrite
+from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.layers.rotary import qk_norm_rope
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
@@ -36,6 +37,7 @@ class AttentionMetadata:
     key_ranges: dict[str, KeyRange]  # layer type -> visible key positions per query row
     page_size: int
     starts: torch.Tensor  # [B] position of each sequence's first row (the rest follow it)
+    states: RecurrentStates | None = None  # the linear-attention layers' state slots (targets only)
 
     def attend_qkv(
         self,
@@ -52,7 +54,8 @@ class AttentionMetadata:
         """`rope_then_attend`; on CUDA, for a step of one query tile, in one launch
         (`qkv_attention_triton`: its q and k normed and rotated in registers)."""
         kernels = fast_kernels(qkv, "paged_attention")
-        if kernels is None or not kernels.fuses_qkv(qkv, cache[0]):
+        partial_rotary = rope[0].shape[-1] != qkv.shape[-1]  # the fused kernel rotates whole heads
+        if kernels is None or partial_rotary or not kernels.fuses_qkv(qkv, cache[0]):
             return rope_then_attend(self, qkv, norms, eps, rope, heads, cache, layer_type, scale, sinks)
         k_start, k_end = self.key_ranges[layer_type]
         return kernels.qkv_attention_triton(
@@ -192,6 +195,7 @@ class DenseAttention:
     K/V, preceded by dense context K/V when a layer's `cache` is a (k, v) pair [B, T, Hkv, D]."""
 
     masks: dict[str, torch.Tensor]  # layer type -> [B, 1, S, T+S] (or [B, 1, S, S] without context)
+    states = None  # linear-attention layers start from the zero state and write none
 
     def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """None: the new K/V are read where they are, never written to a cache."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from blockspec.layers.fast_path import cuda_compiled, fast_kernels
 from blockspec.layers.linear import Linear
+from blockspec.layers.mlp import MLP
 from blockspec.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from blockspec.layers.norm import RMSNorm
 
@@ -45,6 +46,9 @@ class MoESpec:
     activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # a dense SwiGLU expert every row takes, its output weighed by sigmoid(shared_expert_gate(x))
+    # (Qwen3-Next, Qwen3.5-MoE); 0: none
+    shared_expert_intermediate_size: int = 0
 
     def problems(self) -> list[str]:
         """What of this spec the layers cannot run."""
@@ -181,6 +185,9 @@ class SparseMoE(nn.Module):
         self.spec = m
         self.router = Linear(s.hidden_size, m.num_experts, bias=m.router_bias)  # few rows: the skinny kernel
         self.experts = Experts(m, s.hidden_size)
+        if m.shared_expert_intermediate_size:
+            self.shared_expert = MLP(s.hidden_size, m.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(s.hidden_size, 1, bias=False)
         self.touched: torch.Tensor | None = None  # [E] bool, where a benchmark counts the experts read
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None, residual: bool = True) -> torch.Tensor:
@@ -190,7 +197,11 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.router(flat), self.spec)
         if self.touched is not None:
             self.touched.index_fill_(0, ids.flatten(), True)
-        return moe_experts(flat, weights, ids, self.experts, x.reshape(flat.shape) if residual else None).view(x.shape)
+        out = moe_experts(flat, weights, ids, self.experts, x.reshape(flat.shape) if residual else None)
+        if self.spec.shared_expert_intermediate_size:
+            shared = self.shared_expert(flat, None, residual=False)
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
+        return out.view(x.shape)
 
     def fold_norm(self, norm: RMSNorm) -> None:
         """The norm before an MoE stays: it feeds the router and every expert."""

@@ -23,13 +23,21 @@ def rope_parameters(config) -> dict:
     return params
 
 
+def rotary_dim(config, head_dim: int) -> int:
+    """The leading channels of each head that rotate (`partial_rotary_factor`: Qwen3.5, Qwen3-Next
+    rotate a quarter); the rest pass through."""
+    factor = rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return int(head_dim * (factor if factor is not None else 1.0))
+
+
 def inv_freq_and_scale(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rope_type == "default":
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        dim = rotary_dim(config, head_dim)
+        exponent = torch.arange(0, dim, 2, dtype=torch.float) / dim
         return 1.0 / (params["rope_theta"] ** exponent), 1.0
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv_freq.float(), float(scale)
@@ -58,7 +66,11 @@ def rope_tables(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., heads, head_dim]; cos/sin: [..., head_dim] (broadcast over heads)."""
+    """x: [..., heads, head_dim]; cos/sin: [..., rotary_dim] (broadcast over heads): the leading
+    rotary_dim channels rotate, the rest pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot, rest = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -98,9 +110,11 @@ norm_rope = cuda_compiled(norm_rope_ref)
 
 def qk_norm_rope(qkv: torch.Tensor, *args, kv_write: KVWrite | None = None) -> torch.Tensor:
     """`qk_norm_rope_ref`; on CUDA without grad one Triton launch that rewrites qkv in place and
-    writes the cache (torch.compile makes three kernels of the reference: one per part of its cat)."""
+    writes the cache (torch.compile makes three kernels of the reference: one per part of its cat),
+    where the whole head rotates (partial rotary: the reference)."""
     kernels = fast_kernels(qkv, "qk_norm_rope")
-    op = kernels.qk_norm_rope_triton if kernels is not None else qk_norm_rope_ref
+    whole = args[3].shape[-1] == qkv.shape[-1]  # args: q_weight, k_weight, eps, cos, ...
+    op = kernels.qk_norm_rope_triton if kernels is not None and whole else qk_norm_rope_ref
     return op(qkv, *args, kv_write=kv_write)
 
 

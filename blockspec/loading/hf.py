@@ -1,5 +1,6 @@
 """Hugging Face model directories: config, safetensors weights, tokenizer, eos ids."""
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from blockspec.loading.finish import AS_STORED, LoadOptions, finish_target
 from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, read_json
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.registry import TargetFamily, family_for
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,16 +30,34 @@ GEOMETRY_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "i
 
 def load_config(path: Path, required: tuple[str, ...] = (*GEOMETRY_FIELDS, "vocab_size")):
     """The model config of a directory; `required` fields must be in its config.json (a drafter
-    has no vocabulary of its own: it needs only the geometry)."""
+    has no vocabulary of its own: it needs only the geometry), or in its `text_config` where it
+    nests one (a multimodal checkpoint: `text_model_config`). A model whose every MLP is sparse
+    may give `moe_intermediate_size` for `intermediate_size`."""
     checkpoint_dir(path)
     raw = read_json(path / "config.json")
-    missing = [f for f in required if f not in raw] if isinstance(raw, dict) else list(required)
+    fields = raw.get("text_config", raw) if isinstance(raw, dict) else None
+    fields = fields if isinstance(fields, dict) else {}
+    sparse = "moe_intermediate_size" in fields
+    missing = [f for f in required if f not in fields and not (f == "intermediate_size" and sparse)]
     if missing:
         raise CheckpointError(f"{path / 'config.json'}: fields missing: {', '.join(missing)}")
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers and huggingface_hub raise many kinds; all mean the same here
         raise CheckpointError(f"{path / 'config.json'}: not a usable model config ({e})") from e
+    return text_model_config(config, raw, path) if "text_config" in raw else config
+
+
+def text_model_config(config, raw: dict, path: Path):
+    """The text model's config of a multimodal checkpoint (Qwen3.5's ...ForConditionalGeneration),
+    under the architecture the checkpoint names and with its top-level `tie_word_embeddings`;
+    its vision tower is not loaded (the family's weight mapping leaves it out)."""
+    text = config.get_text_config()
+    text.architectures = config.architectures
+    if "tie_word_embeddings" in raw:
+        text.tie_word_embeddings = raw["tie_word_embeddings"]
+    log.info("%s: a multimodal checkpoint: its text model is loaded, its vision tower is not", path)
+    return text
 
 
 def as_list(value) -> list[int]:

@@ -134,24 +134,23 @@ def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: 
 
 def pack(weights: dict[str, torch.Tensor], source: Path, packing: Packing) -> dict[str, torch.Tensor]:
     """Concatenate the parts of each packed projection (q/k/v, gate/up) into it; packing: packed
-    name -> its parts and the rows each must have (checked per part: a sum could hide a wrong split)."""
+    name -> its parts and the rows each must have (checked per part: a sum could hide a wrong split),
+    in order (a part that another's name holds, as a shared expert's `.gate_proj.`, is packed first)."""
     out = dict(weights)
     for packed, parts in packing.items():
         first = f".{parts[0][0]}."
-        for name in [n for n in weights if first in n and ".layers." in f".{n}"]:  # decoder layers' only
+        for name in [n for n in out if first in n and ".layers." in f".{n}"]:  # decoder layers' only
             names = [name.replace(first, f".{part}.") for part, _ in parts]
-            missing = [n for n in names if n not in weights]
+            missing = [n for n in names if n not in out]
             if missing:
                 raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing}")
             for part, (_, rows) in zip(names, parts):
-                if weights[part].dim() == 0 or weights[part].shape[0] != rows:
-                    raise CheckpointError(
-                        f"{source}: {part} has shape {tuple(weights[part].shape)}, expected {rows} rows"
-                    )
-            widths = {weights[n].shape[1:] for n in names}
+                if out[part].dim() == 0 or out[part].shape[0] != rows:
+                    raise CheckpointError(f"{source}: {part} has shape {tuple(out[part].shape)}, expected {rows} rows")
+            widths = {out[n].shape[1:] for n in names}
             if len(widths) > 1:
                 raise CheckpointError(
-                    f"{source}: {names} have mismatched shapes {[tuple(weights[n].shape) for n in names]}"
+                    f"{source}: {names} have mismatched shapes {[tuple(out[n].shape) for n in names]}"
                 )
             out[name.replace(first, f".{packed}.")] = torch.cat([out.pop(n) for n in names])
     return out

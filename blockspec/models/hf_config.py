@@ -24,7 +24,7 @@ def decoder_spec(config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm
         num_heads=config.num_attention_heads,
         num_kv_heads=num_kv_heads(config),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=getattr(config, "intermediate_size", 0),  # 0: every MLP sparse (Qwen3.5-MoE)
         eps=config.rms_norm_eps,
         qkv_bias=qkv_bias,
         o_bias=o_bias,

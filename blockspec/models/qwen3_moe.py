@@ -34,8 +34,10 @@ def layer_spec(config: PretrainedConfig) -> LayerSpec:
 
 
 def is_sparse(config: PretrainedConfig, i: int) -> bool:
+    """Layer i's MLP is sparse (a config without `decoder_sparse_step`: every layer's, Qwen3.5-MoE)."""
     dense = getattr(config, "mlp_only_layers", None) or []
-    return i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+    step = getattr(config, "decoder_sparse_step", 1)
+    return i not in dense and (getattr(config, "num_experts", 0) or 0) > 0 and (i + 1) % step == 0
 
 
 def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from blockspec.layers.attention import AttentionMetadata
-from blockspec.layers.decoder import KVCache, LayerKind, LayerSpec
+from blockspec.layers.decoder import MIXERS, RECURRENT_STATE, KVCache, LayerKind, LayerSpec
 from blockspec.loading.weights import WeightMapping
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.hf_config import config_problems, decoder_layer_kinds
@@ -37,8 +37,12 @@ class TargetFamily:
 
     def problems(self, config: PretrainedConfig) -> list[str]:
         """What `config` asks for that this family's model cannot do."""
-        moe = self.layer_spec(config).moe
-        return config_problems(config, self.layer_kinds(config)) + (moe.problems() if moe is not None else [])
+        spec, kinds = self.layer_spec(config), self.layer_kinds(config)
+        parts = [p for p in (spec.moe, spec.linear_attention) if p is not None]
+        problems = config_problems(config, kinds) + [problem for p in parts for problem in p.problems()]
+        if spec.linear_attention is None and any(k.attention in MIXERS and k.cache == RECURRENT_STATE for k in kinds):
+            problems.append(f"{self.name} has no linear-attention layers: its layer_types name them")
+        return problems
 
     def cache_kinds(self, config: PretrainedConfig) -> tuple[str, ...]:
         """The caches its layers keep of each sequence (`LayerKind.cache`), each once; of a config
