@@ -83,19 +83,33 @@ def marked_text(llm: LLM, out: RequestOutput) -> str:
     return "".join(pieces) + text[start:]
 
 
-def generate(args: argparse.Namespace) -> None:
-    llm = build_llm(args)
-    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+def timed(llm: LLM, prompt: str, params: SamplingParams) -> tuple[RequestOutput, float]:
+    """The output and its decoding seconds, after a short warm-up request (graph captures and kernel
+    compiles land there, not in the time)."""
+    llm.generate(prompt, dataclasses.replace(params, max_tokens=min(8, params.max_tokens or 8)))
     start = time.perf_counter()
-    out = llm.generate(prompt, sampling_params(args, return_drafts=args.show_drafts))[0]
-    elapsed = time.perf_counter() - start
+    out = llm.generate(prompt, params)[0]
+    return out, time.perf_counter() - start
+
+
+def generate(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    llm = build_llm(args)
+    loaded = time.perf_counter() - start
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    params = sampling_params(args, return_drafts=args.show_drafts)
+    out, elapsed = timed(llm, prompt, params)
     print(marked_text(llm, out) if args.show_drafts else out.outputs[0].text)
     n = len(out.outputs[0].token_ids)
-    print(
-        f"[{n} tokens, mean acceptance length {out.metrics.mean_acceptance_length:.2f}, "
-        f"{n / elapsed:.1f} tok/s, finish: {out.outputs[0].finish_reason}]",
-        file=sys.stderr,
-    )
+    summary = f"{n} tokens, {n / elapsed:.1f} tok/s decoding (load {loaded:.1f} s)"
+    if llm.engine.proposer is not None:
+        summary += f", mean acceptance length {out.metrics.mean_acceptance_length:.2f}"
+    if args.compare and llm.engine.proposer is not None:
+        plain = LLM(args.model, None, args.device, args.dtype, max_model_len=args.max_model_len)
+        plain_out, plain_elapsed = timed(plain, prompt, params)
+        plain_rate = len(plain_out.outputs[0].token_ids) / plain_elapsed
+        summary += f", {n / elapsed / plain_rate:.2f}x plain decoding ({plain_rate:.1f} tok/s)"
+    print(f"[{summary}, finish: {out.outputs[0].finish_reason}]", file=sys.stderr)
 
 
 def chat(args: argparse.Namespace) -> None:
@@ -135,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.add_argument("--show-drafts", action="store_true", help="highlight the tokens each step's draft got accepted")
+    gen.add_argument(
+        "--compare", action="store_true", help="also decode the prompt without speculation and report the speedup"
+    )
     ch = sub.add_parser("chat", help="interactive chat")
     for p in (gen, ch):
         add_engine_args(p)

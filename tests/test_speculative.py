@@ -3,6 +3,7 @@ same engine and to transformers' generate(), across families, widths and batches
 conditions inside an accepted block cut exactly where plain decoding stops."""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from conftest import add_word_tokenizer, count_launches_ahead, make_drafter, mak
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
+from blockspec.cli import main as cli_main
 from blockspec.proposers.ngram import lookup
 
 PROMPTS = [[5], [9, 3, 7, 11, 40], list(range(20, 37)), [(7 * i) % 120 for i in range(33)]]
@@ -161,3 +163,32 @@ def test_stream_texts_extend_each_other_up_to_a_stop_string(tmp_path):
     texts = [p.outputs[0].text for p in llm.stream("w5 w9 w11", params)]
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts)), texts
     assert texts[-1] == llm.generate("w5 w9 w11", params)[0].outputs[0].text and stop not in texts[-1]
+
+
+def test_cli_generate_reports_load_decode_and_the_gain_over_plain(tmp_path, capsys):
+    """`blockspec generate --compare`: the summary separates load time from decoding tok/s and
+    states the acceptance length and the speedup over plain decoding of the same prompt."""
+    t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
+    d = make_drafter(tmp_path / "d", t, block_size=4)
+    cli_main(
+        [
+            "generate",
+            "w5 w6",
+            "--model",
+            str(t),
+            "--draft",
+            str(d),
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "12",
+            "--compare",
+        ]
+    )
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    pattern = r"\[12 tokens, [\d.]+ tok/s decoding \(load [\d.]+ s\), mean acceptance length [\d.]+, "
+    assert re.fullmatch(pattern + r"[\d.]+x plain decoding \([\d.]+ tok/s\), finish: length\]", summary)
+    cli_main(["generate", "w5 w6", "--model", str(t), "--draft", "none", "--device", "cpu", "--max-tokens", "5"])
+    assert re.fullmatch(
+        r"\[5 tokens, [\d.]+ tok/s decoding \(load [\d.]+ s\), finish: length\]", capsys.readouterr().err.strip()
+    )
