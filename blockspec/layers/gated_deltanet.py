@@ -19,6 +19,7 @@ verify and the commit's replay."""
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from blockspec.layers.fast_path import fast_path
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm, fold_norm_weight
 from blockspec.layers.recurrent_state import RecurrentStates
+
+if TYPE_CHECKING:
+    from blockspec.layers.decoder import LayerSpec
 
 RECURRENT_MAX_ROWS = 64  # up to these rows a sequence, fla's recurrent kernel; past them its chunked one
 
@@ -131,7 +135,7 @@ class GatedDeltaNet(nn.Module):
     """The `linear_attention` mixer; its cache per layer is (conv_state [slots, conv_dim, K-1] in
     the model's dtype, recurrent_state [slots, Hv, Dk, Dv] fp32), indexed by state slot."""
 
-    def __init__(self, s, layer_type: str) -> None:
+    def __init__(self, s: "LayerSpec", layer_type: str) -> None:
         super().__init__()
         la: LinearAttentionSpec = s.linear_attention
         self.spec, self.eps = la, s.eps
