@@ -11,6 +11,7 @@ import torch
 from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target
 
 from blockspec.bench import acceptance, bench
+from blockspec.engine.kv_cache import cache_bytes
 
 
 @pytest.mark.parametrize("temperature", ["0", "0.7"])
@@ -53,6 +54,28 @@ def test_moe_floor_counts_the_experts_a_step_reads(tmp_path, monkeypatch):
     assert plain["experts_per_layer"] == 4 and dflash["experts_per_layer"] > 8
     target, _ = bench.load(args, torch.device("cpu"), torch.float32)
     assert plain["floor_ms"] < bench.weight_bytes(target.model, None) / 1e11 * 1e3
+
+
+def test_hybrid_floor_counts_the_states_a_step_reads_and_writes(tmp_path):
+    """A hybrid target's floor: its weights, and every sequence's recurrent states read and written
+    once a step; the rollback is a phase of its own."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    args = parser.parse_args(
+        ["--model", "random:small-hybrid", "--draft", "random:small-DFlash", "--device", "cpu", "--dtype", "float32",
+         "--batch-sizes", "2", "--steps", "2", "--warmup", "1", "--simulate-tau", "3", "--out", str(out)]
+    )  # fmt: skip
+    bench.run(args)
+    report = json.loads(out.read_text())
+    plain, dflash = report["results"]
+    target, drafter = bench.load(args, torch.device("cpu"), torch.float32)
+    per_slot = cache_bytes(target.model.layers, 4)[1]
+    assert per_slot == 6 * (4 * 64 * 64 * 4 + (2 * 128 + 256) * 3 * 4)  # 6 layers: fp32 state, conv's last 3 inputs
+    for row, d in ((plain, None), (dflash, drafter)):
+        expected = (bench.weight_bytes(target.model, d) + 2 * 2 * per_slot) / report["meta"]["bandwidth_Bps"] * 1e3
+        assert row["floor_ms"] == pytest.approx(expected, rel=1e-9)
+        assert "rollback" in row["phases_ms"]
 
 
 def test_acceptance_compares_drafters_of_different_kinds(tmp_path):

@@ -4,7 +4,8 @@
 drafters `random:Qwen3-Coder-30B-A3B-DFlash` and `random:gpt-oss-20b-DFlash`; hybrid (Gated DeltaNet)
 targets `random:Qwen3.5-27B` and `random:Qwen3.6-35B-A3B` with `random:Qwen3.5-27B-DFlash` and
 `random:Qwen3.6-35B-A3B-DFlash`;
-and small presets (`random:small`, `random:small-moe`, `random:small-DFlash`, `random:small-DSpark`)
+and small presets (`random:small`, `random:small-moe`, `random:small-hybrid`, `random:small-DFlash`,
+`random:small-DSpark`)
 that run on a CPU."""
 
 import torch
@@ -158,6 +159,23 @@ TARGETS = {
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         architectures=["Qwen3MoeForCausalLM"],
+    ),
+    # the hybrid layers at the small preset's widths: 6 Gated DeltaNet layers, 2 gated full-attention ones
+    "small-hybrid": lambda: Qwen3_5TextConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        architectures=["Qwen3_5ForCausalLM"],
     ),
     "small": lambda: Qwen3Config(
         vocab_size=8192,
