@@ -81,9 +81,10 @@ class EngineConfig:
     # model up to one rounding of those weights, and the fused GEMMs skip a multiply; None: where
     # those GEMMs run (CUDA with the Triton kernels on).
     fold_norms: bool | None = None
-    # Keep an MXFP4 checkpoint's experts in MXFP4 (gpt-oss), read so by the MoE kernel: exact, and a
-    # quarter of the bytes. Off: they are dequantized to the model's dtype at load, the path that the
-    # GPU tests and docs/benchmarks.md cover. On the CPU the reference dequantizes them at every call.
+    # Keep an MXFP4 checkpoint's experts in MXFP4 (gpt-oss), loaded as stored and read so by the MoE
+    # kernel: exact, a quarter of the bytes (gpt-oss-120b fits one H200 only so). Off: dequantized to
+    # the model's dtype at load, faster on the H200 (docs/benchmarks.md: h200-gpt-oss-20b-*). On the
+    # CPU the reference dequantizes them at every call.
     mxfp4_experts: bool = False
     # The CUDA fast paths' switches, put in force for the process when the engine is built.
     kernels: KernelConfig = field(default_factory=KernelConfig)

@@ -13,7 +13,7 @@ from test_target_logits import paged_logits
 from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from blockspec.layers.moe import MoESpec, SparseMoE, experts_ref, route
+from blockspec.layers.moe import Experts, MoESpec, SparseMoE, experts_ref, route
 from blockspec.layers.mxfp4 import E2M1, dequantize_mxfp4, quantize_mxfp4
 from blockspec.loading.finish import LoadOptions
 from blockspec.loading.hf import load_config, load_target, target_family
@@ -121,6 +121,23 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_pa
     experts = kept.layers[0].mlp.experts
     assert experts.mxfp4 and experts.gate_up_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
     assert torch.equal(paged_logits(kept, ids, split=30), logits)
+
+
+def test_mxfp4_experts_load_as_stored(tmp_path):
+    """Kept in MXFP4, a checkpoint's experts are its own blocks and scales (gate rows first), loaded
+    without a bf16 copy: not requantized, which could pick other scales for the same values."""
+    path = moe_target(tmp_path, "gpt_oss")
+    to_mxfp4_checkpoint(path, torch.Generator().manual_seed(4))
+    stored = load_file(path / "model.safetensors")
+    kept = load_target(path, torch.float32, torch.device("cpu"), LoadOptions(mxfp4_experts=True)).model
+    for i, layer in enumerate(kept.layers):
+        experts, p = layer.mlp.experts, f"model.layers.{i}.mlp.experts"
+        for name in ("blocks", "scales"):
+            assert torch.equal(experts.get_buffer(f"down_{name}"), stored[f"{p}.down_proj_{name}"])
+            gate_up = stored[f"{p}.gate_up_proj_{name}"]
+            assert torch.equal(
+                experts.get_buffer(f"gate_up_{name}"), torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1)
+            )
 
 
 def test_mxfp4_experts_are_kept_only_from_mxfp4_checkpoints(tmp_path):
@@ -271,7 +288,9 @@ def test_published_targets_build_with_every_tensor(name):
     if (folder / "tensors.json").is_file():
         header = json.loads((folder / "tensors.json").read_text())
         tensors = {n: torch.empty(t["shape"], dtype=DTYPES[t["dtype"]], device="meta") for n, t in header.items()}
-        assert any(n.endswith("_blocks") for n in tensors)  # MXFP4 experts, dequantized at load
+        assert any(n.endswith("_blocks") for n in tensors)  # MXFP4 experts: held as stored (bf16 would not fit)
+        for experts in [m for m in model.modules() if isinstance(m, Experts)]:
+            experts.hold_mxfp4()
     else:
         tensors = qwen3_moe_tensors(config)
     check_tensors(model, family.weights.to_model(tensors, family.layer_spec(config), folder), folder)

@@ -18,7 +18,7 @@ from torch import nn
 from blockspec.layers.fast_path import cuda_compiled, fast_kernels
 from blockspec.layers.linear import Linear
 from blockspec.layers.mlp import MLP
-from blockspec.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from blockspec.layers.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
 from blockspec.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -157,14 +157,31 @@ class Experts(nn.Module):
         """The projections as MXFP4 (`quantize_mxfp4`, one expert at a time), a quarter of their
         bf16 bytes for the kernel to read; ValueError unless that is exact (weights that a
         checkpoint stored in MXFP4, loaded in bf16 or fp32)."""
+        stored = {}
         for name in ("gate_up", "down"):
             w = getattr(self, f"{name}_proj")
             parts = [quantize_mxfp4(expert) for expert in w]
             if not all(torch.equal(dequantize_mxfp4(*q, w.dtype), expert) for q, expert in zip(parts, w)):
                 raise ValueError(f"{name}_proj holds values that MXFP4 does not: its experts are not MXFP4's")
+            stored[name] = torch.stack([b for b, _ in parts]), torch.stack([s for _, s in parts])
+        self.store_mxfp4(stored)
+
+    def hold_mxfp4(self) -> None:
+        """The projections as empty MXFP4 buffers of their shapes (on a model built on the meta
+        device: a checkpoint's MXFP4 experts then load into them as they are, never in bf16)."""
+        empty = {}
+        for name in ("gate_up", "down"):
+            E, rows, k = getattr(self, f"{name}_proj").shape
+            blocks = torch.empty(E, rows, k // GROUP, GROUP // 2, dtype=torch.uint8)
+            empty[name] = blocks, torch.empty(E, rows, k // GROUP, dtype=torch.uint8)
+        self.store_mxfp4(empty)
+
+    def store_mxfp4(self, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each projection's (blocks, scales) as buffers in place of its weight."""
+        for name, (blocks, scales) in parts.items():
             delattr(self, f"{name}_proj")
-            self.register_buffer(f"{name}_blocks", torch.stack([b for b, _ in parts]))
-            self.register_buffer(f"{name}_scales", torch.stack([s for _, s in parts]))
+            self.register_buffer(f"{name}_blocks", blocks)
+            self.register_buffer(f"{name}_scales", scales)
         self.mxfp4 = True
 
     @torch.no_grad()

@@ -48,3 +48,12 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles = (magnitude + 8 * (scaled < 0)).to(torch.uint8)
     blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
     return blocks, (exponent + 127).to(torch.uint8)
+
+
+def dequantize_stored(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each MXFP4 pair `X_blocks`, `X_scales` of `weights` as the weight `X_proj` in `dtype`, one
+    at a time (exact), in place."""
+    for name in [n for n in weights if n.endswith("_blocks")]:
+        prefix = name.removesuffix("_blocks")
+        weights[f"{prefix}_proj"] = dequantize_mxfp4(weights.pop(name), weights.pop(f"{prefix}_scales"), dtype)
+    return weights

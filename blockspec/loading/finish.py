@@ -25,8 +25,9 @@ class LoadOptions:
     fold_norms: bool = False
     fp8: bool = False  # a drafter's projections and context K/V weight as FP8 copies (`quantize_drafter`)
     fp8_lm_head: bool = False  # with fp8, an FP8 copy of the target's LM head for the drafter's logits
-    # A target's experts kept in MXFP4 where its checkpoint stores them so (`stores_mxfp4`; exact,
-    # `Experts.to_mxfp4`), for the MoE kernel to read a quarter of their bf16 bytes.
+    # A target's experts kept in MXFP4 where its checkpoint stores them so (`stores_mxfp4`): loaded
+    # as stored, never in bf16 (gpt-oss-120b's bf16 experts would not fit one GPU), for the MoE
+    # kernel to read a quarter of their bf16 bytes.
     mxfp4_experts: bool = False
 
 
@@ -59,8 +60,8 @@ def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
     if options.fold_norms:
         model.fold_norms()
     if options.mxfp4_experts and stores_mxfp4(model.config):
-        for experts in [m for m in model.modules() if isinstance(m, Experts)]:
-            experts.to_mxfp4()
+        for experts in [m for m in model.modules() if isinstance(m, Experts) and not m.mxfp4]:
+            experts.to_mxfp4()  # experts not loaded as MXFP4 (a preset's random ones): exactly requantized
     return model.eval()
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from blockspec.layers.moe import Experts
+from blockspec.layers.mxfp4 import dequantize_stored
 from blockspec.loading.finish import AS_STORED, LoadOptions, finish_target
 from blockspec.loading.weights import CheckpointError, checkpoint_dir, fill_module, load_weights, read_json
 from blockspec.models.causal_lm import CausalLM
@@ -111,6 +113,13 @@ def build_target(
         config.tie_word_embeddings = False  # as transformers does: the file's own, different head is kept
     with torch.device("meta"):
         model = family.build(config)
+    # MXFP4 experts load as they are where the model keeps them so (never in bf16: gpt-oss-120b's
+    # would not fit one GPU), else dequantized exactly, one tensor at a time
+    if options.mxfp4_experts and any(n.endswith("_blocks") for n in weights):
+        for experts in [m for m in model.modules() if isinstance(m, Experts)]:
+            experts.hold_mxfp4()
+    else:
+        weights = dequantize_stored(weights, dtype)
     # A tied pair is one tensor, loaded (and checked) under the name the file stores it by: the
     # embedding, or the head where the file holds only that (it serves both, as in transformers).
     names = ("model.embed_tokens.weight", "lm_head.weight")

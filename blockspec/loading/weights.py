@@ -80,16 +80,19 @@ def fill_module(
     """Assign checkpoint tensors to a module built on the meta device; every parameter must
     come from the checkpoint (except `optional` ones) with exactly its shape."""
     check_tensors(module, weights, source, optional)
-    state = {n: t.to(device=device, dtype=dtype) for n, t in weights.items()}
+    state = {n: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for n, t in weights.items()}
     module.load_state_dict(state, strict=False, assign=True)
 
 
 def check_tensors(
     module: nn.Module, weights: dict[str, torch.Tensor], source: Path, optional: tuple[str, ...] = ()
 ) -> None:
-    """Raise CheckpointError unless `weights` are exactly the module's parameters (but `optional`
-    may be absent), each a float tensor of the parameter's shape."""
-    params = dict(module.named_parameters(remove_duplicate=False))
+    """Raise CheckpointError unless `weights` are exactly the module's parameters and its uint8
+    buffers (MXFP4 experts held as stored, `Experts.hold_mxfp4`), but `optional` may be absent, each
+    of the tensor's shape: a float tensor for a parameter, uint8 for such a buffer."""
+    params = dict(module.named_parameters(remove_duplicate=False)) | {
+        n: b for n, b in module.named_buffers() if b.dtype == torch.uint8
+    }
     missing = [n for n in params if n not in weights and n not in optional]
     if missing:
         raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing[:8]}")
@@ -97,7 +100,10 @@ def check_tensors(
     if unexpected:
         raise CheckpointError(f"{source}: tensors the model does not have: {unexpected[:8]}")
     for name, tensor in weights.items():
-        if not tensor.dtype.is_floating_point or tensor.element_size() == 1:
+        if not params[name].is_floating_point():
+            if tensor.dtype != params[name].dtype:
+                raise CheckpointError(f"{source}: {name} is {tensor.dtype}, expected {params[name].dtype}")
+        elif not tensor.dtype.is_floating_point or tensor.element_size() == 1:
             raise CheckpointError(
                 f"{source}: {name} is {str(tensor.dtype).removeprefix('torch.')}: 16/32/64-bit float weights "
                 "expected (quantized checkpoints are not supported)"

@@ -4,8 +4,8 @@ YaRN rope; every MLP sparse: a biased router whose top `num_experts_per_tok` log
 softmaxed, and biased experts with the clamped SwiGLU (`MoESpec.activation`).
 
 Checkpoints come in two layouts, both loaded here: OpenAI's, the experts in MXFP4
-(`*_blocks`/`*_scales`, dequantized at load: `blockspec.layers.mxfp4`), and transformers'
-dequantized one (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]). Both store
+(`*_blocks`/`*_scales`: kept so with `LoadOptions.mxfp4_experts`, else dequantized exactly at load,
+`blockspec.layers.mxfp4`), and transformers' dequantized one (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]). Both store
 gate|up with gate and up interleaved column by column; ours puts the gate rows first."""
 
 import dataclasses
@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 
 from blockspec.layers.decoder import LayerKind, LayerSpec
 from blockspec.layers.moe import MoESpec
-from blockspec.layers.mxfp4 import dequantize_mxfp4, mxfp4_problems
+from blockspec.layers.mxfp4 import mxfp4_problems
 from blockspec.loading.weights import CheckpointError, WeightMapping
 from blockspec.models.hf_config import decoder_spec, layer_types
 from blockspec.models.registry import TargetFamily
@@ -57,28 +57,34 @@ def take(weights: dict[str, torch.Tensor], name: str, source: Path) -> torch.Ten
     return weights.pop(name)
 
 
-def dequantized(weights: dict[str, torch.Tensor], prefix: str, source: Path) -> torch.Tensor:
-    """The MXFP4 weight `prefix` in bf16 (exact: `blockspec.layers.mxfp4`)."""
+def mxfp4_pair(weights: dict[str, torch.Tensor], prefix: str, source: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 weight `prefix` as stored: its (blocks, scales), checked."""
     blocks, scales = take(weights, f"{prefix}_blocks", source), take(weights, f"{prefix}_scales", source)
     problems = mxfp4_problems(blocks, scales)
     if problems:
         raise CheckpointError(f"{source}: {prefix}: " + "; ".join(problems))
-    return dequantize_mxfp4(blocks, scales, torch.bfloat16)
+    return blocks, scales
 
 
 def expert_layout(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
-    """Each layer's experts in ours: gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I], and
-    the biases (`gate_up_bias`, `down_bias`)."""
+    """Each layer's experts in ours: gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I] (or,
+    stored in MXFP4, the same rows as `gate_up_blocks`/`_scales` and `down_blocks`/`_scales`, as
+    `Experts` holds them: loading dequantizes them where the model keeps bf16 experts), and the
+    biases (`gate_up_bias`, `down_bias`)."""
     for experts in sorted({m[1] for n in weights if (m := EXPERTS.fullmatch(n))}):
         prefix = f"{experts}.gate_up_proj"
         if f"{prefix}_blocks" in weights and prefix in weights:
             raise CheckpointError(f"{source}: {prefix} is stored twice: in MXFP4 and dense")
-        if f"{prefix}_blocks" in weights:  # MXFP4: [E, 2I, H] and [E, H, I] once dequantized
-            gate_up, down = dequantized(weights, prefix, source), dequantized(weights, f"{experts}.down_proj", source)
+        if f"{prefix}_blocks" in weights:  # MXFP4: blocks [E, rows, K / 32, 16] of [E, 2I, H] and [E, H, I]
+            for name, (blocks, scales) in (
+                ("gate_up", [gate_first(t, 1) for t in mxfp4_pair(weights, prefix, source)]),
+                ("down", mxfp4_pair(weights, f"{experts}.down_proj", source)),
+            ):
+                weights[f"{experts}.{name}_blocks"], weights[f"{experts}.{name}_scales"] = blocks, scales
         else:  # transformers' [E, H, 2I] and [E, I, H]
             gate_up, down = (take(weights, n, source).transpose(1, 2) for n in (prefix, f"{experts}.down_proj"))
-        weights[f"{experts}.gate_up_proj"] = gate_first(gate_up, 1).contiguous()
-        weights[f"{experts}.down_proj"] = down.contiguous()
+            weights[f"{experts}.gate_up_proj"] = gate_first(gate_up, 1).contiguous()
+            weights[f"{experts}.down_proj"] = down.contiguous()
         weights[f"{experts}.gate_up_bias"] = gate_first(take(weights, f"{prefix}_bias", source), 1)
         weights[f"{experts}.down_bias"] = take(weights, f"{experts}.down_proj_bias", source)
     return weights
