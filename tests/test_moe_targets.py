@@ -249,6 +249,10 @@ def test_moe_config_that_cannot_run_is_refused(tmp_path):
     path = moe_target(tmp_path, "qwen3_moe", num_experts_per_tok=9)
     with pytest.raises(CheckpointError, match=r"num_experts_per_tok 9 must be in 1..num_experts \(8\)"):
         load_target(path, torch.float32, torch.device("cpu"))
+    config = json.loads((path / "config.json").read_text())  # transformers cannot build this one either
+    (path / "config.json").write_text(json.dumps(config | {"num_experts_per_tok": 2, "decoder_sparse_step": 0}))
+    with pytest.raises(CheckpointError, match=r"decoder_sparse_step must be a positive integer, got 0"):
+        load_target(path, torch.float32, torch.device("cpu"))
 
 
 TARGET_FIXTURES = Path(__file__).parent / "fixtures" / "targets"  # SOURCES.md there says where each came from

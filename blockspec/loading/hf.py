@@ -90,7 +90,10 @@ def target_family(config, source: Path) -> TargetFamily:
         family = family_for(config)
     except ValueError as e:  # the registry's one error: no family of that architecture
         raise CheckpointError(f"{source}: {e}") from None
-    problems = family.problems(config)
+    try:
+        problems = family.problems(config)
+    except ValueError as e:  # a field the family's layer plan cannot even be read from
+        raise CheckpointError(f"{source}: {e}") from None
     if problems:
         raise CheckpointError(f"{source}: " + "; ".join(problems))
     return family

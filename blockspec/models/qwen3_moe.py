@@ -37,6 +37,8 @@ def is_sparse(config: PretrainedConfig, i: int) -> bool:
     """Layer i's MLP is sparse (a config without `decoder_sparse_step`: every layer's, Qwen3.5-MoE)."""
     dense = getattr(config, "mlp_only_layers", None) or []
     step = getattr(config, "decoder_sparse_step", 1)
+    if not (isinstance(step, int) and step >= 1):
+        raise ValueError(f"decoder_sparse_step must be a positive integer, got {step!r}")
     return i not in dense and (getattr(config, "num_experts", 0) or 0) > 0 and (i + 1) % step == 0
 
 
