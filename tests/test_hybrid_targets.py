@@ -4,6 +4,7 @@ speculative under many rejection patterns, the state rollback, preemption, and t
 checkpoints' layouts."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe_
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next_modeling
 
 from blockspec import LLM
-from blockspec.layers.gated_deltanet import GatedDeltaNet, gated_delta_rule_ref
+from blockspec.layers.gated_deltanet import GatedDeltaNet, fla_kernels, gated_delta_rule_ref
 from blockspec.loading.hf import load_config, load_target, target_family
 from blockspec.loading.weights import CheckpointError, check_tensors
 from blockspec.sampling import SamplingParams
@@ -161,6 +162,12 @@ def test_gated_delta_rule_reference_is_the_chunk_free_recurrence():
         S = S + torch.outer(kt, beta[0, t, 0] * (v[0, t, 0] - S.T @ kt))
         torch.testing.assert_close(out[0, t, 0], S.T @ qt, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final[0, 0], S, atol=1e-5, rtol=1e-5)
+
+
+def test_missing_linear_attention_kernels_name_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)  # an import of it fails, as where it is not installed
+    with pytest.raises(ValueError, match=r"fla-core is not installed: pip install 'blockspec\[hybrid\]'"):
+        fla_kernels()
 
 
 def test_mismatched_linear_attention_checkpoint_fails_naming_the_tensor(tmp_path):

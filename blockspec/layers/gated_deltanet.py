@@ -106,13 +106,14 @@ def gated_delta_rule(
 
 
 def fla_kernels() -> tuple:
-    """fla's recurrent and chunked gated delta rule kernels; ImportError saying what to install."""
+    """fla's recurrent and chunked gated delta rule kernels; where fla-core is missing, a ValueError
+    naming the pip command (the CLI's one-line error, as for its other optional packages)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except ImportError as e:
-        raise ImportError(
-            "Gated DeltaNet layers on CUDA run flash-linear-attention's kernels, which are not installed: "
-            "pip install 'blockspec[hybrid]' (fla-core)"
+        raise ValueError(
+            "Gated DeltaNet layers on CUDA run flash-linear-attention's kernels, and fla-core is not installed: "
+            "pip install 'blockspec[hybrid]'"
         ) from e
     return fused_recurrent_gated_delta_rule, chunk_gated_delta_rule
 
