@@ -62,9 +62,9 @@ def test_fp32_moe_fast_path_equals_cpu_reference(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_fp32_hybrid_fast_path_equals_cpu_reference(tmp_path, family):
-    """Hybrid targets in CUDA graphs, the Gated DeltaNet recurrence in fla's kernels (chunked for the
-    prompts, recurrent for steps and the rollback's replay), partial rotary by the reference: greedy
-    output as the CPU reference's, plain and speculative."""
+    """Hybrid targets in CUDA graphs, the Gated DeltaNet recurrence in fla's recurrent kernel (these
+    prompts, the steps and the rollback's replay), partial rotary by the reference: greedy output as
+    the CPU reference's, plain and speculative."""
     t = hybrid_target(tmp_path, family)
     d = make_drafter(tmp_path / "d", t, block_size=8)
     # prompts of at most RECURRENT_MAX_ROWS rows: the chunked kernel's fp32 dots run in TF32, and its

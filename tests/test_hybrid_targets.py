@@ -12,15 +12,17 @@ import torch
 from conftest import assert_greedy_equals_transformers_generate, make_drafter, make_target
 from safetensors.torch import load_file, save_file
 from test_target_logits import paged_logits
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe_modeling
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next_modeling
 
+import blockspec.engine.engine as engine_module
 from blockspec import LLM
 from blockspec.layers.gated_deltanet import GatedDeltaNet, fla_kernels, gated_delta_rule_ref
 from blockspec.loading.hf import load_config, load_target, target_family
 from blockspec.loading.weights import CheckpointError, check_tensors
+from blockspec.models.registry import family_for
 from blockspec.sampling import SamplingParams
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -168,6 +170,30 @@ def test_missing_linear_attention_kernels_name_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)  # an import of it fails, as where it is not installed
     with pytest.raises(ValueError, match=r"fla-core is not installed: pip install 'blockspec\[hybrid\]'"):
         fla_kernels()
+
+
+def test_hybrid_configs_that_cannot_run_are_refused(tmp_path, monkeypatch):
+    path = hybrid_target(tmp_path, "qwen3_5")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"linear_num_key_heads": 0}))
+    with pytest.raises(CheckpointError, match="linear_num_key_heads must be a positive integer, got 0"):
+        load_target(path, torch.float32, torch.device("cpu"))
+    (path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(engine_module, "CPU_KV_BUDGET", 100_000)  # less than 65 sequences' states
+    with pytest.raises(
+        ValueError, match=r"the recurrent states of max_num_seqs 64 sequences take .* lower max_num_seqs"
+    ):
+        LLM(str(path), None, device="cpu")
+
+
+def test_qwen3_5_moe_routes_every_layer_and_renormalizes_as_transformers_does():
+    """transformers' Qwen3.5-MoE builds every MLP sparse and renormalizes the top k, whatever the
+    config says of `mlp_only_layers` or `norm_topk_prob`; Qwen3-Next reads both."""
+    config = Qwen3_5MoeTextConfig(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2)
+    config.mlp_only_layers, config.norm_topk_prob = [1], False
+    family = family_for(PretrainedConfig(architectures=["Qwen3_5MoeForCausalLM"]))
+    assert [k.mlp for k in family.layer_kinds(config)] == ["sparse_moe"] * 4
+    assert family.layer_spec(config).moe.norm_topk_prob
 
 
 def test_mismatched_linear_attention_checkpoint_fails_naming_the_tensor(tmp_path):

@@ -130,6 +130,11 @@ class LLMEngine:
         else:
             budget = CPU_KV_BUDGET
         page, states = self.cache_bytes()
+        if states >= budget:
+            raise ValueError(
+                f"the recurrent states of max_num_seqs {self.config.max_num_seqs} sequences take "
+                f"{states / 2**30:.1f} GiB, more than the cache budget ({budget / 2**30:.1f} GiB): lower max_num_seqs"
+            )
         return max(2, min(wanted, int((budget - states) // page)))
 
     def width(self, seq: Sequence, ahead: int = 0) -> int:

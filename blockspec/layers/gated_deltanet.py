@@ -14,8 +14,8 @@ the state exactly as it is, so padded batches and a verify's rejected rows never
 
 `gated_delta_rule` is one function for both devices: the sequential reference on the CPU (each
 row's arithmetic the same whatever rows follow, so a verify's rows equal plain decoding's), and on
-CUDA the kernels of flash-linear-attention (`fla-core`): chunked for prefill, recurrent for decode,
-verify and the commit's replay."""
+CUDA the kernels of flash-linear-attention (`fla-core`): recurrent up to RECURRENT_MAX_ROWS rows a
+sequence (decode, verify, the commit's replay, short prompts), chunked past them (long prompts)."""
 
 from dataclasses import dataclass
 from functools import cached_property
@@ -60,7 +60,15 @@ class LinearAttentionSpec:
         return 2 * self.key_dim + self.value_dim
 
     def problems(self) -> list[str]:
-        problems = []
+        sizes = {
+            "linear_num_key_heads": self.num_key_heads,
+            "linear_num_value_heads": self.num_value_heads,
+            "linear_key_head_dim": self.key_head_dim,
+            "linear_value_head_dim": self.value_head_dim,
+        }
+        problems = [f"{name} must be a positive integer, got {v!r}" for name, v in sizes.items() if not v or v < 1]
+        if problems:
+            return problems
         if self.num_value_heads % self.num_key_heads:
             heads = f"linear_num_value_heads {self.num_value_heads}, linear_num_key_heads {self.num_key_heads}"
             problems.append(f"value heads must share the key heads in equal groups ({heads})")

@@ -171,9 +171,10 @@ class Experts(nn.Module):
         device: a checkpoint's MXFP4 experts then load into them as they are, never in bf16)."""
         empty = {}
         for name in ("gate_up", "down"):
-            E, rows, k = getattr(self, f"{name}_proj").shape
-            blocks = torch.empty(E, rows, k // GROUP, GROUP // 2, dtype=torch.uint8)
-            empty[name] = blocks, torch.empty(E, rows, k // GROUP, dtype=torch.uint8)
+            weight = getattr(self, f"{name}_proj")
+            (E, rows, k), device = weight.shape, weight.device
+            blocks = torch.empty(E, rows, k // GROUP, GROUP // 2, dtype=torch.uint8, device=device)
+            empty[name] = blocks, torch.empty(E, rows, k // GROUP, dtype=torch.uint8, device=device)
         self.store_mxfp4(empty)
 
     def store_mxfp4(self, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -24,8 +24,8 @@ from blockspec.layers.gated_deltanet import LinearAttentionSpec
 from blockspec.layers.moe import MoESpec
 from blockspec.loading.weights import CheckpointError, WeightMapping
 from blockspec.models.hf_config import attention_bias, decoder_spec, layer_types
-from blockspec.models.qwen3_moe import is_sparse, stack_experts
 from blockspec.models.qwen3_moe import rename as qwen3_moe_rename
+from blockspec.models.qwen3_moe import stack_experts
 from blockspec.models.registry import TargetFamily
 
 OFFSET_NORM = re.compile(r"(.*\.(input_layernorm|post_attention_layernorm|q_norm|k_norm)|model\.norm)\.weight")
@@ -42,7 +42,7 @@ def linear_attention_spec(config: PretrainedConfig) -> LinearAttentionSpec:
     )
 
 
-def moe_spec(config: PretrainedConfig) -> MoESpec | None:
+def moe_spec(config: PretrainedConfig, norm_topk_prob: bool) -> MoESpec | None:
     if not getattr(config, "num_experts", 0):
         return None
     return MoESpec(
@@ -50,27 +50,28 @@ def moe_spec(config: PretrainedConfig) -> MoESpec | None:
         top_k=config.num_experts_per_tok,
         intermediate_size=config.moe_intermediate_size,
         routing="softmax_topk",
-        norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+        norm_topk_prob=norm_topk_prob,
         shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
     )
 
 
-def layer_spec(config: PretrainedConfig) -> LayerSpec:
+def layer_spec(config: PretrainedConfig, norm_topk_prob: bool = True) -> LayerSpec:
+    """Qwen3.5's router renormalizes its top k always (transformers reads no `norm_topk_prob`)."""
     bias = attention_bias(config)
     return dataclasses.replace(
         decoder_spec(config, qkv_bias=bias, o_bias=bias, qk_norm=True),
         attn_output_gate=True,
         linear_attention=linear_attention_spec(config),
-        moe=moe_spec(config),
+        moe=moe_spec(config, norm_topk_prob),
     )
 
 
-def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
-    """Each layer's mixer (`layer_types`) and MLP: sparse as Qwen3-MoE decides, where the config has experts."""
-    kinds = zip(
-        layer_types(config), map(is_sparse, [config] * config.num_hidden_layers, range(config.num_hidden_layers))
-    )
-    return [LayerKind(t, "sparse_moe" if sparse else "dense") for t, sparse in kinds]
+def layer_kinds(config: PretrainedConfig, sparse: list[bool] | None = None) -> list[LayerKind]:
+    """Each layer's mixer (`layer_types`) and MLP: sparse where `sparse` says (None: every MLP where
+    the config has experts, as transformers' Qwen3.5-MoE builds them whatever `mlp_only_layers` says)."""
+    if sparse is None:
+        sparse = [bool(getattr(config, "num_experts", 0))] * config.num_hidden_layers
+    return [LayerKind(t, "sparse_moe" if s else "dense") for t, s in zip(layer_types(config), sparse, strict=True)]
 
 
 def rename(name: str) -> str | None:

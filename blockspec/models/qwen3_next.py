@@ -1,17 +1,22 @@
 """Qwen3-Next (Qwen3-Next-80B-A3B, Qwen3-Coder-Next): the Qwen3.5-MoE model (`blockspec.models.qwen3_5`)
-with Qwen3-MoE's `decoder_sparse_step`/`mlp_only_layers`, in an older checkpoint layout: the linear
-attention's projections interleave their parts per key-head group, `in_proj_qkvz` (each group's q,
-k, its value heads' v, then their z) and `in_proj_ba` (each group's b, then a). Loading splits them
-into Qwen3.5's in_proj_qkv (all q | all k | all v), in_proj_z, in_proj_b and in_proj_a."""
+with Qwen3-MoE's `decoder_sparse_step`/`mlp_only_layers` and `norm_topk_prob`, in an older checkpoint
+layout: the linear attention's projections interleave their parts per key-head group, `in_proj_qkvz`
+(each group's q, k, its value heads' v, then their z) and `in_proj_ba` (each group's b, then a).
+Loading splits them into Qwen3.5's in_proj_qkv (all q | all k | all v), in_proj_z, in_proj_b and
+in_proj_a."""
 
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
-from blockspec.layers.decoder import LayerSpec
+from blockspec.layers.decoder import LayerKind, LayerSpec
 from blockspec.loading.weights import CheckpointError, WeightMapping
 from blockspec.models.qwen3_5 import convert as qwen3_5_convert
-from blockspec.models.qwen3_5 import layer_kinds, layer_spec, rename
+from blockspec.models.qwen3_5 import layer_kinds as qwen3_5_kinds
+from blockspec.models.qwen3_5 import layer_spec as qwen3_5_spec
+from blockspec.models.qwen3_5 import rename
+from blockspec.models.qwen3_moe import is_sparse
 from blockspec.models.registry import TargetFamily
 
 
@@ -44,6 +49,15 @@ def split_grouped(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Pat
                     split["b"],
                     split["a"],
                 )
+
+
+def layer_spec(config: PretrainedConfig) -> LayerSpec:
+    return qwen3_5_spec(config, norm_topk_prob=bool(config.norm_topk_prob))
+
+
+def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
+    """Sparse MLPs where Qwen3-MoE places them (`decoder_sparse_step`, `mlp_only_layers`)."""
+    return qwen3_5_kinds(config, [is_sparse(config, i) for i in range(config.num_hidden_layers)])
 
 
 def convert(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
