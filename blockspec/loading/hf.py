@@ -58,7 +58,7 @@ def text_model_config(config, raw: dict, path: Path):
     text.architectures = config.architectures
     if "tie_word_embeddings" in raw:
         text.tie_word_embeddings = raw["tie_word_embeddings"]
-    log.info("%s: a multimodal checkpoint: its text model is loaded, its vision tower is not", path)
+    log.warning("%s: a multimodal checkpoint: its text model is loaded, its vision tower is not (text only)", path)
     return text
 
 
