@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from blockspec.loading.drafters import save_drafter
-from blockspec.loading.hf import load_target
+from blockspec.loading.hf import load_config, load_target, target_family
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.models.dflash2 import DFlash2Drafter
 from blockspec.models.dspark import DSparkDrafter
@@ -389,3 +389,24 @@ def assert_greedy_equals_transformers_generate(target: Path, drafter: Path, n: i
     for spec in (None, {"model": str(drafter)}):
         out = LLM(str(target), spec, device="cpu", page_size=4).generate([prompt], params)[0].outputs[0].token_ids
         assert out == expected[0, len(prompt) :].tolist()
+
+
+# safetensors dtype names of the published checkpoints' tensor lists (tests/fixtures/*/tensors.json)
+DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "BOOL": torch.bool,
+    "U8": torch.uint8,
+}  # fmt: skip
+
+
+def meta_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """A fixture's tensors.json as meta tensors of its names, shapes and dtypes."""
+    header = json.loads((folder / "tensors.json").read_text())
+    return {n: torch.empty(t["shape"], dtype=DTYPES[t["dtype"]], device="meta") for n, t in header.items()}
+
+
+def published_target(folder: Path):
+    """A published target's (config, family, model built on the meta device) from its config.json."""
+    config = load_config(folder)
+    family = target_family(config, folder)
+    with torch.device("meta"):
+        return config, family, family.build(config)

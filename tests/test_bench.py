@@ -14,19 +14,27 @@ from blockspec.bench import acceptance, bench
 from blockspec.engine.kv_cache import cache_bytes
 
 
-@pytest.mark.parametrize("temperature", ["0", "0.7"])
-def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, capsys, temperature):
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e11)  # 2 GiB buffers otherwise
+def run_bench(tmp_path, monkeypatch, model: str, *flags: str) -> tuple[argparse.Namespace, dict]:
+    """`blockspec bench` of `model` with the small DFlash drafter on the CPU in fp32 at simulated tau
+    3, the copy bandwidth taken as 1e11 (2 GiB buffers otherwise): its arguments and JSON report."""
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e11)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "bench.json"
     args = parser.parse_args(
-        ["--model", "random:small", "--draft", "random:small-DFlash", "--device", "cpu", "--dtype", "float32",
-         "--batch-sizes", "1,2", "--steps", "3", "--warmup", "1", "--simulate-tau", "3", "--out", str(out),
-         "--temperature", temperature]
+        ["--model", model, "--draft", "random:small-DFlash", "--device", "cpu", "--dtype", "float32",
+         "--warmup", "1", "--simulate-tau", "3", "--out", str(out), *flags]
     )  # fmt: skip
     bench.run(args)
-    results = json.loads(out.read_text())["results"]
+    return args, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, capsys, temperature):
+    _, report = run_bench(
+        tmp_path, monkeypatch, "random:small", "--batch-sizes", "1,2", "--steps", "3", "--temperature", temperature
+    )
+    results = report["results"]
     assert [(r["mode"], r["batch_size"]) for r in results] == [("plain", 1), ("dflash", 1), ("plain", 2), ("dflash", 2)]
     for r in results:
         phases = r["phases_ms"]
@@ -41,33 +49,17 @@ def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, cap
 def test_moe_floor_counts_the_experts_a_step_reads(tmp_path, monkeypatch):
     """An MoE target: a decode row reads its top 4 of 16 experts a layer, a block of varied drafts
     many more, and the floor counts only those (below that of every expert read)."""
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e11)
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    out = tmp_path / "bench.json"
-    args = parser.parse_args(
-        ["--model", "random:small-moe", "--draft", "random:small-DFlash", "--device", "cpu", "--dtype", "float32",
-         "--batch-sizes", "1", "--steps", "2", "--warmup", "1", "--simulate-tau", "3", "--out", str(out)]
-    )  # fmt: skip
-    bench.run(args)
-    plain, dflash = json.loads(out.read_text())["results"]
+    args, report = run_bench(tmp_path, monkeypatch, "random:small-moe", "--batch-sizes", "1", "--steps", "2")
+    plain, dflash = report["results"]
     assert plain["experts_per_layer"] == 4 and dflash["experts_per_layer"] > 8
     target, _ = bench.load(args, torch.device("cpu"), torch.float32)
     assert plain["floor_ms"] < bench.weight_bytes(target.model, None) / 1e11 * 1e3
 
 
-def test_hybrid_floor_counts_the_states_a_step_reads_and_writes(tmp_path):
+def test_hybrid_floor_counts_the_states_a_step_reads_and_writes(tmp_path, monkeypatch):
     """A hybrid target's floor: its weights, and every sequence's recurrent states read and written
     once a step; the rollback is a phase of its own."""
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    out = tmp_path / "bench.json"
-    args = parser.parse_args(
-        ["--model", "random:small-hybrid", "--draft", "random:small-DFlash", "--device", "cpu", "--dtype", "float32",
-         "--batch-sizes", "2", "--steps", "2", "--warmup", "1", "--simulate-tau", "3", "--out", str(out)]
-    )  # fmt: skip
-    bench.run(args)
-    report = json.loads(out.read_text())
+    args, report = run_bench(tmp_path, monkeypatch, "random:small-hybrid", "--batch-sizes", "2", "--steps", "2")
     plain, dflash = report["results"]
     target, drafter = bench.load(args, torch.device("cpu"), torch.float32)
     per_slot = cache_bytes(target.model.layers, 4)[1]

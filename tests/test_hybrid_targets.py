@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_greedy_equals_transformers_generate, make_drafter, make_target
+from conftest import (
+    assert_greedy_equals_transformers_generate,
+    make_drafter,
+    make_target,
+    meta_tensors,
+    published_target,
+)
 from safetensors.torch import load_file, save_file
 from test_target_logits import paged_logits
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3_5MoeTextConfig
@@ -20,7 +26,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next_mod
 import blockspec.engine.engine as engine_module
 from blockspec import LLM
 from blockspec.layers.gated_deltanet import GatedDeltaNet, fla_kernels, gated_delta_rule_ref
-from blockspec.loading.hf import load_config, load_target, target_family
+from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError, check_tensors
 from blockspec.models.registry import family_for
 from blockspec.sampling import SamplingParams
@@ -209,7 +215,6 @@ def test_mismatched_linear_attention_checkpoint_fails_naming_the_tensor(tmp_path
 
 
 TARGET_FIXTURES = Path(__file__).parent / "fixtures" / "targets"
-DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32}
 
 
 def qwen3_next_tensors(config) -> dict[str, torch.Tensor]:
@@ -268,13 +273,9 @@ def test_published_targets_build_with_every_tensor(name):
     their tensors (the vision tower's and the multi-token-prediction layers' left out) fill every
     parameter, none left over."""
     folder = TARGET_FIXTURES / name
-    config = load_config(folder)
-    family = target_family(config, folder)
-    with torch.device("meta"):
-        model = family.build(config)
+    config, family, model = published_target(folder)
     if (folder / "tensors.json").is_file():
-        header = json.loads((folder / "tensors.json").read_text())
-        tensors = {n: torch.empty(t["shape"], dtype=DTYPES[t["dtype"]], device="meta") for n, t in header.items()}
+        tensors = meta_tensors(folder)
     else:
         tensors = qwen3_next_tensors(config)
     renamed = {new: t for n, t in tensors.items() if (new := family.weights.rename(n)) is not None}

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_greedy_equals_transformers_generate, make_drafter, make_target
+from conftest import (
+    assert_greedy_equals_transformers_generate,
+    make_drafter,
+    make_target,
+    meta_tensors,
+    published_target,
+)
 from safetensors.torch import load_file, save_file
 from test_target_logits import paged_logits
 from transformers import AutoModelForCausalLM
@@ -16,7 +22,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from blockspec.layers.moe import Experts, MoESpec, SparseMoE, experts_ref, route
 from blockspec.layers.mxfp4 import E2M1, dequantize_mxfp4, quantize_mxfp4
 from blockspec.loading.finish import LoadOptions
-from blockspec.loading.hf import load_config, load_target, target_family
+from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError, check_tensors
 
 CASES = [
@@ -256,7 +262,6 @@ def test_moe_config_that_cannot_run_is_refused(tmp_path):
 
 
 TARGET_FIXTURES = Path(__file__).parent / "fixtures" / "targets"  # SOURCES.md there says where each came from
-DTYPES = {"BF16": torch.bfloat16, "U8": torch.uint8, "F32": torch.float32}
 
 
 def qwen3_moe_tensors(config) -> dict[str, torch.Tensor]:
@@ -285,13 +290,9 @@ def test_published_targets_build_with_every_tensor(name):
     """The published MoE targets' config.json select their family and build on the meta device;
     their tensors (gpt-oss: the MXFP4 checkpoint's own list) fill every parameter, none left over."""
     folder = TARGET_FIXTURES / name
-    config = load_config(folder)
-    family = target_family(config, folder)
-    with torch.device("meta"):
-        model = family.build(config)
+    config, family, model = published_target(folder)
     if (folder / "tensors.json").is_file():
-        header = json.loads((folder / "tensors.json").read_text())
-        tensors = {n: torch.empty(t["shape"], dtype=DTYPES[t["dtype"]], device="meta") for n, t in header.items()}
+        tensors = meta_tensors(folder)
         assert any(n.endswith("_blocks") for n in tensors)  # MXFP4 experts: held as stored (bf16 would not fit)
         for experts in [m for m in model.modules() if isinstance(m, Experts)]:
             experts.hold_mxfp4()

@@ -8,13 +8,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
+from conftest import meta_tensors
 from transformers import LlamaConfig, Qwen3Config
 
 from blockspec.loading.drafters import build_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "drafters"
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "BOOL": torch.bool}
 
 
 def qwen3(hidden: int, layers: int, vocab: int = 151936) -> Qwen3Config:
@@ -66,11 +65,6 @@ EXPECTED = {
 
 def test_every_fixture_is_checked():
     assert sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()) == sorted(EXPECTED)
-
-
-def meta_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    header = json.loads((folder / "tensors.json").read_text())
-    return {n: torch.empty(t["shape"], dtype=DTYPES[t["dtype"]], device="meta") for n, t in header.items()}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
