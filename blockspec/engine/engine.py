@@ -69,8 +69,7 @@ class LLMEngine:
                 f"{num_pages} KV pages of {config.page_size} tokens cannot hold one sequence of "
                 f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len"
             )
-        num_slots = config.max_num_seqs + 1  # a state slot per running sequence, and the trash slot 0
-        caches = [self.caches(m, num_pages, num_slots) if m is not None else None for m in (model, drafter)]
+        caches = [self.caches(m, num_pages) if m is not None else None for m in (model, drafter)]
         adaptive = spec is not None and spec.adaptive_width and self.max_width > 1
         self.adaptive = AdaptiveWidth(self.max_width) if adaptive else None
         row_classes = self.adaptive.classes if adaptive else (self.max_width,)
@@ -80,7 +79,7 @@ class LLMEngine:
             else None
         )
         self.runner = ModelRunner(model, self.proposer, *caches, config.page_size, graphs, self.max_model_len)
-        pages, slots = PageAllocator(num_pages, config.page_size), SlotAllocator(num_slots)
+        pages, slots = PageAllocator(num_pages, config.page_size), SlotAllocator(self.num_slots)
         self.scheduler = Scheduler(config, pages, slots, self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the
@@ -114,14 +113,19 @@ class LLMEngine:
     def dtype(self) -> torch.dtype:
         return self.target.model.lm_head.weight.dtype
 
-    def caches(self, model, num_pages: int, num_slots: int) -> list:
-        return allocate_caches(model.layers, num_pages, self.config.page_size, num_slots, self.dtype, self.device)
+    @property
+    def num_slots(self) -> int:
+        """A recurrent-state slot per running sequence, and the trash slot 0."""
+        return self.config.max_num_seqs + 1
 
-    def cache_bytes(self) -> tuple[int, int]:
+    def caches(self, model, num_pages: int) -> list:
+        return allocate_caches(model.layers, num_pages, self.config.page_size, self.num_slots, self.dtype, self.device)
+
+    def page_and_state_bytes(self) -> tuple[int, int]:
         """(bytes of a KV page, bytes of the states of every slot), target and drafter together."""
         models = [m for m in (self.target.model, self.drafter) if m is not None]
         per_token, per_slot = map(sum, zip(*(cache_bytes(m.layers, self.dtype.itemsize) for m in models)))
-        return per_token * self.config.page_size, per_slot * (self.config.max_num_seqs + 1)
+        return per_token * self.config.page_size, per_slot * self.num_slots
 
     def default_num_pages(self) -> int:
         wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.page_size) + 1
@@ -129,7 +133,7 @@ class LLMEngine:
             budget = torch.cuda.mem_get_info(self.device)[0] * GPU_KV_FRACTION
         else:
             budget = CPU_KV_BUDGET
-        page, states = self.cache_bytes()
+        page, states = self.page_and_state_bytes()
         if states >= budget:
             raise ValueError(
                 f"the recurrent states of max_num_seqs {self.config.max_num_seqs} sequences take "

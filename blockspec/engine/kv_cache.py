@@ -11,7 +11,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from blockspec.layers.decoder import PAGED_KV, RECURRENT_STATE
+from blockspec.layers.decoder import PAGED_KV
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -48,7 +48,7 @@ def allocate_caches(
         if layer.cache_kind == PAGED_KV:
             shape = (mixer.num_kv_heads, mixer.head_dim)
             caches += allocate_kv_cache(1, num_pages, page_size, *shape, dtype, device)
-        elif layer.cache_kind == RECURRENT_STATE:
+        else:  # RECURRENT_STATE, the other kind (`decoder.MIXERS`)
             conv, state = mixer.cache_shapes
             caches.append(
                 (

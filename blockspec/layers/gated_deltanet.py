@@ -101,16 +101,23 @@ def gated_delta_rule_ref(
 
 
 def gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    final: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`gated_delta_rule_ref`; on CUDA without grad, fla's recurrent kernel (few rows) or chunked
-    one (prefill). Outputs in v's dtype."""
+    one (prefill), which write the final state only where `final` asks (None otherwise: a verify's
+    is the replay's to write). Outputs in v's dtype."""
     if not fast_path(q):
         out, state = gated_delta_rule_ref(q, k, v, g, beta, state)
-        return out.to(v.dtype), state
+        return out.to(v.dtype), state if final else None
     recurrent, chunked = fla_kernels()
     op = recurrent if q.shape[1] <= RECURRENT_MAX_ROWS else chunked
-    return op(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return op(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=final, use_qk_l2norm_in_kernel=True)
 
 
 def fla_kernels() -> tuple:
@@ -189,8 +196,9 @@ class GatedDeltaNet(nn.Module):
         state = (
             states.initial(cache[1]) if states is not None else x.new_zeros(B, *self.cache_shapes[1], dtype=torch.float)
         )
-        out, final = gated_delta_rule(q, k, v, g, beta, state)
-        if states is not None and states.pending is None:
+        writes_now = states is not None and states.pending is None
+        out, final = gated_delta_rule(q, k, v, g, beta, state, final=writes_now)
+        if writes_now:
             self.write(cache, states.slots, conv_windows(x_ext, states.lengths, width), final)
         elif states is not None:
             states.pending.append(PendingReplay(self, cache, states, x_ext, (q, k, v, g, beta)))

@@ -39,7 +39,7 @@ class RecurrentStates:
     def initial(self, pool: torch.Tensor) -> torch.Tensor:
         """Each sequence's state from `pool` [num_slots, ...] (a copy), zero where it starts at 0."""
         fresh = (self.starts == 0).view(-1, *[1] * (pool.dim() - 1))
-        return pool.index_select(0, self.slots).masked_fill(fresh, 0)
+        return pool.index_select(0, self.slots).masked_fill_(fresh, 0)  # in place: the select is a copy
 
     def commit(self, rows: torch.Tensor) -> None:
         """The deferred writes, each sequence's state advanced over its first rows[b] rows."""

@@ -86,6 +86,11 @@ def add_norm_offsets(weights: dict[str, torch.Tensor]) -> None:
         weights[name] = weights[name].float() + 1
 
 
+def ungroup(w: torch.Tensor, groups: int, parts: list[int]) -> list[torch.Tensor]:
+    """Rows laid out per group as `parts` -> each part's rows of every group, in group order."""
+    return [p.reshape(-1, *w.shape[1:]) for p in w.view(groups, sum(parts), *w.shape[1:]).split(parts, dim=1)]
+
+
 def split_output_gate(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> None:
     """Each `self_attn.q_proj` (per head: head_dim query rows, then head_dim gate rows) -> q_proj
     and o_gate_proj (each per head in order)."""
@@ -96,9 +101,7 @@ def split_output_gate(weights: dict[str, torch.Tensor], spec: LayerSpec, source:
             raise CheckpointError(
                 f"{source}: {name} has {w.shape[0]} rows, expected {2 * heads * d} (each head's query and output-gate rows)"
             )
-        q, gate = w.view(heads, 2, d, *w.shape[1:]).unbind(1)
-        weights[name] = q.reshape(heads * d, *w.shape[1:])
-        weights[name.replace(".q_proj.", ".o_gate_proj.")] = gate.reshape(heads * d, *w.shape[1:])
+        weights[name], weights[name.replace(".q_proj.", ".o_gate_proj.")] = ungroup(w, heads, [d, d])
 
 
 def convert(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:

@@ -15,14 +15,9 @@ from blockspec.loading.weights import CheckpointError, WeightMapping
 from blockspec.models.qwen3_5 import convert as qwen3_5_convert
 from blockspec.models.qwen3_5 import layer_kinds as qwen3_5_kinds
 from blockspec.models.qwen3_5 import layer_spec as qwen3_5_spec
-from blockspec.models.qwen3_5 import rename
+from blockspec.models.qwen3_5 import rename, ungroup
 from blockspec.models.qwen3_moe import is_sparse
 from blockspec.models.registry import TargetFamily
-
-
-def ungroup(w: torch.Tensor, groups: int, parts: list[int]) -> list[torch.Tensor]:
-    """Rows laid out per group as `parts` -> each part's rows of every group, in group order."""
-    return [p.reshape(-1, *w.shape[1:]) for p in w.view(groups, sum(parts), *w.shape[1:]).split(parts, dim=1)]
 
 
 def split_grouped(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> None:
