@@ -3,6 +3,7 @@ decoding, greedy and sampled, writes its JSON, and splits the step into phases (
 inside the one step); the acceptance bench on local prompt files."""
 
 import argparse
+import dataclasses
 import gzip
 import json
 
@@ -11,7 +12,9 @@ import torch
 from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target
 
 from blockspec.bench import acceptance, bench
+from blockspec.config import EngineConfig
 from blockspec.engine.kv_cache import cache_bytes
+from blockspec.loading.hf import load_target
 
 
 def run_bench(tmp_path, monkeypatch, model: str, *flags: str) -> tuple[argparse.Namespace, dict]:
@@ -29,8 +32,16 @@ def run_bench(tmp_path, monkeypatch, model: str, *flags: str) -> tuple[argparse.
     return args, json.loads(out.read_text())
 
 
+@dataclasses.dataclass
+class OnePromptAStep(EngineConfig):
+    max_num_batched_tokens: int = 16  # the bench's 512-token prompts: one admitted a step
+
+
 @pytest.mark.parametrize("temperature", ["0", "0.7"])
 def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, capsys, temperature):
+    """... and times decoding steps only: a batch admitted over several steps is prefilled whole
+    before the timed steps (each of them commits tokens for every sequence)."""
+    monkeypatch.setattr(bench, "EngineConfig", OnePromptAStep)
     _, report = run_bench(
         tmp_path, monkeypatch, "random:small", "--batch-sizes", "1,2", "--steps", "3", "--temperature", temperature
     )
@@ -56,18 +67,35 @@ def test_moe_floor_counts_the_experts_a_step_reads(tmp_path, monkeypatch):
     assert plain["floor_ms"] < bench.weight_bytes(target.model, None) / 1e11 * 1e3
 
 
-def test_hybrid_floor_counts_the_states_a_step_reads_and_writes(tmp_path, monkeypatch):
-    """A hybrid target's floor: its weights, and every sequence's recurrent states read and written
-    once a step; the rollback is a phase of its own."""
-    args, report = run_bench(tmp_path, monkeypatch, "random:small-hybrid", "--batch-sizes", "2", "--steps", "2")
-    plain, dflash = report["results"]
+def test_hybrid_floor_counts_states_and_context_kv_at_each_prompt_length(tmp_path, monkeypatch):
+    """A hybrid target's floor: its weights, every sequence's recurrent states read and written once
+    a step, and the context K/V its attention layers (and the drafter's) read at the mean context of
+    the timed steps, reported per prompt length; the rollback is a phase of its own."""
+    flags = ("--batch-sizes", "2", "--steps", "2", "--prompt-len", "16,48")
+    args, report = run_bench(tmp_path, monkeypatch, "random:small-hybrid", *flags)
     target, drafter = bench.load(args, torch.device("cpu"), torch.float32)
-    per_slot = cache_bytes(target.model.layers, 4)[1]
+    per_token, per_slot = cache_bytes(target.model.layers, 4)
     assert per_slot == 6 * (4 * 64 * 64 * 4 + (2 * 128 + 256) * 3 * 4)  # 6 layers: fp32 state, conv's last 3 inputs
-    for row, d in ((plain, None), (dflash, drafter)):
-        expected = (bench.weight_bytes(target.model, d) + 2 * 2 * per_slot) / report["meta"]["bandwidth_Bps"] * 1e3
-        assert row["floor_ms"] == pytest.approx(expected, rel=1e-9)
+    assert per_token == 2 * (2 * 2 * 64 * 4)  # 2 full-attention layers, 2 K/V heads
+    rows = report["results"]
+    assert [(r["mode"], r["batch_size"]) for r in rows] == [("plain", 2), ("dflash", 2)] * 2
+    for row, d, prompt_len in zip(rows, (None, drafter) * 2, (16, 16, 48, 48)):
+        # 1 warmup step, then 2 timed ones of at most 16 rows each
+        assert prompt_len < row["context"] < prompt_len + 3 * 16
+        kv_per_token = per_token + (cache_bytes(d.layers, 4)[0] if d is not None else 0)
+        read = bench.weight_bytes(target.model, d) + 2 * 2 * per_slot + 2 * row["context"] * kv_per_token
+        assert row["floor_ms"] == pytest.approx(read / report["meta"]["bandwidth_Bps"] * 1e3, rel=1e-9)
         assert "rollback" in row["phases_ms"]
+
+
+def test_a_sliding_layer_reads_only_its_window(tmp_path):
+    """gpt-oss alternates sliding (window 8) and full layers: past the window, the K/V bytes a
+    step reads grow with the full layers alone."""
+    target = load_target(make_target(tmp_path / "t", "gpt_oss"), torch.float32, torch.device("cpu"))
+    layer = target.model.layers[0].mixer
+    per_layer = 2 * layer.num_kv_heads * layer.head_dim * 4
+    assert bench.kv_bytes(target.model, 6, 4) == 4 * 6 * per_layer
+    assert bench.kv_bytes(target.model, 100, 4) == 2 * (8 + 100) * per_layer
 
 
 def test_acceptance_compares_drafters_of_different_kinds(tmp_path):

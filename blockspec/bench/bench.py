@@ -3,12 +3,14 @@
 Per batch size: tok/s of plain decoding and of speculative decoding on the same engine, the
 step time split into drafter, target verify, acceptance, context commit and the rest (host, and
 the gaps between steps), from events recorded inside the step (`PhaseMarks`), and the weight-read
-floor (weight bytes read per step, and the recurrent states of linear-attention layers read and
-written once, / device copy bandwidth measured in this run). With random
+floor (weight bytes read per step, the context K/V its attention layers read, and the recurrent
+states of linear-attention layers read and written once, / device copy bandwidth measured in this
+run). `--prompt-len` takes several lengths: each is a set of rows (long contexts). With random
 weights, `--simulate-tau` sets the acceptance pattern (`proposers.simulated`); the output says so.
 `--temperature` > 0 times sampled decoding."""
 
 import argparse
+import gc
 import itertools
 import json
 import shlex
@@ -23,6 +25,7 @@ from blockspec.config import EngineConfig, KernelConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.kv_cache import cache_bytes
+from blockspec.layers.decoder import PAGED_KV
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.moe import SparseMoE
 from blockspec.llm import resolve_device, resolve_dtype
@@ -48,6 +51,7 @@ class Result:
     floor_ms: float = 0.0
     tau_histogram: dict[int, int] = field(default_factory=dict)
     experts_per_layer: float = 0.0  # MoE targets: experts a step reads per MoE layer, on average
+    context: float = 0.0  # tokens of context a sequence holds, averaged over the timed steps
 
 
 class PhaseMarks:
@@ -117,6 +121,18 @@ def weight_bytes(target, drafter) -> int:
     return total
 
 
+def kv_bytes(model, context: float, element_size: int) -> float:
+    """Bytes of context K/V one sequence's step reads from `model`'s paged layers (a sliding layer
+    reads its window)."""
+    total = 0.0
+    for layer in model.layers:
+        if layer.cache_kind == PAGED_KV:
+            mixer = layer.mixer
+            keys = min(context, model.sliding_window) if mixer.layer_type == "sliding_attention" else context
+            total += keys * 2 * mixer.num_kv_heads * mixer.head_dim * element_size
+    return total
+
+
 def moe_layers(target) -> list[SparseMoE]:
     return [m for m in target.modules() if isinstance(m, SparseMoE)]
 
@@ -159,19 +175,25 @@ def run_steps(engine: LLMEngine, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(engine: LLMEngine, batch: int, args, warmup: int, marks: PhaseMarks) -> dict:
+def measure(engine: LLMEngine, batch: int, prompt_len: int, args, warmup: int, marks: PhaseMarks) -> dict:
     """Step time as the engine runs; the drafter / verify / accept / context split from PHASE_STEPS
     more steps, each read before the next launches (the marks of a step are overwritten by the
     next), and the rest (host, and the gaps between steps) as the step time less those."""
     gen = torch.Generator().manual_seed(batch)
-    max_tokens = (total_steps(args.steps, warmup) + 4) * engine.max_width
+    max_tokens = engine.max_model_len - prompt_len - engine.max_width  # none finishes (run_mode sizes it)
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(torch.randint(0, engine.vocab_size - 1, (args.prompt_len,), generator=gen).tolist(), params)
-    run_steps(engine, warmup)  # prefill, graph captures, adaptive exploration
+        engine.add_request(torch.randint(0, engine.vocab_size - 1, (prompt_len,), generator=gen).tolist(), params)
+    # Every prompt prefilled first (admission takes max_num_batched_tokens of prompts a step), then
+    # the warmup: graph captures, adaptive exploration. No prefill falls in the timed steps.
+    while engine.scheduler.waiting or any(s.needs_prefill for s in engine.scheduler.running):
+        engine.step()
+    run_steps(engine, warmup)
     seqs = list(engine.scheduler.running)
     before = [len(s.acceptance_lengths) for s in seqs]
+    cached = sum(s.num_cached for s in seqs)
     elapsed = run_steps(engine, args.steps)
+    context = (cached + sum(s.num_cached for s in seqs)) / 2 / len(seqs)
     taus = [a for s, n in zip(seqs, before) for a in s.acceptance_lengths[n:]]
     run_ahead, engine.run_ahead = engine.run_ahead, False
     run_steps(engine, 1)  # completes the step in flight
@@ -192,10 +214,10 @@ def measure(engine: LLMEngine, batch: int, args, warmup: int, marks: PhaseMarks)
     for s in seqs:
         engine.abort(s.request_id)
     experts = {"expert_bytes": touched[0] / PHASE_STEPS, "experts": touched[1] / PHASE_STEPS}
-    return {"tokens": sum(taus), "elapsed": elapsed, "taus": taus, "phases": phases} | experts
+    return {"tokens": sum(taus), "elapsed": elapsed, "taus": taus, "phases": phases, "context": context} | experts
 
 
-def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) -> Result:
+def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: float, cuda: bool) -> Result:
     spec = (
         SpeculativeConfig(
             num_speculative_tokens=args.block_size - 1,
@@ -209,7 +231,9 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
     # Adaptive width explores its widths before it settles: a step to capture each width's graphs and
     # one to time it, plus one with steps launched ahead (a width is chosen before the last is seen).
     warmup = args.warmup + (3 * len(width_classes(args.block_size)) if args.adaptive_width and drafter else 0)
-    max_len = args.prompt_len + (total_steps(args.steps, warmup) + 8) * args.block_size
+    # Admission takes max_num_batched_tokens of prompts a step: the first admitted decode meanwhile
+    admission = -(-batch * prompt_len // EngineConfig.max_num_batched_tokens)
+    max_len = prompt_len + (total_steps(args.steps, warmup + admission) + 8) * args.block_size
     config = EngineConfig(
         max_num_seqs=batch,
         max_model_len=max_len,
@@ -220,7 +244,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
     engine = LLMEngine(target, drafter, spec, config)
     marks = engine.runner.phase_marks = PhaseMarks(cuda)  # before any step: graphs capture the marks
     count_experts(target.model)  # as the marks
-    m = measure(engine, batch, args, warmup, marks)
+    m = measure(engine, batch, prompt_len, args, warmup, marks)
     step_ms = m["elapsed"] * 1e3 / args.steps
     hist = {}
     for t in m["taus"]:
@@ -229,9 +253,14 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
     layers = moe_layers(target.model)
     all_experts = sum(expert_bytes(moe) * moe.spec.num_experts for moe in layers)
     # Linear attention: each sequence's recurrent state is read and written once a step too
-    states = 2 * batch * cache_bytes(target.model.layers, target.model.lm_head.weight.element_size())[1]
-    floor_ms = (weight_bytes(target.model, drafter) - all_experts + m["expert_bytes"] + states) / bandwidth * 1e3
+    element_size = target.model.lm_head.weight.element_size()
+    states = 2 * batch * cache_bytes(target.model.layers, element_size)[1]
+    # Attention reads each sequence's context K/V, the target's and the drafter's
+    models = [target.model] + ([drafter] if drafter is not None else [])
+    kv = batch * sum(kv_bytes(model, m["context"], element_size) for model in models)
+    floor_ms = (weight_bytes(target.model, drafter) - all_experts + m["expert_bytes"] + states + kv) / bandwidth * 1e3
     del engine
+    gc.collect()  # the engine's caches: it holds cycles (its scheduler calls back into it)
     if cuda:
         torch.cuda.empty_cache()
     return Result(
@@ -245,6 +274,7 @@ def run_mode(target, drafter, args, batch: int, bandwidth: float, cuda: bool) ->
         floor_ms,
         dict(sorted(hist.items())),
         m["experts"] / len(layers) if layers else 0.0,
+        m["context"],
     )
 
 
@@ -310,7 +340,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="random:Qwen3-8B-DFlash-b16", help="drafter directory, random:<preset> or none")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompt-len", default="512", help="prompt tokens of every request; several: 4096,16384")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--simulate-tau", type=float, default=None, help="force this mean acceptance length")
@@ -343,12 +373,6 @@ def run(args: argparse.Namespace) -> None:
     args.draft = None if args.draft == "none" else args.draft
     target, drafter = load(args, device, dtype)
     bandwidth = copy_bandwidth(device)
-    results = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        for d in (None, drafter) if drafter is not None else (None,):
-            results.append(run_mode(target, d, args, batch, bandwidth, device.type == "cuda"))
-    simulated = args.simulate_tau is not None
-    report(results, bandwidth, simulated)
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype),
@@ -358,8 +382,14 @@ def run(args: argparse.Namespace) -> None:
         "simulated_tau": args.simulate_tau,
         "command": " ".join(["python -m blockspec.bench.bench", *map(shlex.quote, sys.argv[1:])]),
     }
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
+    results = []
+    for prompt_len in [int(n) for n in args.prompt_len.split(",")]:
+        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            for d in (None, drafter) if drafter is not None else (None,):
+                results.append(run_mode(target, d, args, batch, prompt_len, bandwidth, device.type == "cuda"))
+                with open(args.out, "w") as f:  # after each row: a failure later keeps the rows measured
+                    json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
+    report(results, bandwidth, args.simulate_tau is not None)
     plot(results, args.out.removesuffix(".json") + ".png")
 
 

@@ -32,7 +32,8 @@ regenerate this file with `python -m blockspec.bench.report`.
 **Engine bench** (`python -m blockspec.bench.bench`, also `blockspec bench`). Per mode and batch
 size: *tok/s*, tokens committed per second over the whole batch; *step ms*, wall time of one
 decoding step; *floor ms*, the weight-read floor (the bytes of weights one step reads over the
-device copy bandwidth measured in the same run); *x floor*, step time over floor; *tau*, tokens
+device copy bandwidth measured in the same run; in sections with a *context* column, the mean
+context of a sequence, also the context K/V its attention reads); *x floor*, step time over floor; *tau*, tokens
 committed per step and sequence (accepted drafts plus the bonus token); then the device time of
 each phase of the step in ms (*host*: the step time less the phases). A section marked
 **SIMULATED** ran random weights at a real model's geometry with acceptance drawn at a forced
