@@ -144,9 +144,12 @@ def serve(args: argparse.Namespace) -> None:
     except ModuleNotFoundError as e:  # reported as bad input is (`main`)
         raise ValueError(f"serve needs the server's packages, and {e.name} is missing: pip install 'blockspec[serve]'")
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get("BLOCKSPEC_API_KEY")  # out of `ps`
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty, which would let anyone in: give a key, or none to serve without")
     llm = build_llm(args)
-    api_key = args.api_key or os.environ.get("BLOCKSPEC_API_KEY")  # the variable keeps the key out of `ps`
-    run_server(llm, args.served_model_name or args.model or llm.engine.target.name, args.host, args.port, api_key)
+    name = args.served_model_name or args.model or llm.engine.target.name
+    run_server(llm, name, args.host, args.port, api_key, args.max_request_bytes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set BLOCKSPEC_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    srv.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger request bodies get a 413")
     srv.set_defaults(func=serve)
     from blockspec.bench import bench
 

@@ -44,7 +44,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # a signed 64-bit int: each value its own draws
+    include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text
+    skip_special_tokens: bool = True  # in the output text
     return_drafts: bool = False
 
     def __post_init__(self) -> None:
@@ -70,7 +72,7 @@ class SamplingParams:
                 "must be non-negative ints",
             ),
             "seed": (
-                self.seed is None or is_int(self.seed) and -(2**63) <= self.seed < 2**64,
+                self.seed is None or is_int(self.seed) and -(2**63) <= self.seed < 2**63,
                 f"must be a 64-bit int, got {self.seed!r}",
             ),
         }
@@ -154,10 +156,11 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
-    """32 random bits a (seed, position, stream), int64 in [0, 2**32); seeds are 63-bit."""
+    """32 random bits a (seed, position, stream), int64 in [0, 2**32); seeds are any int64 (both
+    halves of its bits count)."""
     h = mix32((positions * 8 + stream) & MASK32)
     h = mix32(h ^ (seeds & MASK32))
-    return mix32(h ^ (seeds >> 32))
+    return mix32(h ^ (seeds >> 32 & MASK32))
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, live on loopback, driven by the official openai client."""
 
+import asyncio
 import itertools
 import json
 import socket
@@ -20,8 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blockspec import LLM, SamplingParams
 from blockspec.cli import main
+from blockspec.engine.detokenizer import append_text
+from blockspec.engine.sequence import Sequence
 from blockspec.outputs import RequestMetrics, RequestOutput
 from blockspec.server.api import build_app
+from blockspec.server.async_engine import NewestOutput
 from blockspec.server.metrics import ServerMetrics
 
 KEY = "test-key"
@@ -33,6 +37,7 @@ MAX_MODEL_LEN = 256
 class Live:
     url: str
     reference: LLM  # a second engine on the same checkpoints, for expected outputs
+    served: LLM
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
@@ -62,12 +67,16 @@ def load(checkpoints: tuple[Path, Path]) -> LLM:
     return LLM(str(target), spec, "cpu", "float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
 
 
-@contextmanager
-def serve(llm: LLM) -> Iterator[str]:
+def serve(llm: LLM):
     """The server on `llm`, on a free loopback port: yields its URL."""
+    return serve_app(build_app(llm, NAME, KEY))
+
+
+@contextmanager
+def serve_app(app) -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no race for the port
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, NAME, KEY), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -80,8 +89,9 @@ def serve(llm: LLM) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def live(checkpoints) -> Iterator[Live]:
-    with serve(load(checkpoints)) as url:
-        yield Live(url, load(checkpoints))
+    served = load(checkpoints)
+    with serve(served) as url:
+        yield Live(url, load(checkpoints), served)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -194,7 +204,10 @@ BAD_COMPLETIONS = [
     ({"temperature": -0.5}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
     ({"top_p": 1.5}, 400, "top_p"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 65}, 400, "n"),
+    ({"prompt": ["w7"] * 9, "n": 8}, 400, "n"),  # 72 choices
+    ({"prompt": []}, 400, "prompt"),
     ({"max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),  # prompt + max_tokens beyond the context
     ({"prompt": " ".join(["w9"] * MAX_MODEL_LEN)}, 400, "max_tokens"),
     ({"prompt": [5, 999]}, 400, "prompt"),  # token id outside the vocabulary
@@ -202,7 +215,20 @@ BAD_COMPLETIONS = [
     ({"prompt": [True, False]}, 400, "prompt"),  # booleans are no token ids
     ({"logprobs": 0}, 400, "logprobs"),  # 0 asks for the sampled tokens' logprobs: unsupported
     ({"best_of": 3}, 400, "best_of"),
-    ({"seed": 2**70}, 400, "seed"),  # SamplingParams' own checks name their field too
+    ({"seed": 2**70}, 400, "seed"),
+    ({"seed": 2**64 - 1}, 400, "seed"),  # int64 seeds: as unsigned it would alias -1
+    (
+        {"extra_body": {"stop_token_ids": [-3]}},
+        400,
+        "stop_token_ids",
+    ),  # SamplingParams' own checks name their field too
+    ({"extra_body": {"max_token": 5}}, 400, "max_token"),  # unknown fields are named, not ignored
+    ({"extra_body": {"min_tokens": 3}}, 400, "min_tokens"),
+    ({"extra_body": {"repetition_penalty": 1.2}}, 400, "repetition_penalty"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),
+    ({"extra_body": {"guided_regex": "w[0-9]"}}, 400, "guided_regex"),
+    ({"extra_body": {"tool_choice": "auto"}}, 400, "tool_choice"),
+    ({"prompt": [1, 2], "echo": True, "extra_body": {"skip_special_tokens": "maybe"}}, 400, "skip_special_tokens"),
     ({"extra_body": {"top_k": True}}, 400, "top_k"),  # a boolean is no count (lax pydantic: top_k 1)
     ({"seed": True}, 400, "seed"),
     ({"stop": [""]}, 400, "stop"),
@@ -224,6 +250,8 @@ BAD_MESSAGES = [
     [{"content": "w7"}],
     [{"role": "wizard", "content": "w7"}],
     [{"role": "user", "content": 7}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+    [{"role": "user", "content": None}],  # only an assistant's content may be null (as in tool calls)
     "w7",
 ]
 
@@ -277,7 +305,7 @@ def test_engine_failure_ends_streams_and_is_counted(checkpoints) -> None:
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["type"] == "server_error"
         assert len(lines) > 3  # tokens came before the failure
-        live = Live(url, llm)
+        live = Live(url, llm, llm)
         assert live.metrics()["blockspec_requests_total{finish_reason=error}"] == 1
         body = body | {"stream": False, "max_tokens": 3}
         assert client.post(f"{url}/v1/completions", json=body, headers=auth()).status_code == 200
@@ -390,3 +418,183 @@ def test_cli_serve_binds_loopback(checkpoints, monkeypatch) -> None:
         ]
     )
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
+
+
+def completion_texts(live: Live, **kwargs) -> list[str]:
+    r = live.client().completions.create(model=NAME, **kwargs)
+    assert [c.index for c in r.choices] == list(range(len(r.choices)))
+    return [c.text for c in r.choices]
+
+
+def test_n_choices_greedy_seeded_and_streamed(live: Live) -> None:
+    """n greedy choices are the one greedy answer; seeded sampled choices differ from each other,
+    choice 0 is the request with n=1, each reproduces, and a stream carries the same choices."""
+    assert completion_texts(live, prompt="w7 w8", max_tokens=12, temperature=0, n=3) == 3 * [
+        live.reference.generate("w7 w8", greedy(12))[0].outputs[0].text
+    ]
+    sampled = {"prompt": "w7 w8", "max_tokens": 16, "temperature": 1.0, "seed": 11}
+    texts = completion_texts(live, **sampled, n=3)
+    assert len(set(texts)) == 3
+    assert texts[0] == completion_texts(live, **sampled)[0]
+    assert completion_texts(live, **sampled, n=3) == texts
+    chunks = live.client().completions.create(model=NAME, **sampled, n=3, stream=True)
+    streamed = ["", "", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+
+
+def test_batched_prompts_and_echo(live: Live) -> None:
+    """A batch of prompts: choice p * n + j continues prompt p; usage counts each prompt once;
+    echo puts each prompt's text (a token-id prompt's decoded) before its choices' text."""
+    r = live.client().completions.create(model=NAME, prompt=["w7 w8", "w9"], n=2, max_tokens=6, temperature=0)
+    outs = [live.reference.generate(p, greedy(6))[0].outputs[0] for p in ("w7 w8", "w9")]
+    answers = [o.text for o in outs]
+    assert [c.text for c in r.choices] == [answers[0], answers[0], answers[1], answers[1]]
+    assert r.usage.prompt_tokens == 3
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in outs) * 2
+    echoed = completion_texts(live, prompt=[[7, 8], [9]], max_tokens=6, temperature=0, echo=True)
+    assert echoed == ["w7 w8" + answers[0], "w9" + answers[1]]
+    stream = live.client().completions.create(
+        model=NAME, prompt="w9", max_tokens=6, temperature=0, echo=True, stream=True
+    )
+    assert streamed_text(stream) == "w9" + answers[1]
+
+
+def test_stop_token_ids_and_include_stop_str(live: Live) -> None:
+    """stop_token_ids end the output at the token (its text left out, or kept with
+    include_stop_str_in_output); a stop string is kept the same way."""
+    tokens = live.reference.generate("w7 w8", greedy(12))[0].outputs[0].token_ids
+    stop = tokens[4]
+    cut = tokens[: tokens.index(stop) + 1]
+    decode = live.reference.tokenizer.decode
+    base = {"prompt": "w7 w8", "max_tokens": 12, "temperature": 0}
+    r = live.client().completions.create(model=NAME, **base, extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(cut)
+    assert r.choices[0].text == decode(cut[:-1])
+    kept = {"stop_token_ids": [stop], "include_stop_str_in_output": True}
+    assert completion_texts(live, **base, extra_body=kept) == [decode(cut)]
+    word = f"w{stop}"
+    texts = completion_texts(live, **base, stop=[word], extra_body={"include_stop_str_in_output": True})
+    assert texts[0].endswith(word) and texts[0].count(word) == 1
+
+
+def test_ordinary_chat_formats(live: Live) -> None:
+    """Content as text parts (joined by newlines), a developer message (as system), a tool
+    message, an assistant's null content, and an end-user id: each renders as its plain form."""
+    plain = [{"role": "system", "content": "w20"}, {"role": "user", "content": "w30\nw31"}]
+    parts = [
+        {"role": "developer", "content": "w20"},
+        {"role": "user", "content": [{"type": "text", "text": "w30"}, {"type": "text", "text": "w31"}]},
+    ]
+
+    def reply(messages, **extra) -> str:
+        r = live.client().chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, **extra)
+        return r.choices[0].message.content
+
+    assert reply(parts, user="someone") == reply(plain)
+    tool = [{"role": "assistant", "content": None}, {"role": "tool", "content": "w33", "tool_call_id": "c"}]
+    rendered = [{"role": "assistant", "content": ""}, {"role": "tool", "content": "w33"}]
+    assert reply(plain + tool) == live.reference.chat(plain + rendered, greedy(8))[0].outputs[0].text
+
+
+def test_seeds_are_int64_without_aliases(live: Live) -> None:
+    sampled = {"prompt": "w7", "max_tokens": 16, "temperature": 1.0}
+    assert completion_texts(live, **sampled, seed=-1) != completion_texts(live, **sampled, seed=2**63 - 1)
+
+
+def post(client: httpx.Client, url: str, body: dict) -> httpx.Response:
+    """`body` as JSON with non-ASCII escaped (a lone surrogate as \\ud800, as JSON allows)."""
+    headers = auth() | {"content-type": "application/json"}
+    return client.post(url, content=json.dumps(body).encode(), headers=headers)
+
+
+def test_lone_surrogates_are_400s_and_the_connection_serves_on(live: Live) -> None:
+    with httpx.Client(timeout=60) as client:
+        for path, body, param in [
+            ("completions", {"model": NAME, "prompt": "w7 \ud800 w8"}, "prompt"),
+            ("completions", {"model": "tiny\udfff", "prompt": "w7"}, "model"),
+            ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w7\ud800"}]}, "messages"),
+        ]:
+            r = post(client, f"{live.url}/v1/{path}", body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
+            assert "surrogate" in r.json()["error"]["message"]
+        r = post(client, f"{live.url}/v1/completions", {"model": NAME, "prompt": "w7", "max_tokens": 2})
+        assert r.status_code == 200  # the same keep-alive connection
+
+
+def test_vague_errors_say_what_is_wrong(live: Live) -> None:
+    r = httpx.post(f"{live.url}/v1/completions", headers=auth())
+    assert r.status_code == 400 and "request body is empty" in r.json()["error"]["message"]
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": NAME, "prompt": "w7", "n": 0}, headers=auth())
+    assert r.json()["error"]["param"] == "n" and "greater than or equal to 1" in r.json()["error"]["message"]
+
+
+def raw_request(url: str, head: str, body: bytes = b"") -> tuple[bytes, float]:
+    """Send a request's head and (part of) its body on a raw socket: the reply's first bytes, and
+    the seconds it took."""
+    start = time.monotonic()
+    with socket.create_connection(tuple(url.removeprefix("http://").split(":")), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        return sock.recv(4096), time.monotonic() - start
+
+
+def test_gate_refuses_before_reading_the_body(checkpoints) -> None:
+    """A wrong key is a 401 without the body read (a 1 GB declared body never sent); a body
+    past the limit a 413, declared or streamed; a body that does not arrive a 408."""
+    app = build_app(load(checkpoints), NAME, KEY, max_body_bytes=1000, body_timeout_s=0.5)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with serve_app(app) as url:
+        reply, _ = raw_request(url, head + f"Content-Length: {10**9}\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 401")
+        reply, _ = raw_request(url, head + f"Authorization: Bearer {KEY}\r\nContent-Length: {10**9}\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 413")
+        chunked = head + f"Authorization: Bearer {KEY}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        reply, _ = raw_request(url, chunked, b"7d0\r\n" + b" " * 2000 + b"\r\n0\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 413")
+        reply, took = raw_request(url, head + f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n", b"{")
+        assert reply.startswith(b"HTTP/1.1 408") and took < 10
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_tokenizing_does_not_block_other_connections(live: Live, monkeypatch) -> None:
+    """A prompt being tokenized (made slow here) leaves the event loop free: /health answers."""
+    engine = live.served.engine
+    tokenize = engine.tokenize
+    monkeypatch.setattr(engine, "tokenize", lambda prompt: (time.sleep(2), tokenize(prompt))[1])
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(live.client().completions.create, model=NAME, prompt="w7", max_tokens=2)
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        assert time.monotonic() - start < 1
+        assert slow.result().choices[0].text
+
+
+def test_newest_output_replaces_unread_ones() -> None:
+    """A reader that falls behind gets the newest output, not a backlog of every one."""
+
+    async def run() -> list[str]:
+        outputs = NewestOutput()
+        for i in range(3):
+            outputs.put(RequestOutput(str(i), None, [1], [], finished=i == 2, metrics=RequestMetrics()))
+        first = await outputs.get()
+        return [first.request_id, outputs.item]
+
+    assert asyncio.run(run()) == ["2", None]
+
+
+def test_cli_serve_refuses_an_empty_api_key(checkpoints, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("served without a key"))
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(checkpoints[0]), "--device", "cpu", "--api-key", " "])
+    assert "the API key is empty" in capsys.readouterr().err
+
+
+def test_skip_special_tokens_false_keeps_their_text(live: Live) -> None:
+    for skip, text in ((True, "w5 w6"), (False, "w5 w2 w6")):
+        seq = Sequence(None, [1], SamplingParams(skip_special_tokens=skip), seed=0)
+        seq.token_ids += [5, 2, 6]
+        append_text(live.reference.tokenizer, seq, final=True)
+        assert seq.text == text

@@ -13,8 +13,9 @@ from blockspec.engine.sequence import Sequence
 def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool = False) -> str:
     """Extend seq.text with its undecoded output tokens; returns the text added."""
     ids = seq.text_token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=True)
+    skip = seq.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
     if full.endswith("\ufffd"):
         if not final:
             return ""
@@ -37,8 +38,8 @@ def streamable_text(text: str, finished: bool, stops: list[str]) -> str:
     return text[: max(0, len(text) - hold)]
 
 
-def find_stop(text: str, added: str, stops: list[str]) -> int:
-    """Index in text of the first stop string that the newly added text completes, or -1."""
+def find_stop(text: str, added: str, stops: list[str]) -> slice | None:
+    """Where in text the first stop string that the newly added text completes is, or None."""
     start = max(0, len(text) - len(added) - max(len(s) for s in stops) + 1)
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits, default=-1)
+    hits = [slice(i, i + len(s)) for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits, key=lambda hit: (hit.start, -hit.stop), default=None)

@@ -192,8 +192,7 @@ class LLMEngine:
             )
         if params.max_tokens is None:  # as vLLM: until the context is full
             params = replace(params, max_tokens=self.max_model_len - len(ids))
-        # 63 bits (device integers are signed 64-bit); an unseeded request draws its own
-        seed = params.seed % 2**63 if params.seed is not None else secrets.randbits(63)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)  # unseeded: its own
         request_id = request_id if request_id is not None else fresh_request_id(self.requests)
         seq = Sequence(text, ids, params, seed, request_id)
         if seq.request_id in self.requests:
@@ -306,13 +305,13 @@ class LLMEngine:
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if (not p.ignore_eos and token in self.target.eos_token_ids) or token in p.stop_token_ids:
-            seq.stopped_on_token = True
+            seq.stopped_on_token = not p.include_stop_str_in_output
             return "stop"
         if p.stop and self.tokenizer is not None:
             added = append_text(self.tokenizer, seq)
             hit = find_stop(seq.text, added, p.stop)
-            if hit >= 0:
-                seq.text = seq.text[:hit]
+            if hit is not None:
+                seq.text = seq.text[: hit.stop if p.include_stop_str_in_output else hit.start]
                 return "stop"
         if seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"

@@ -38,13 +38,14 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.seed = seed  # 63 bits: keys the counter-based draws of its sampled tokens
+        self.seed = seed  # int64: keys the counter-based draws of its sampled tokens
         self.status = Status.WAITING
         self.num_cached = 0
         self.block_table: list[int] = []
         self.state_slot = 0  # its linear-attention layers' state slot while it runs (0: none held)
         self.finish_reason: str | None = None
-        self.stopped_on_token = False  # by eos or a stop token id: its text is left out, as vLLM does
+        # by eos or a stop token id: its text is left out, as vLLM does (unless include_stop_str_in_output)
+        self.stopped_on_token = False
         self.text = ""  # detokenized output
         self.prefix_offset = self.read_offset = 0  # incremental detokenization (detokenizer.py)
         self.acceptance_lengths: list[int] = []

@@ -38,7 +38,7 @@ class StepInputs:
     starts: torch.Tensor  # [B] position of each anchor
     lengths: torch.Tensor  # [B] rows to verify: the anchor and the drafts (at most w)
     block_tables: torch.Tensor  # [B, M] page ids, padded with the trash page 0
-    seeds: torch.Tensor  # [B] 63-bit request seeds
+    seeds: torch.Tensor  # [B] request seeds (int64)
     state_slots: torch.Tensor  # [B] each sequence's recurrent state slot (`layers.recurrent_state`)
     # [B, 2] int64 holding float32 [B, 4] bitwise (`sampling_params`); None: every row is greedy
     sampling: torch.Tensor | None = None

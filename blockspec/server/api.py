@@ -1,15 +1,19 @@
-"""The FastAPI app: routes, API-key check, OpenAI-style errors, and `serve` for `blockspec serve`."""
+"""The FastAPI app: routes, the gate every /v1 request passes before its body is read (API key,
+body size and arrival time), OpenAI-style errors, and `serve` for `blockspec serve`."""
 
+import asyncio
 import re
 import secrets
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.llm import LLM
 from blockspec.server.async_engine import AsyncEngine, EngineError
@@ -27,17 +31,69 @@ from blockspec.server.serving import OpenAIServing, as_api_error
 UNION_TAG = re.compile(r"str|int|float|bool|list\[.*\]")  # pydantic's name for a union's branch
 
 
-def api_key_check(api_key: str | None):
-    """A dependency that wants `Authorization: Bearer <api_key>` (nothing when no key is set)."""
+MAX_BODY_BYTES = 32 * 2**20  # a request body past it is a 413 (prompts of 10^6 tokens still fit)
+BODY_TIMEOUT_S = 60.0  # a body not all arrived by then is a 408
 
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
-    return check
+def authorized(headers: Headers, api_key: str | None) -> bool:
+    """`Authorization: Bearer <api_key>` (anything when no key is set)."""
+    if api_key is None:
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())
+
+
+class RequestGate:
+    """ASGI middleware for /v1: the API key is checked before the body is read (a wrong key costs
+    the server no parsing, however large the body), then the body must stay within
+    `max_body_bytes` (its declared length, and what arrives) and arrive within `body_timeout_s`."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
+        self.app, self.api_key = app, api_key
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if not authorized(headers, self.api_key):
+            error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self.too_large().response()(scope, receive, send)
+        return await self.app(scope, self.limited(receive), send)
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_body_bytes} bytes", code="body_too_large")
+
+    def limited(self, receive: Receive) -> Receive:
+        """`receive`, failing the body's reader (FastAPI answers its HTTPException) once the body
+        grows past the limit or is late; after the body, passed through (a handler waits on it
+        for the client's disconnect)."""
+        loop = asyncio.get_running_loop()
+        deadline, size, done = loop.time() + self.body_timeout_s, 0, False
+
+        async def receive_body() -> Message:
+            nonlocal size, done
+            if done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
+            size += len(message.get("body", b""))
+            done = message["type"] != "http.request" or not message.get("more_body", False)
+            if size > self.max_body_bytes:
+                raise HTTPException(413, self.too_large().message)
+            return message
+
+        return receive_body
+
+
+async def server_error(_: Request, exc: Exception) -> JSONResponse:
+    """An unexpected failure: OpenAI's error JSON, not a bare text page (the traceback is logged)."""
+    return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
 def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -46,6 +102,8 @@ def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     err = exc.errors()[0]
     if err["type"] == "json_invalid":  # its location is a character offset, not a parameter
         return bad_request(f"the request body is not valid JSON ({err['msg']})").response()
+    if err["type"] == "missing" and tuple(err["loc"]) == ("body",):
+        return bad_request("the request body is empty: send a JSON object of the request's fields").response()
     loc = [str(p) for p in err["loc"] if p != "body"]
     path = ".".join(p for p in loc if not UNION_TAG.fullmatch(p))
     message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
@@ -59,9 +117,16 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(
         HTTPException, lambda _, e: APIError(e.status_code, str(e.detail), "invalid_request_error").response()
     )
+    app.add_exception_handler(Exception, server_error)
 
 
-def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    llm: LLM,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:
     metrics = ServerMetrics(llm.engine)
     engine = AsyncEngine(llm.engine, metrics)
     serving = OpenAIServing(llm, engine, model_name)
@@ -74,7 +139,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="blockspec", lifespan=lifespan)
     add_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_key))])
+    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -102,6 +168,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def serve(llm: LLM, model_name: str, host: str, port: int, api_key: str | None = None) -> None:
+def serve(
+    llm: LLM, model_name: str, host: str, port: int, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> None:
     """Serve `llm` as `model_name` on host:port until interrupted."""
-    uvicorn.run(build_app(llm, model_name, api_key), host=host, port=port)
+    uvicorn.run(build_app(llm, model_name, api_key, max_body_bytes), host=host, port=port)

@@ -26,12 +26,32 @@ class EngineError(Exception):
         self.bad_request = bad_request
 
 
+class NewestOutput:
+    """A request's newest output, for its reader on the event loop. Outputs are cumulative, so one
+    that replaces another loses nothing: a reader that falls behind (a client that stops reading a
+    stream) costs one output, not every one since."""
+
+    def __init__(self) -> None:
+        self.item: RequestOutput | EngineError | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | EngineError) -> None:
+        self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | EngineError:
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.item = self.item, None
+        return item
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.streams: dict[str, asyncio.Queue] = {}  # request id -> its output queue; engine thread only
+        self.streams: dict[str, NewestOutput] = {}  # request id -> where its outputs go; engine thread only
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self.run, name="blockspec-engine", daemon=True)
         self.stopping = False
@@ -55,7 +75,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """The request's cumulative output after each step that gave it tokens, until it
         finishes. Closing or cancelling the iterator early aborts the request."""
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = NewestOutput()
         self.commands.put(partial(self.add, request_id, prompt_ids, params, outputs))
         done = False
         try:
@@ -89,7 +109,7 @@ class AsyncEngine:
                 return
             command()
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, outputs: asyncio.Queue) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, outputs: NewestOutput) -> None:
         try:
             self.engine.add_request(prompt_ids, params, request_id)
         except ValueError as e:  # the engine's way of refusing a request
@@ -125,5 +145,5 @@ class AsyncEngine:
             self.push(outputs, EngineError(message, bad_request=False))
         self.streams.clear()
 
-    def push(self, outputs: asyncio.Queue, item: RequestOutput | EngineError) -> None:
-        self.loop.call_soon_threadsafe(outputs.put_nowait, item)
+    def push(self, outputs: NewestOutput, item: RequestOutput | EngineError) -> None:
+        self.loop.call_soon_threadsafe(outputs.put, item)

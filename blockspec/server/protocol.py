@@ -1,24 +1,48 @@
 """The OpenAI wire format: request and response models, and the error shape."""
 
+import json
 import time
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-# Accepted by OpenAI but not implemented here: rejected with 400 rather than silently ignored.
+# OpenAI's and vLLM's request fields not implemented here: a request that asks for one is a 400
+# naming it (`feature_off`: values that ask for nothing pass, as clients send them by default).
+# Any other field not declared below is a 400 too: nothing is silently ignored.
 UNSUPPORTED = (
     "logprobs",
     "top_logprobs",
-    "echo",
     "suffix",
     "logit_bias",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
     "tools",
+    "tool_choice",
     "functions",
+    "function_call",
     "best_of",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
+IGNORED = ("user",)  # an end-user id for the provider's records: it changes no output
+
+
+def lone_surrogate(value) -> str | None:
+    """The first string in a parsed JSON value that holds a lone UTF-16 surrogate (JSON's "\\ud800"
+    escape parses to one; it is no Unicode text, and no tokenizer or UTF-8 encoder takes it)."""
+    if isinstance(value, str):
+        return value if any("\ud800" <= c <= "\udfff" for c in value) else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((s for s in map(lone_surrogate, items) if s is not None), None)
+
+
+MAX_CHOICES = 64  # n, and prompts x n of a batched completion
 
 
 class APIError(Exception):
@@ -39,7 +63,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return ASCIIJSONResponse(self.body(), status_code=self.status)
+
+
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: an error message quoting a client's bad text (a lone
+    surrogate, which UTF-8 cannot encode) still renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -47,7 +79,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI does
+    # Extra fields are kept, for the request check to name (`OpenAIServing.check`), or, in a chat
+    # message, to reach the chat template (a message's `name`, `tool_call_id`).
+    model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def unicode_text(cls, value):
+        if lone_surrogate(value) is not None:
+            raise ValueError("holds a lone UTF-16 surrogate (such as \\ud800), which is not Unicode text")
+        return value
 
 
 class StreamOptions(OpenAIModel):
@@ -61,14 +102,18 @@ class SamplingRequest(OpenAIModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # int64
     stream: bool = False
     stream_options: StreamOptions | None = None
-    top_k: int = Field(0, ge=-1)  # vLLM's extensions, like ignore_eos
+    # vLLM's extensions
+    top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @field_validator("max_tokens", "temperature", "top_p", "n", "seed", "top_k", "min_p", mode="before")
     @classmethod
@@ -79,12 +124,33 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: true is no token id
+    # one prompt, or a batch (each its own choices); strict: true is no token id
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: bool = False  # the prompt's text before each choice's
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # text, or its parts (text only: this server reads no images or audio); an assistant's may be null
+    content: str | list[TextPart] | None
+
+    @model_validator(mode="after")
+    def null_content_is_an_assistants(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is null, which only an assistant message's may be (not a {self.role}'s)")
+        return self
+
+    def template_message(self) -> dict:
+        """The message as the chat template reads it: parts joined by newlines (as vLLM does), a
+        developer message as the system message (templates know the older role), extras kept."""
+        content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
+        role = "system" if self.role == "developer" else self.role
+        return (self.model_extra or {}) | {"role": role, "content": content or ""}
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -1,11 +1,12 @@
 """OpenAI requests in, engine requests out; engine outputs back as OpenAI responses, whole
-or as server-sent events."""
+or as server-sent events. A request's choices (`n`, and a batched completion's prompts) are one
+engine request each, decoded in the same batch."""
 
 import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -21,6 +22,8 @@ from blockspec.outputs import RequestOutput
 from blockspec.sampling import InvalidSamplingParam, SamplingParams
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.protocol import (
+    IGNORED,
+    MAX_CHOICES,
     UNSUPPORTED,
     APIError,
     AssistantMessage,
@@ -41,20 +44,60 @@ from blockspec.server.protocol import (
 
 T = TypeVar("T")
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+# Values of an unsupported field that ask for nothing, besides null, false, 0, "", [] and {}
+ALSO_OFF = {
+    "best_of": (1,),
+    "repetition_penalty": (1,),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+}
+SEED_STEP = 0x9E3779B97F4A7C15  # choice i of a seeded request draws with seed + i * SEED_STEP (mod 2**64)
 
 
-def usage(out: RequestOutput) -> UsageInfo:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def feature_off(name: str, value) -> bool:
+    """Whether an unsupported field asks for nothing (clients send frequency_penalty 0, logit_bias
+    {}); but logprobs 0 asks for the sampled tokens' logprobs."""
+    if name == "logprobs":
+        return value is None or value is False
+    return not value or value in ALSO_OFF.get(name, ())
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's choice `index` (choice 0: the request's own), a signed 64-bit int:
+    seeded choices differ from each other, and each reproduces."""
+    if seed is None:
+        return None
+    s = (seed + index * SEED_STEP) % 2**64
+    return s - 2**64 if s >= 2**63 else s
+
+
+@dataclass
+class Choice:
+    """One choice of a request, decoded as an engine request of its own."""
+
+    index: int
+    prompt: int  # which of the request's prompts it continues
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str = ""  # text before the generated text (a completion's echoed prompt)
+
+
+def usage(choices: list[Choice], outs: Iterable[RequestOutput]) -> UsageInfo:
+    """Each prompt counted once (its n choices share it), and every choice's tokens."""
+    prompt = sum({c.prompt: len(c.prompt_ids) for c in choices}.values())
+    completion = sum(len(o.outputs[0].token_ids) for o in outs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def spec_stats(out: RequestOutput) -> SpecDecodingStats:
-    lengths = out.metrics.acceptance_lengths
+def spec_stats(outs: Iterable[RequestOutput]) -> SpecDecodingStats:
+    """The speculative steps of the given choices' engine requests, together."""
+    lengths = [n for o in outs for n in o.metrics.acceptance_lengths]
+    drafts = [d for o in outs for d in o.metrics.draft_token_ids or []]
     return SpecDecodingStats(
         acceptance_lengths=lengths,
-        mean_acceptance_length=out.metrics.mean_acceptance_length,
+        mean_acceptance_length=sum(lengths) / max(1, len(lengths)),
         num_steps=len(lengths),
-        num_draft_tokens=sum(len(d) for d in out.metrics.draft_token_ids or []),
+        num_draft_tokens=sum(map(len, drafts)),
         num_accepted_tokens=sum(lengths) - len(lengths),  # every step commits one bonus token
     )
 
@@ -64,12 +107,6 @@ def sse(chunk: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    yield first
-    async for item in rest:
-        yield item
-
-
 async def final_output(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     out = first
     async for out in outputs:  # the last one is the answer
@@ -77,12 +114,47 @@ async def final_output(first: RequestOutput, outputs: AsyncIterator[RequestOutpu
     return out
 
 
-def feature_off(name: str, value) -> bool:
-    """Whether an unsupported field asks for nothing: null, false, 0, "", [] or {} (clients send
-    frequency_penalty 0, logit_bias {}), best_of 1; but logprobs 0 asks for the sampled tokens'."""
-    if name == "logprobs":
-        return value is None or value is False
-    return not value or (name == "best_of" and value == 1)
+async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Each stream's first output. If the engine refuses one choice, the others are aborted and
+    the refusal raised: a request is answered whole or not at all."""
+    firsts = await asyncio.gather(*map(anext, streams), return_exceptions=True)
+    failed = [f for f in firsts if isinstance(f, BaseException)]
+    if failed:
+        for stream in streams:
+            await stream.aclose()
+        raise failed[0]
+    return firsts
+
+
+async def merged(
+    firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(position, output) of every choice's outputs as they come, until all finish. The queue holds
+    one item a choice: a client that stops reading makes the engine's side keep only each choice's
+    newest output (`AsyncEngine.generate`), not every one."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def forward(i: int, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> None:
+        async with aclosing(stream):
+            try:
+                await queue.put((i, first))
+                async for out in stream:
+                    await queue.put((i, out))
+            except EngineError as e:
+                await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(forward(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
+    try:
+        pending = len(streams)
+        while pending:
+            i, item = await queue.get()
+            if isinstance(item, EngineError):
+                raise item
+            pending -= item.finished
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()  # aborts the choices still running (their streams close)
 
 
 def as_api_error(e: EngineError) -> APIError:
@@ -119,43 +191,61 @@ class Format:
     def head(self) -> dict:
         return {"id": self.id, "model": self.model, "created": self.created}
 
-    def tail(self, out: RequestOutput) -> dict:
-        """The finished request's extras: speculative stats (usage goes in its own chunk)."""
-        return {"spec_decoding": spec_stats(out)} if out.finished else {}
-
-    def opening(self) -> list[BaseModel]:
+    def opening(self, choices: list[Choice]) -> list[BaseModel]:
         return []
 
 
 class CompletionFormat(Format):
-    def chunk(self, delta: str, out: RequestOutput) -> BaseModel:
-        choice = CompletionChoice(text=delta, finish_reason=out.outputs[0].finish_reason)
-        return CompletionResponse(**self.head(), choices=[choice], **self.tail(out))
+    def chunk(self, choice: Choice, delta: str, out: RequestOutput) -> BaseModel:
+        c = CompletionChoice(index=choice.index, text=delta, finish_reason=out.outputs[0].finish_reason)
+        return CompletionResponse(**self.head(), choices=[c], **finished_stats(out))
 
-    def response(self, out: RequestOutput) -> BaseModel:
-        choice = CompletionChoice(text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason)
-        return CompletionResponse(**self.head(), choices=[choice], usage=usage(out), **self.tail(out))
+    def response(self, choices: list[Choice], outs: list[RequestOutput]) -> BaseModel:
+        items = [
+            CompletionChoice(index=c.index, text=c.echo + o.outputs[0].text, finish_reason=o.outputs[0].finish_reason)
+            for c, o in zip(choices, outs)
+        ]
+        return CompletionResponse(
+            **self.head(), choices=items, usage=usage(choices, outs), spec_decoding=spec_stats(outs)
+        )
 
-    def usage_chunk(self, out: RequestOutput) -> BaseModel:
-        return CompletionResponse(**self.head(), choices=[], usage=usage(out))
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return CompletionResponse(**self.head(), choices=[], usage=usage)
 
 
 class ChatFormat(Format):
-    def opening(self) -> list[BaseModel]:
-        choice = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
-        return [ChatCompletionChunk(**self.head(), choices=[choice])]
+    def opening(self, choices: list[Choice]) -> list[BaseModel]:
+        delta = DeltaMessage(role="assistant", content="")
+        return [
+            ChatCompletionChunk(**self.head(), choices=[ChatStreamChoice(index=c.index, delta=delta)]) for c in choices
+        ]
 
-    def chunk(self, delta: str, out: RequestOutput) -> BaseModel:
-        choice = ChatStreamChoice(delta=DeltaMessage(content=delta), finish_reason=out.outputs[0].finish_reason)
-        return ChatCompletionChunk(**self.head(), choices=[choice], **self.tail(out))
+    def chunk(self, choice: Choice, delta: str, out: RequestOutput) -> BaseModel:
+        c = ChatStreamChoice(
+            index=choice.index, delta=DeltaMessage(content=delta), finish_reason=out.outputs[0].finish_reason
+        )
+        return ChatCompletionChunk(**self.head(), choices=[c], **finished_stats(out))
 
-    def response(self, out: RequestOutput) -> BaseModel:
-        message = AssistantMessage(content=out.outputs[0].text)
-        choice = ChatChoice(message=message, finish_reason=out.outputs[0].finish_reason)
-        return ChatCompletionResponse(**self.head(), choices=[choice], usage=usage(out), **self.tail(out))
+    def response(self, choices: list[Choice], outs: list[RequestOutput]) -> BaseModel:
+        items = [
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=o.outputs[0].text),
+                finish_reason=o.outputs[0].finish_reason,
+            )
+            for c, o in zip(choices, outs)
+        ]
+        return ChatCompletionResponse(
+            **self.head(), choices=items, usage=usage(choices, outs), spec_decoding=spec_stats(outs)
+        )
 
-    def usage_chunk(self, out: RequestOutput) -> BaseModel:
-        return ChatCompletionChunk(**self.head(), choices=[], usage=usage(out))
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return ChatCompletionChunk(**self.head(), choices=[], usage=usage)
+
+
+def finished_stats(out: RequestOutput) -> dict:
+    """A streamed choice's last chunk carries its speculative statistics."""
+    return {"spec_decoding": spec_stats([out])} if out.finished else {}
 
 
 class OpenAIServing:
@@ -165,26 +255,33 @@ class OpenAIServing:
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check(req)
-        ids = self.prompt_ids(req.prompt)
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model_name)
-        return await self.generate(req, raw, ids, req.max_tokens or COMPLETION_MAX_TOKENS, fmt)
+        # tokenizing a long prompt takes a while: off the event loop, which serves every connection
+        prompts = await asyncio.to_thread(self.prompts, req.prompt, req.echo)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={req.n} choices is more than {MAX_CHOICES}", "n")
+        max_tokens = req.max_tokens or COMPLETION_MAX_TOKENS
+        choices = [
+            Choice(p * req.n + j, p, ids, self.sampling_params(req, len(ids), max_tokens, j), echo)
+            for p, (echo, ids) in enumerate(prompts)
+            for j in range(req.n)
+        ]
+        return await self.generate(req, raw, choices, CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model_name))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
-        try:
-            ids = self.llm.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])
-        except (ValueError, TemplateError) as e:
-            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
+        ids = await asyncio.to_thread(self.chat_ids, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(ids))
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name)
-        return await self.generate(req, raw, ids, max_tokens, fmt)
+        choices = [Choice(j, 0, ids, self.sampling_params(req, len(ids), max_tokens, j)) for j in range(req.n)]
+        return await self.generate(req, raw, choices, ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name))
 
     def check(self, req: SamplingRequest) -> None:
-        """What pydantic cannot say: unsupported features, then the model name."""
-        if req.n not in (None, 1):
-            raise bad_request(f"n={req.n} is not supported: one choice per request (send n requests)", "n")
+        """What pydantic cannot say: fields this server does not take, then the model name."""
         for name, value in (req.model_extra or {}).items():
-            if name in UNSUPPORTED and not feature_off(name, value):
+            if name in IGNORED:
+                continue
+            if name not in UNSUPPORTED:
+                raise bad_request(f"unknown field {name!r}: this server does not take it", name)
+            if not feature_off(name, value):
                 raise bad_request(f"{name} is not supported by this server", name)
         if req.model != self.model_name:
             raise APIError(
@@ -195,17 +292,33 @@ class OpenAIServing:
                 "model_not_found",
             )
 
-    def prompt_ids(self, prompt: str | list) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
-            prompt = prompt[0]
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            return self.llm.engine.tokenize(prompt)[1]
+            return self.llm.chat_prompt([m.template_message() for m in req.messages])
+        except (ValueError, TemplateError) as e:
+            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
+
+    def prompts(self, prompt: str | list, echo: bool) -> list[tuple[str, list[int]]]:
+        """(echoed text, token ids) of each prompt of a completion request: one, or a batch."""
+        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        return [self.prompt(p, echo) for p in batch]
+
+    def prompt(self, prompt: str | list[int], echo: bool) -> tuple[str, list[int]]:
+        try:
+            _, ids = self.llm.engine.tokenize(prompt)
         except ValueError as e:
             raise bad_request(str(e), "prompt") from e
+        if not ids:
+            raise bad_request("the prompt is empty", "prompt")
+        if not echo:
+            return "", ids
+        if isinstance(prompt, str):
+            return prompt, ids
+        if self.llm.tokenizer is None:
+            raise bad_request("echo of a token-id prompt needs a tokenizer, and this model has none", "echo")
+        return self.llm.tokenizer.decode(ids), ids
 
-    def sampling_params(self, req: SamplingRequest, prompt_len: int, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, req: SamplingRequest, prompt_len: int, max_tokens: int, choice: int) -> SamplingParams:
         if prompt_len + max_tokens > self.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -221,52 +334,51 @@ class OpenAIServing:
                 min_p=req.min_p,
                 max_tokens=max_tokens,
                 stop=req.stop,
-                seed=req.seed,
+                stop_token_ids=req.stop_token_ids,
+                seed=choice_seed(req.seed, choice),
                 ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
                 return_drafts=True,  # the metrics count the drafts each step verified
             )
         except InvalidSamplingParam as e:
             raise bad_request(str(e), e.param) from e
 
-    async def generate(
-        self, req: SamplingRequest, raw: Request, ids: list[int], max_tokens: int, fmt: Format
-    ) -> Response:
-        params = self.sampling_params(req, len(ids), max_tokens)
-        outputs = self.engine.generate(ids, params, fmt.id)
-        # Wait for the first output before answering, so a request the engine refuses gets a 400.
-        first = await unless_disconnected(raw, anext(outputs))
+    async def generate(self, req: SamplingRequest, raw: Request, choices: list[Choice], fmt: Format) -> Response:
+        streams = [self.engine.generate(c.prompt_ids, c.params, f"{fmt.id}-{c.index}") for c in choices]
+        # Wait for the first outputs before answering, so a request the engine refuses gets a 400.
+        firsts = await unless_disconnected(raw, first_outputs(streams))
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            events = self.events(fmt, first, outputs, params.stop, include_usage)
+            events = self.events(fmt, choices, merged(firsts, streams), include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        return Response(
-            fmt.response(await unless_disconnected(raw, final_output(first, outputs))).model_dump_json(),
-            media_type="application/json",
-        )
+        finals = asyncio.gather(*map(final_output, firsts, streams))
+        outs = await unless_disconnected(raw, finals)
+        return Response(fmt.response(choices, outs).model_dump_json(), media_type="application/json")
 
     async def events(
         self,
         fmt: Format,
-        first: RequestOutput,
-        outputs: AsyncIterator[RequestOutput],
-        stop: list[str],
+        choices: list[Choice],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
         include_usage: bool,
     ) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; closing `outputs` then
-        # aborts the request.
+        # aborts the choices still running.
         async with aclosing(outputs):
-            for chunk in fmt.opening():
+            for chunk in fmt.opening(choices):
                 yield sse(chunk)
-            sent = ""
+            sent, last = [""] * len(choices), {}
             try:
-                async for out in prepend(first, outputs):
-                    text = streamable_text(out.outputs[0].text, out.finished, stop)
-                    if len(text) > len(sent) or out.finished:
-                        yield sse(fmt.chunk(text[len(sent) :], out))
-                        sent = text
+                async for i, out in outputs:
+                    choice, last[i] = choices[i], out
+                    text = choice.echo + streamable_text(out.outputs[0].text, out.finished, choice.params.stop)
+                    if len(text) > len(sent[i]) or out.finished:
+                        yield sse(fmt.chunk(choice, text[len(sent[i]) :], out))
+                        sent[i] = text
             except EngineError as e:
                 yield sse(as_api_error(e).body())
             else:
                 if include_usage:
-                    yield sse(fmt.usage_chunk(out))
+                    yield sse(fmt.usage_chunk(usage(choices, last.values())))
             yield "data: [DONE]\n\n"  # also after an error event, as clients wait for it
