@@ -73,6 +73,9 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # KV pages per pool; None: sized from max_num_seqs and max_model_len
     max_num_batched_tokens: int = 8192  # prompt tokens admitted per prefill
+    # Share the K/V pages of common prompt prefixes between requests (`engine.kv_cache`); None: on
+    # where every target layer keeps K/V pages (a linear-attention layer's state is no page's).
+    prefix_caching: bool | None = None
     cuda_graphs: bool = True  # capture decoding steps as CUDA graphs (CUDA only)
     # Launch each step before the one in flight reaches the host, from its results still on the
     # device (DFlash and plain decoding); None: on where the device runs asynchronously (CUDA).

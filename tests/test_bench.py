@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target
 
-from blockspec.bench import acceptance, bench
+from blockspec.bench import acceptance, arrival, bench
 from blockspec.config import EngineConfig
 from blockspec.engine.kv_cache import cache_bytes
 from blockspec.loading.hf import load_target
@@ -119,3 +119,20 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     assert [(r["set"], r["prompts"]) for r in rows] == [("humaneval", 1), ("mtbench", 1)]
     engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dspark", "dspark_adaptive")
     assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 for e in engines) for r in rows)
+
+
+def test_arrival_bench_times_a_long_prompt_chunked_and_whole(tmp_path):
+    """A 40-token prompt arriving at 2 decoding sequences: with a budget of 8 its 39 tokens before
+    the anchor take 5 steps, each giving the batch a token a sequence (the last one the prompt's
+    first token too); whole, one step."""
+    out = tmp_path / "arrival.json"
+    arrival.main(
+        ["--model", "random:small", "--device", "cpu", "--dtype", "float32", "--batch", "2", "--prompt-len", "8",
+         "--long-prompt", "40", "--budgets", "8,64", "--warmup", "2", "--out", str(out)]
+    )  # fmt: skip
+    chunked, whole = json.loads(out.read_text())["results"]
+    assert (chunked["mode"], whole["mode"]) == ("chunked 8", "whole prompt")
+    for row in (chunked, whole):
+        assert row["ttft_ms"] > 0 and row["tok_per_s"] > 0 and row["itl_max_ms"] >= row["itl_p50_ms"]
+    assert chunked["tok_per_s"] * chunked["ttft_ms"] / 1e3 == pytest.approx(2 * 5)
+    assert whole["tok_per_s"] * whole["ttft_ms"] / 1e3 == pytest.approx(2 * 1)

@@ -195,7 +195,10 @@ def test_concurrent_equals_sequential(live: Live) -> None:
     assert concurrent == sequential
     # They shared steps: fewer batched engine steps than per-request steps.
     engine_steps = after["blockspec_engine_steps_total"] - before["blockspec_engine_steps_total"]
-    assert engine_steps < after["blockspec_spec_decode_steps_total"] - before["blockspec_spec_decode_steps_total"]
+    assert (
+        engine_steps
+        < after["blockspec_spec_decode_num_drafts_total"] - before["blockspec_spec_decode_num_drafts_total"]
+    )
 
 
 BAD_COMPLETIONS = [
@@ -372,13 +375,13 @@ def test_metrics_agree_with_responses(live: Live) -> None:
     )
     assert delta("blockspec_prompt_tokens_total") == 3
     assert delta("blockspec_generation_tokens_total") == sum(r.usage.completion_tokens for r in rs)
-    assert delta("blockspec_spec_decode_steps_total") == sum(r.spec_decoding["num_steps"] for r in rs)
-    assert delta("blockspec_spec_decode_draft_tokens_total") == sum(r.spec_decoding["num_draft_tokens"] for r in rs)
-    assert delta("blockspec_spec_decode_accepted_tokens_total") == sum(
+    assert delta("blockspec_spec_decode_num_drafts_total") == sum(r.spec_decoding["num_steps"] for r in rs)
+    assert delta("blockspec_spec_decode_num_draft_tokens_total") == sum(r.spec_decoding["num_draft_tokens"] for r in rs)
+    assert delta("blockspec_spec_decode_num_accepted_tokens_total") == sum(
         r.spec_decoding["num_accepted_tokens"] for r in rs
     )
-    assert after["blockspec_spec_decode_draft_tokens_per_position_total{position=0}"] > 0
-    mean = after["blockspec_generation_tokens_total"] / after["blockspec_spec_decode_steps_total"]
+    assert after["blockspec_spec_decode_num_draft_tokens_per_pos_total{position=0}"] > 0
+    mean = after["blockspec_generation_tokens_total"] / after["blockspec_spec_decode_num_drafts_total"]
     assert after["blockspec_spec_decode_mean_acceptance_length"] == pytest.approx(mean)
 
 
@@ -389,10 +392,10 @@ def test_metrics_per_position(checkpoints) -> None:
     metrics.step(RequestOutput("r", None, [1], [], finished=True, metrics=step))
     value = metrics.registry.get_sample_value
     assert [
-        value("blockspec_spec_decode_accepted_tokens_per_position_total", {"position": str(i)}) for i in range(3)
+        value("blockspec_spec_decode_num_accepted_tokens_per_pos_total", {"position": str(i)}) for i in range(3)
     ] == [1, 1, None]
-    assert value("blockspec_spec_decode_draft_tokens_per_position_total", {"position": "3"}) == 1
-    assert value("blockspec_spec_decode_accepted_tokens_total") == 2
+    assert value("blockspec_spec_decode_num_draft_tokens_per_pos_total", {"position": "3"}) == 1
+    assert value("blockspec_spec_decode_num_accepted_tokens_total") == 2
     assert value("blockspec_spec_decode_mean_acceptance_length") == 3
 
 
@@ -598,3 +601,16 @@ def test_skip_special_tokens_false_keeps_their_text(live: Live) -> None:
         seq.token_ids += [5, 2, 6]
         append_text(live.reference.tokenizer, seq, final=True)
         assert seq.text == text
+
+
+def test_prefix_cache_hits_are_counted(live: Live) -> None:
+    """A prompt twice: the second request holds the first's whole pages of 16 tokens before its
+    anchor, and answers the same."""
+    before = live.metrics()
+    prompt = " ".join(f"w{10 + i}" for i in range(40))
+    n = len(live.served.tokenizer.encode(prompt)) - 1
+    texts = [completion_texts(live, prompt=prompt, max_tokens=4, temperature=0)[0] for _ in range(2)]
+    after = live.metrics()
+    assert texts[0] == texts[1]
+    assert after["blockspec_prefix_cache_queries_total"] - before["blockspec_prefix_cache_queries_total"] == 2 * n
+    assert after["blockspec_prefix_cache_hits_total"] - before["blockspec_prefix_cache_hits_total"] == n // 16 * 16

@@ -98,6 +98,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
     return 2 * nbytes * reps / best
 
 
+def free_device_memory() -> None:
+    """After dropping an engine: its caches go (it holds cycles: its scheduler calls back into it)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -260,9 +267,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
     kv = batch * sum(kv_bytes(model, m["context"], element_size) for model in models)
     floor_ms = (weight_bytes(target.model, drafter) - all_experts + m["expert_bytes"] + states + kv) / bandwidth * 1e3
     del engine
-    gc.collect()  # the engine's caches: it holds cycles (its scheduler calls back into it)
-    if cuda:
-        torch.cuda.empty_cache()
+    free_device_memory()
     return Result(
         drafter.proposer if drafter is not None else "plain",
         batch,

@@ -44,6 +44,12 @@ hybrid (linear-attention) target the floor adds each sequence's recurrent states
 once a step, and *rollback* is the replay of a verify's accepted rows through the linear-attention
 layers. At batch 64 a 16-row verify of a dense 27B is 1,024 rows of GEMMs: past the weight-read regime.
 
+**Arrival** (`python -m blockspec.bench.arrival`, in the engine bench's shape). A long prompt
+arrives while a batch decodes: *ttft ms*, its time to first token; *itl p50 / max ms*, the batch's
+median and worst gap between tokens meanwhile; *tok/s*, the batch's tokens over that window.
+`chunked N` prefills N prompt tokens a step (`max_num_batched_tokens`), the batch decoding
+between chunks; `whole prompt` prefills it in one step.
+
 **Acceptance** (`python -m blockspec.bench.acceptance`). Real prompts (HumanEval, MT-Bench first
 turns), chat template applied, a real target and drafter. Per prompt set and temperature: plain
 decoding's tok/s, and for each proposer its tau, tok/s and speed over plain decoding on the same

@@ -79,7 +79,8 @@ class LLMEngine:
             else None
         )
         self.runner = ModelRunner(model, self.proposer, *caches, config.page_size, graphs, self.max_model_len)
-        pages, slots = PageAllocator(num_pages, config.page_size), SlotAllocator(self.num_slots)
+        pages = PageAllocator(num_pages, config.page_size, self.prefix_caching(config.prefix_caching))
+        slots = SlotAllocator(self.num_slots)
         self.scheduler = Scheduler(config, pages, slots, self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the
@@ -88,6 +89,16 @@ class LLMEngine:
         self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
         self.in_flight: Flight | None = None
         self.last_completion = 0.0
+
+    def prefix_caching(self, asked: bool | None) -> bool:
+        """Whether prompts share cached pages: only where every target layer keeps K/V pages."""
+        states = any(layer.cache_kind == RECURRENT_STATE for layer in self.target.model.layers)
+        if asked and states:
+            raise ValueError(
+                "prefix_caching: this target's linear-attention layers keep a recurrent state per "
+                "sequence, not K/V pages, so a cached prefix cannot skip them: leave prefix_caching off"
+            )
+        return not states if asked is None else asked
 
     def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer | None]:
         """The widest block a step verifies (anchor + drafts) and the proposer of the drafts (None:
@@ -235,20 +246,22 @@ class LLMEngine:
         return done
 
     def launch(self) -> Flight | None:
-        """Admit and prefill what fits, then launch a step of every running sequence."""
+        """Admit what fits, prefill a chunk of the pending prompts, then launch a step of every
+        running sequence whose prompt is done."""
         self.scheduler.admit()
-        # Every running sequence with unprocessed tokens, not only the newly admitted: after a
-        # failed prefill (e.g. out of memory) the next step redoes it instead of skipping it.
-        pending = [s for s in self.scheduler.running if s.needs_prefill]
-        if pending:
-            self.runner.prefill(pending)
-        seqs = self.scheduler.schedule_step()
+        chunks = self.scheduler.prefill_chunks()
+        if chunks:
+            seqs, counts = zip(*chunks)
+            self.runner.prefill(list(seqs), list(counts))
+            for s in seqs:
+                self.scheduler.allocator.register(s)
+        seqs = [s for s in self.scheduler.schedule_step() if not s.needs_prefill]
         if not seqs:
             return None
         widths, chosen = self.step_widths(seqs, [self.width(s) for s in seqs])
         started = time.perf_counter()
         step = launch_step(self.runner, seqs, widths, None, None)
-        return Flight(step, chosen, started, not pending)  # a prefill's device time is not the step's
+        return Flight(step, chosen, started, not chunks)  # a prefill's device time is not the step's
 
     def launch_ahead(self, prev: Flight) -> Flight | None:
         """The next step of prev's sequences, anchored at prev's bonus tokens and its new lengths,
@@ -256,6 +269,8 @@ class LLMEngine:
         to admit, a sequence that finished or may finish with prev, pages short)."""
         seqs, widths = prev.step.seqs, prev.step.widths
         if not self.run_ahead or self.scheduler.admission_open() or any(s.finished for s in seqs):
+            return None
+        if len(seqs) < len(self.scheduler.running):  # a prompt still prefilling: its next chunk first
             return None
         bound = [self.width(s, ahead=w) for s, w in zip(seqs, widths)]
         # A seeded sample keeps the widths a step from the committed state would give it.
@@ -298,6 +313,8 @@ class LLMEngine:
                 self.finish(seq, reason)
                 break
         seq.num_cached += committed
+        if not seq.finished:  # a finished one gave its pages back
+            self.scheduler.allocator.register(seq)
         seq.acceptance_lengths.append(committed)
         if seq.params.return_drafts:
             seq.draft_token_ids.append(out.draft_token_ids)

@@ -4,13 +4,21 @@ The target's and the drafter's pools have the same number of pages and a sequenc
 same page ids in both, so one block table serves both caches. Page 0 is never handed out:
 padding rows of a batch write their K/V there. A linear-attention layer keeps a state per
 sequence instead, in the slot the sequence holds while it runs (`SlotAllocator`); slot 0 is the
-padding sequences' trash slot."""
+padding sequences' trash slot.
 
-from collections import deque
+Prefix caching (`PageAllocator`): a page all of whose positions are computed is registered under
+the hash of the tokens up to its end; a newcomer whose prompt starts with registered pages holds
+them (reference counts) instead of computing them again. As both pools share page ids, a hit
+brings the drafter's context K/V of those positions along with the target's. A page no sequence
+holds keeps its K/V for reuse until the pool runs short (the least recently freed goes first)."""
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from blockspec.engine.sequence import Sequence
 from blockspec.layers.decoder import PAGED_KV
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -89,15 +97,27 @@ class SlotAllocator:
         self.free_slots.append(slot)
 
 
+@dataclass(frozen=True)
+class PageKey:
+    prefix_hash: int  # of the tokens from position 0 to the page's end
+    tokens: tuple[int, ...]  # the page's own (a hash match is checked against them)
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False) -> None:
         self.page_size = page_size
         self.num_usable = num_pages - 1  # all but the trash page
-        self.free_pages = deque(range(1, num_pages))
+        self.free_pages = deque(range(1, num_pages))  # pages holding nothing reusable
+        self.prefix_caching = prefix_caching
+        self.refs = [0] * num_pages  # sequences holding each page
+        self.cached: dict[int, int] = {}  # prefix hash -> registered page
+        self.keys: dict[int, PageKey] = {}  # registered page -> its key
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # registered pages no one holds, oldest first
+        self.queries = self.hits = 0  # prompt tokens looked up in the cache, and found there
 
     @property
     def num_free(self) -> int:
-        return len(self.free_pages)
+        return len(self.free_pages) + len(self.evictable)
 
     def pages_needed(self, block_table: list[int], num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - len(block_table))
@@ -108,8 +128,66 @@ class PageAllocator:
     def allocate(self, block_table: list[int], num_tokens: int) -> None:
         """Grow block_table in place to cover `num_tokens` positions."""
         for _ in range(self.pages_needed(block_table, num_tokens)):
-            block_table.append(self.free_pages.popleft())
+            block_table.append(self.take())
+
+    def take(self) -> int:
+        """A page for new K/V: a free one, else the registered page freed longest ago (evicted)."""
+        if self.free_pages:
+            page = self.free_pages.popleft()
+        else:
+            page, _ = self.evictable.popitem(last=False)
+            del self.cached[self.keys.pop(page).prefix_hash]
+        self.refs[page] = 1
+        return page
 
     def free(self, block_table: list[int]) -> None:
-        self.free_pages.extend(block_table)
+        """Release a sequence's pages; the tail first, so that the cache evicts a prefix's last
+        pages before its first (a hit needs every page from position 0)."""
+        for page in reversed(block_table):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.keys:
+                    self.evictable[page] = None
+                else:
+                    self.free_pages.append(page)
         block_table.clear()
+
+    def page_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no pages the registered pages its prompt starts with (whole pages,
+        before the anchor), held as its own; returns the positions they cover, now computed."""
+        if not self.prefix_caching:
+            return 0
+        num_pages = (len(seq.token_ids) - 1) // self.page_size
+        for i in range(num_pages):
+            tokens = self.page_tokens(seq, i)
+            prefix_hash = hash((seq.page_hashes[-1] if i else None, tokens))
+            page = self.cached.get(prefix_hash)
+            if page is None or self.keys[page].tokens != tokens:
+                break
+            if self.refs[page] == 0:
+                del self.evictable[page]
+            self.refs[page] += 1
+            seq.block_table.append(page)
+            seq.page_hashes.append(prefix_hash)
+        return len(seq.block_table) * self.page_size
+
+    def count_lookup(self, seq: Sequence) -> None:
+        """Count an admitted sequence's prompt lookup (a lookup undone by a failed admission is not)."""
+        self.queries += len(seq.token_ids) - 1
+        self.hits += seq.num_cached
+
+    def register(self, seq: Sequence) -> None:
+        """Register the sequence's pages whose every position is computed (below num_cached)."""
+        if not self.prefix_caching:
+            return
+        for i in range(len(seq.page_hashes), seq.num_cached // self.page_size):
+            tokens = self.page_tokens(seq, i)
+            prefix_hash = hash((seq.page_hashes[-1] if i else None, tokens))
+            seq.page_hashes.append(prefix_hash)
+            page = seq.block_table[i]
+            if prefix_hash not in self.cached:  # else another page computed the same prefix first
+                self.cached[prefix_hash] = page
+                self.keys[page] = PageKey(prefix_hash, tokens)

@@ -106,9 +106,10 @@ class ModelRunner:
         return self.target(input_ids, b.positions, attn, self.target_cache, self.capture)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Process every token but the anchor; fills target KV and the proposer's context."""
-        tokens = [s.pending_prefill for s in seqs]
+    def prefill(self, seqs: list[Sequence], num_tokens: list[int] | None = None) -> None:
+        """Process the next num_tokens[i] of each sequence's tokens before its anchor (a chunk of
+        them; None: all); fills target KV and the proposer's context."""
+        tokens = [s.pending_prefill[:n] for s, n in zip(seqs, num_tokens or [None] * len(seqs))]
         lengths = [len(t) for t in tokens]
         width = max(lengths)
         ids, starts, lengths_t, tables, slots = self.tensors(

@@ -30,7 +30,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences to running; they need a prefill of `pending_prefill`.
+        """Move waiting sequences to running, holding the cached pages their prompt starts with
+        (prefix caching); they need a prefill of `pending_prefill`, the rest.
         Under a backlog, newcomers wait until an eighth of the batch is free: a prefill is an
         eager forward costing several decoding steps, so one per finished sequence would
         dominate a full batch's time."""
@@ -40,18 +41,35 @@ class Scheduler:
         reserved = self.reserved_pages()
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_prefill = len(seq.pending_prefill)
-            if admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens:
-                break
-            if not self.fits(seq, reserved):
+            seq.num_cached = self.allocator.match_prefix(seq)
+            num_prefill = seq.num_pending_prefill
+            over_budget = admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens
+            if over_budget or not self.fits(seq, reserved):
+                self.release(seq)  # the cached pages it would have held
+                seq.num_cached = 0
                 break
             self.allocator.allocate(seq.block_table, self.first_step_tokens(seq))
+            self.allocator.count_lookup(seq)
             seq.state_slot = self.slots.allocate()
             seq.status = Status.RUNNING
             admitted.append(self.waiting.popleft())
             num_tokens += num_prefill
         self.running.extend(admitted)
         return admitted
+
+    def prefill_chunks(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens) to prefill before the next step: the running sequences' unprocessed
+        prompt tokens, oldest first, up to max_num_batched_tokens in all (chunked prefill: a long
+        prompt takes several steps, and the running sequences decode between its chunks). Every
+        sequence with unprocessed tokens counts, not only the newly admitted: after a failed
+        prefill (e.g. out of memory) the next step redoes it."""
+        chunks, budget = [], self.config.max_num_batched_tokens
+        for seq in self.running:
+            n = min(seq.num_pending_prefill, budget)
+            if n:
+                chunks.append((seq, n))
+                budget -= n
+        return chunks
 
     def admission_open(self) -> bool:
         """Whether admit() would take a newcomer now."""
@@ -107,6 +125,7 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         """Its pages and its state slot back to the pools."""
         self.allocator.free(seq.block_table)
+        seq.page_hashes.clear()
         if seq.state_slot:
             self.slots.free(seq.state_slot)
             seq.state_slot = 0

@@ -42,6 +42,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_cached = 0
         self.block_table: list[int] = []
+        self.page_hashes: list[int] = []  # prefix hashes of its leading pages (`PageAllocator.register`)
         self.state_slot = 0  # its linear-attention layers' state slot while it runs (0: none held)
         self.finish_reason: str | None = None
         # by eos or a stop token id: its text is left out, as vLLM does (unless include_stop_str_in_output)
@@ -74,8 +75,12 @@ class Sequence:
         return self.token_ids[self.num_cached : -1]
 
     @property
+    def num_pending_prefill(self) -> int:
+        return len(self.token_ids) - 1 - self.num_cached
+
+    @property
     def needs_prefill(self) -> bool:
-        return self.num_cached < len(self.token_ids) - 1
+        return self.num_pending_prefill > 0
 
     @property
     def seeded_sample(self) -> bool:

@@ -3,12 +3,30 @@
 Drafted tokens are counted from what the drafter actually proposed for each verified step
 (SamplingParams.return_drafts), not from the block width: a step near max_tokens or the end
 of the context verifies fewer drafts. A step's accepted drafts are its committed tokens minus
-the bonus token, so a step cut short by a stop token counts only the drafts that were used."""
+the bonus token, so a step cut short by a stop token counts only the drafts that were used.
+The speculative counters have vLLM's names (`spec_decode_num_drafts`, ...), under `blockspec_`."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from blockspec.engine.engine import LLMEngine
+from blockspec.engine.kv_cache import PageAllocator
 from blockspec.outputs import RequestOutput
+
+
+class PrefixCacheCounters(Collector):
+    """The page allocator's prefix-cache counts, read when scraped (vLLM's prefix_cache_* names)."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+
+    def collect(self):
+        a = self.allocator
+        yield CounterMetricFamily(
+            "blockspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", a.queries
+        )
+        yield CounterMetricFamily("blockspec_prefix_cache_hits", "Prompt tokens found there (not prefilled)", a.hits)
 
 
 class ServerMetrics:
@@ -21,20 +39,20 @@ class ServerMetrics:
         self.generation_tokens = Counter("blockspec_generation_tokens", "Tokens generated", registry=r)
         self.engine_steps = Counter("blockspec_engine_steps", "Batched decoding steps of the engine", registry=r)
         self.spec_steps = Counter(
-            "blockspec_spec_decode_steps",
+            "blockspec_spec_decode_num_drafts",
             "Speculative steps summed over requests (one verify of one sequence)",
             registry=r,
         )
-        self.draft_tokens = Counter("blockspec_spec_decode_draft_tokens", "Draft tokens verified", registry=r)
-        self.accepted_tokens = Counter("blockspec_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.draft_tokens = Counter("blockspec_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted_tokens = Counter("blockspec_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.drafted_at = Counter(
-            "blockspec_spec_decode_draft_tokens_per_position",
+            "blockspec_spec_decode_num_draft_tokens_per_pos",
             "Drafts verified at each draft position (0: the token right after the anchor)",
             ["position"],
             registry=r,
         )
         self.accepted_at = Counter(
-            "blockspec_spec_decode_accepted_tokens_per_position",
+            "blockspec_spec_decode_num_accepted_tokens_per_pos",
             "Drafts accepted at each draft position (0: the token right after the anchor)",
             ["position"],
             registry=r,
@@ -57,6 +75,7 @@ class ServerMetrics:
         Gauge("blockspec_kv_pages_total", "KV cache pages that requests can use", registry=r).set(
             scheduler.allocator.num_usable
         )
+        r.register(PrefixCacheCounters(scheduler.allocator))
         self.num_steps = self.num_committed = 0  # the mean's terms (a gauge cannot read counters)
 
     def request_added(self, num_prompt_tokens: int) -> None:
