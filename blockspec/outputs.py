@@ -4,11 +4,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """An output token's log-probability under the target, and the most likely tokens' (id -> log p)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[TokenLogprob] | None = None  # one per token, with SamplingParams(logprobs=k)
 
 
 @dataclass

@@ -34,6 +34,9 @@ class InvalidSamplingParam(ValueError):
         self.param = param  # the field at fault (the server's error names it)
 
 
+MAX_LOGPROBS = 20  # most likely tokens a step reports per row (OpenAI's top_logprobs bound)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -47,6 +50,9 @@ class SamplingParams:
     seed: int | None = None  # a signed 64-bit int: each value its own draws
     include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text
     skip_special_tokens: bool = True  # in the output text
+    # Each output token's log-probability under the target's distribution (its raw logits' log
+    # softmax, before temperature and filters), and the `logprobs` most likely tokens'; None: none.
+    logprobs: int | None = None
     return_drafts: bool = False
 
     def __post_init__(self) -> None:
@@ -70,6 +76,10 @@ class SamplingParams:
             "stop_token_ids": (
                 all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "must be non-negative ints",
+            ),
+            "logprobs": (
+                self.logprobs is None or is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
             ),
             "seed": (
                 self.seed is None or is_int(self.seed) and -(2**63) <= self.seed < 2**63,
@@ -176,6 +186,16 @@ def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = p.cumsum(-1, dtype=torch.float64)
     token = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0]
     return token.clamp_max(p.shape[-1] - 1)  # u * total rounded up to the total
+
+
+@cuda_compiled
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[..., 1 + 2 * MAX_LOGPROBS] float32 per row of logits [..., V]: the log-probability of the
+    row's token (tokens [...]), the MAX_LOGPROBS largest log-probabilities, and their token ids
+    (exact in float32: below 2**24); one tensor, so one copy to the host."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(MAX_LOGPROBS, dim=-1)
+    return torch.cat([logp.gather(-1, tokens[..., None]), top.values, top.indices.float()], dim=-1)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

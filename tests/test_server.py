@@ -216,7 +216,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [5, 999]}, 400, "prompt"),  # token id outside the vocabulary
     ({"model": "gpt-4"}, 404, "model"),
     ({"prompt": [True, False]}, 400, "prompt"),  # booleans are no token ids
-    ({"logprobs": 0}, 400, "logprobs"),  # 0 asks for the sampled tokens' logprobs: unsupported
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"logprobs": 2, "echo": True}, 400, "echo"),  # the prompt's logprobs: not computed
     ({"best_of": 3}, 400, "best_of"),
     ({"seed": 2**70}, 400, "seed"),
     ({"seed": 2**64 - 1}, 400, "seed"),  # int64 seeds: as unsigned it would alias -1
@@ -614,3 +615,30 @@ def test_prefix_cache_hits_are_counted(live: Live) -> None:
     assert texts[0] == texts[1]
     assert after["blockspec_prefix_cache_queries_total"] - before["blockspec_prefix_cache_queries_total"] == 2 * n
     assert after["blockspec_prefix_cache_hits_total"] - before["blockspec_prefix_cache_hits_total"] == n // 16 * 16
+
+
+def test_logprobs_in_both_shapes_streamed_and_whole(live: Live) -> None:
+    """Chat (content entries with top_logprobs) and completions (OpenAI's legacy arrays) carry the
+    engine's log-probabilities of every output token; a stream carries the same, chunk by chunk."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    expected = live.reference.generate("w7 w8", sp)[0].outputs[0].logprobs
+    text = live.served.tokenizer.decode
+    r = live.client().completions.create(
+        model=NAME, prompt="w7 w8", max_tokens=8, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [text([e.token_id]) for e in expected]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected], abs=1e-5)
+    assert [list(t) for t in lp.top_logprobs] == [[text([i]) for i in e.top] for e in expected]
+    assert lp.text_offset[0] == 0 and len(lp.text_offset) == 8
+    messages = [{"role": "user", "content": "w7 w8"}]
+    chat = {"model": NAME, "messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = live.client().chat.completions.create(**chat, extra_body={"ignore_eos": True})
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob <= c.top_logprobs[0].logprob + 1e-6 and c.bytes == list(c.token.encode()) for c in content)
+    stream = live.client().chat.completions.create(**chat, stream=True, extra_body={"ignore_eos": True})
+    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=chat | {"logprobs": False}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"

@@ -19,6 +19,7 @@ from blockspec.engine.step import StepInputs
 from blockspec.layers.fast_path import fast_kernels
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+StepTensors = tuple[torch.Tensor, torch.Tensor | None]  # a step's packed outcome, and its per-row results
 
 
 def round_up(n: int, sizes) -> int:
@@ -53,8 +54,9 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor]] = {}
 
-    def run(self, name: str, fn: Callable[[StepInputs], torch.Tensor], inputs: StepInputs) -> torch.Tensor:
-        """fn(inputs) -> [B, k + w-1] (w: the step's width, rows per sequence), replayed."""
+    def run(self, name: str, fn: Callable[[StepInputs], StepTensors], inputs: StepInputs) -> StepTensors:
+        """fn(inputs) -> ([B, k + w-1], [B, w, ...] or None) (w: the step's width, rows per
+        sequence), replayed."""
         batch, rows = inputs.tokens.shape
         key = (name, round_up(batch, self.buckets), round_up(rows, self.row_classes))
         if key not in self.graphs:
@@ -64,7 +66,10 @@ class GraphCache:
         bufs = tensor_fields(static)
         fill_buffers(tuple(bufs.values()), tuple(xs.values()), tuple(StepInputs.PAD[n] for n in xs), batch)
         graph.replay()
-        return out[:batch, : out.shape[1] - (key[2] - rows)]
+        packed, per_row = out
+        return packed[:batch, : packed.shape[1] - (key[2] - rows)], per_row[
+            :batch, :rows
+        ] if per_row is not None else None
 
     def static_inputs(self, bucket: int, width: int, inputs: StepInputs) -> StepInputs:
         """The capture's input buffers: `bucket` sequences of `width` rows, filled with padding."""

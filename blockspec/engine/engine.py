@@ -318,6 +318,8 @@ class LLMEngine:
         seq.acceptance_lengths.append(committed)
         if seq.params.return_drafts:
             seq.draft_token_ids.append(out.draft_token_ids)
+        if out.logprobs is not None:
+            seq.logprobs += out.logprobs[:committed]
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -344,7 +346,15 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[CompletionOutput(0, seq.text, seq.output_token_ids, seq.finish_reason)],
+            outputs=[
+                CompletionOutput(
+                    0,
+                    seq.text,
+                    seq.output_token_ids,
+                    seq.finish_reason,
+                    list(seq.logprobs) if seq.params.logprobs is not None else None,
+                )
+            ],
             finished=seq.finished,
             metrics=RequestMetrics(list(seq.acceptance_lengths), drafts),
         )

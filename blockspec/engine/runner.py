@@ -53,15 +53,18 @@ class ModelRunner:
         device.record_stream(current)  # not reused before the current stream is done with it
         return device
 
-    def to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start copying x to the host; the copy is complete once the event (None on the CPU) passed."""
-        if self.device.type != "cuda":
-            return x.clone(), None  # x may be a graph's output, which its next replay overwrites
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        host.copy_(x, non_blocking=True)
+    def to_host(self, *xs: torch.Tensor | None) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
+        """Start copying each x (None: none) to the host; the copies are complete once the event
+        (None on the CPU) passed."""
+        if self.device.type != "cuda":  # an x may be a graph's output, which its next replay overwrites
+            return [x.clone() if x is not None else None for x in xs], None
+        hosts = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) if x is not None else None for x in xs]
+        for host, x in zip(hosts, xs):
+            if x is not None:
+                host.copy_(x, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return host, ready
+        return hosts, ready
 
     def tensors(self, *arrays: list | np.ndarray) -> list[torch.Tensor]:
         """Host integer arrays to the device in one copy (each copy adds its latency to a step's
@@ -156,10 +159,11 @@ class ModelRunner:
         tokens = tokens.expand(-1, width)  # a device proposer reads column 0; the width sets the rows
         starts = rest.pop() if starts is None else starts
         filters = sampled and any(s.params.top_k > 0 or s.params.top_p < 1 for s in seqs if not s.params.greedy)
-        return StepInputs(tokens, starts, lengths, tables, seeds, slots, sampling, filters)
+        logprobs = any(s.params.logprobs is not None for s in seqs)
+        return StepInputs(tokens, starts, lengths, tables, seeds, slots, sampling, filters, logprobs)
 
     @torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
-    def step(self, inputs: StepInputs) -> torch.Tensor:
+    def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`step_forward` on the inputs, as a CUDA graph replay when graphs are on."""
         fn = functools.partial(step_forward, self)
         if self.graphs is None:

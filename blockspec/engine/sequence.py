@@ -8,6 +8,7 @@ import enum
 import itertools
 from collections.abc import Container
 
+from blockspec.outputs import TokenLogprob
 from blockspec.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -51,6 +52,7 @@ class Sequence:
         self.prefix_offset = self.read_offset = 0  # incremental detokenization (detokenizer.py)
         self.acceptance_lengths: list[int] = []
         self.draft_token_ids: list[list[int]] = []
+        self.logprobs: list[TokenLogprob] = []  # of each output token, with SamplingParams(logprobs=k)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -16,8 +16,10 @@ import torch
 
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.recurrent_state import RecurrentStates
+from blockspec.outputs import TokenLogprob
 from blockspec.proposers.base import Proposal
 from blockspec.sampling import (
+    MAX_LOGPROBS,
     Stream,
     argmax,
     greedy_accept,
@@ -25,6 +27,7 @@ from blockspec.sampling import (
     probs,
     residual_tokens,
     sampled_accept,
+    token_logprobs,
     uniform,
 )
 
@@ -43,6 +46,7 @@ class StepInputs:
     # [B, 2] int64 holding float32 [B, 4] bitwise (`sampling_params`); None: every row is greedy
     sampling: torch.Tensor | None = None
     filters: bool = False  # some sampled row uses top-k or top-p (their sort runs)
+    logprobs: bool = False  # some row reports log-probabilities (`sampling.token_logprobs` runs)
 
     # A CUDA graph's rows past the batch: sequences of one greedy row at position 0, writing to the
     # trash page (0.0 is all zero bits).
@@ -59,7 +63,8 @@ class StepInputs:
     @property
     def mode(self) -> str:
         """The step's kind (its CUDA graphs' name): what its rows need computed."""
-        return "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
+        kind = "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
+        return kind + "+logprobs" if self.logprobs else kind
 
     @property
     def sampling_params(self) -> torch.Tensor:
@@ -105,8 +110,10 @@ class StepOutcome:
         return self.packed[:, self.NEXT_STARTS]
 
 
-def step_forward(runner: "ModelRunner", inputs: StepInputs) -> torch.Tensor:
-    """A step on the device alone, so that one CUDA graph holds it whole -> `StepOutcome.pack`."""
+def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A step on the device alone, so that one CUDA graph holds it whole -> (`StepOutcome.pack`,
+    and where rows report them, the log-probabilities of each row's committed token [B, w, ...]
+    (`sampling.token_logprobs`; rows past the committed ones hold a rejected draft's))."""
     proposer = runner.proposer
     runner.mark("start")
     proposal = Proposal(inputs.tokens[:, 1:])
@@ -127,7 +134,17 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> torch.Tensor:
     if proposer is not None:
         proposer.commit(runner, features, inputs.starts, committed, inputs.block_tables)
     runner.mark("context")
-    return StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts)
+    packed = StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts)
+    if not inputs.logprobs:
+        return packed, None
+    return packed, token_logprobs(logits, committed_tokens(proposal.drafts, accepted, bonus))
+
+
+def committed_tokens(drafts: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """[B, w] the token each row commits: its draft up to the accepted ones, then the bonus."""
+    block = torch.cat([drafts, bonus[:, None]], dim=1)
+    rows = torch.arange(block.shape[1], device=block.device)
+    return torch.where(rows == accepted[:, None], bonus[:, None], block)
 
 
 def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +179,7 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tupl
 class StepOutput:
     new_token_ids: list[int]  # accepted drafts followed by the bonus token
     draft_token_ids: list[int]  # what the proposer proposed this step
+    logprobs: list[TokenLogprob] | None = None  # of the new tokens, where the request asks for them
 
 
 @dataclass
@@ -175,6 +193,7 @@ class LaunchedStep:
     # does) before that graph replays again.
     outcome: StepOutcome
     host: torch.Tensor  # its packed copy on the host
+    logprobs: torch.Tensor | None  # its log-probabilities' copy on the host (None: no row asked)
     ready: torch.cuda.Event | None
 
 
@@ -194,8 +213,9 @@ def launch_step(
         host_drafts = proposer.host_drafts([s.token_ids for s in seqs], widths)
         widths = [len(d) + 1 for d in host_drafts]
     inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts)
-    packed = runner.step(inputs)
-    return LaunchedStep(seqs, widths, StepOutcome(packed), *runner.to_host(packed))
+    packed, logprobs = runner.step(inputs)
+    (host, host_logprobs), ready = runner.to_host(packed, logprobs)
+    return LaunchedStep(seqs, widths, StepOutcome(packed), host, host_logprobs, ready)
 
 
 def finish_step(step: LaunchedStep) -> list[StepOutput]:
@@ -204,4 +224,15 @@ def finish_step(step: LaunchedStep) -> list[StepOutput]:
         step.ready.synchronize()
     rows = step.host.tolist()
     a, b, d = StepOutcome.ACCEPTED, StepOutcome.BONUS, StepOutcome.DRAFTS
-    return [StepOutput(r[d : d + r[a]] + [r[b]], r[d : d + w - 1]) for r, w in zip(rows, step.widths)]
+    outputs = [StepOutput(r[d : d + r[a]] + [r[b]], r[d : d + w - 1]) for r, w in zip(rows, step.widths)]
+    if step.logprobs is not None:
+        for seq, out, rows_lp in zip(step.seqs, outputs, step.logprobs.tolist()):
+            if seq.params.logprobs is not None:
+                out.logprobs = [row_logprob(t, lp, seq.params.logprobs) for t, lp in zip(out.new_token_ids, rows_lp)]
+    return outputs
+
+
+def row_logprob(token: int, row: list[float], k: int) -> TokenLogprob:
+    """A row of `token_logprobs`, its k most likely tokens kept."""
+    values, ids = row[1 : 1 + MAX_LOGPROBS], row[1 + MAX_LOGPROBS :]
+    return TokenLogprob(token, row[0], {int(i): v for i, v in zip(ids[:k], values[:k])})

@@ -7,12 +7,12 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from blockspec.sampling import MAX_LOGPROBS
+
 # OpenAI's and vLLM's request fields not implemented here: a request that asks for one is a 400
 # naming it (`feature_off`: values that ask for nothing pass, as clients send them by default).
 # Any other field not declared below is a 400 too: nothing is silently ignored.
 UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
     "suffix",
     "logit_bias",
     "presence_penalty",
@@ -127,6 +127,7 @@ class CompletionRequest(SamplingRequest):
     # one prompt, or a batch (each its own choices); strict: true is no token id
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False  # the prompt's text before each choice's
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top ones'
 
 
 class TextPart(OpenAIModel):
@@ -156,6 +157,8 @@ class ChatMessage(OpenAIModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False  # each output token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many most likely tokens'
 
 
 class UsageInfo(BaseModel):
@@ -182,10 +185,17 @@ class Envelope(BaseModel):
     spec_decoding: SpecDecodingStats | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -201,9 +211,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -220,6 +245,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

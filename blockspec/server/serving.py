@@ -3,10 +3,11 @@ or as server-sent events. A request's choices (`n`, and a batched completion's p
 engine request each, decoded in the same batch."""
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -18,7 +19,7 @@ from pydantic import BaseModel
 
 from blockspec.engine.detokenizer import streamable_text
 from blockspec.llm import LLM
-from blockspec.outputs import RequestOutput
+from blockspec.outputs import RequestOutput, TokenLogprob
 from blockspec.sampling import InvalidSamplingParam, SamplingParams
 from blockspec.server.async_engine import AsyncEngine, EngineError
 from blockspec.server.protocol import (
@@ -31,13 +32,17 @@ from blockspec.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatStreamChoice,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     SamplingRequest,
     SpecDecodingStats,
+    TopLogprob,
     UsageInfo,
     bad_request,
 )
@@ -182,10 +187,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 @dataclass
 class Format:
-    """Builds one request's response objects; subclasses give the endpoint's shapes."""
+    """Builds one request's response objects; subclasses give the endpoint's shapes. A chunk
+    carries the log-probabilities of the tokens since the choice's last chunk (`new`)."""
 
     id: str
     model: str
+    token_text: Callable[[int], str]  # a token id as logprobs show it
     created: int = field(default_factory=lambda: int(time.time()))
 
     def head(self) -> dict:
@@ -196,13 +203,36 @@ class Format:
 
 
 class CompletionFormat(Format):
-    def chunk(self, choice: Choice, delta: str, out: RequestOutput) -> BaseModel:
-        c = CompletionChoice(index=choice.index, text=delta, finish_reason=out.outputs[0].finish_reason)
+    def logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+        """OpenAI's legacy shape; text offsets from `offset` on, each token's text after the last's."""
+        if lps is None:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for lp in lps],
+            top_logprobs=[{self.token_text(t): v for t, v in lp.top.items()} for lp in lps],
+            text_offset=list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else [],
+        )
+
+    def chunk(self, choice: Choice, delta: str, out: RequestOutput, new: list[TokenLogprob] | None) -> BaseModel:
+        offset = len(choice.echo + out.outputs[0].text) - len(delta)
+        c = CompletionChoice(
+            index=choice.index,
+            text=delta,
+            logprobs=self.logprobs(new, offset),
+            finish_reason=out.outputs[0].finish_reason,
+        )
         return CompletionResponse(**self.head(), choices=[c], **finished_stats(out))
 
     def response(self, choices: list[Choice], outs: list[RequestOutput]) -> BaseModel:
         items = [
-            CompletionChoice(index=c.index, text=c.echo + o.outputs[0].text, finish_reason=o.outputs[0].finish_reason)
+            CompletionChoice(
+                index=c.index,
+                text=c.echo + o.outputs[0].text,
+                logprobs=self.logprobs(o.outputs[0].logprobs, len(c.echo)),
+                finish_reason=o.outputs[0].finish_reason,
+            )
             for c, o in zip(choices, outs)
         ]
         return CompletionResponse(
@@ -214,15 +244,35 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    def logprobs(self, lps: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if lps is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    **entry(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**entry(*t)) for t in lp.top.items()]
+                )
+                for lp in lps
+            ]
+        )
+
     def opening(self, choices: list[Choice]) -> list[BaseModel]:
         delta = DeltaMessage(role="assistant", content="")
         return [
             ChatCompletionChunk(**self.head(), choices=[ChatStreamChoice(index=c.index, delta=delta)]) for c in choices
         ]
 
-    def chunk(self, choice: Choice, delta: str, out: RequestOutput) -> BaseModel:
+    def chunk(self, choice: Choice, delta: str, out: RequestOutput, new: list[TokenLogprob] | None) -> BaseModel:
         c = ChatStreamChoice(
-            index=choice.index, delta=DeltaMessage(content=delta), finish_reason=out.outputs[0].finish_reason
+            index=choice.index,
+            delta=DeltaMessage(content=delta),
+            logprobs=self.logprobs(new),
+            finish_reason=out.outputs[0].finish_reason,
         )
         return ChatCompletionChunk(**self.head(), choices=[c], **finished_stats(out))
 
@@ -231,6 +281,7 @@ class ChatFormat(Format):
             ChatChoice(
                 index=c.index,
                 message=AssistantMessage(content=o.outputs[0].text),
+                logprobs=self.logprobs(o.outputs[0].logprobs),
                 finish_reason=o.outputs[0].finish_reason,
             )
             for c, o in zip(choices, outs)
@@ -259,20 +310,34 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(self.prompts, req.prompt, req.echo)
         if len(prompts) * req.n > MAX_CHOICES:
             raise bad_request(f"{len(prompts)} prompts x n={req.n} choices is more than {MAX_CHOICES}", "n")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs asks for the prompt's log-probabilities: not supported", "echo")
         max_tokens = req.max_tokens or COMPLETION_MAX_TOKENS
         choices = [
-            Choice(p * req.n + j, p, ids, self.sampling_params(req, len(ids), max_tokens, j), echo)
+            Choice(p * req.n + j, p, ids, self.sampling_params(req, len(ids), max_tokens, j, req.logprobs), echo)
             for p, (echo, ids) in enumerate(prompts)
             for j in range(req.n)
         ]
-        return await self.generate(req, raw, choices, CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model_name))
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.token_text)
+        return await self.generate(req, raw, choices, fmt)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
         ids = await asyncio.to_thread(self.chat_ids, req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(ids))
-        choices = [Choice(j, 0, ids, self.sampling_params(req, len(ids), max_tokens, j)) for j in range(req.n)]
-        return await self.generate(req, raw, choices, ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name))
+        choices = [
+            Choice(j, 0, ids, self.sampling_params(req, len(ids), max_tokens, j, logprobs)) for j in range(req.n)
+        ]
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.token_text)
+        return await self.generate(req, raw, choices, fmt)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (as OpenAI's logprobs show it); without a tokenizer, its id."""
+        tokenizer = self.llm.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
     def check(self, req: SamplingRequest) -> None:
         """What pydantic cannot say: fields this server does not take, then the model name."""
@@ -318,7 +383,9 @@ class OpenAIServing:
             raise bad_request("echo of a token-id prompt needs a tokenizer, and this model has none", "echo")
         return self.llm.tokenizer.decode(ids), ids
 
-    def sampling_params(self, req: SamplingRequest, prompt_len: int, max_tokens: int, choice: int) -> SamplingParams:
+    def sampling_params(
+        self, req: SamplingRequest, prompt_len: int, max_tokens: int, choice: int, logprobs: int | None
+    ) -> SamplingParams:
         if prompt_len + max_tokens > self.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -339,6 +406,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                logprobs=logprobs,
                 return_drafts=True,  # the metrics count the drafts each step verified
             )
         except InvalidSamplingParam as e:
@@ -368,14 +436,15 @@ class OpenAIServing:
         async with aclosing(outputs):
             for chunk in fmt.opening(choices):
                 yield sse(chunk)
-            sent, last = [""] * len(choices), {}
+            sent, reported, last = [""] * len(choices), [0] * len(choices), {}
             try:
                 async for i, out in outputs:
-                    choice, last[i] = choices[i], out
+                    choice, last[i], logprobs = choices[i], out, out.outputs[0].logprobs
                     text = choice.echo + streamable_text(out.outputs[0].text, out.finished, choice.params.stop)
                     if len(text) > len(sent[i]) or out.finished:
-                        yield sse(fmt.chunk(choice, text[len(sent[i]) :], out))
-                        sent[i] = text
+                        new = logprobs[reported[i] :] if logprobs is not None else None
+                        yield sse(fmt.chunk(choice, text[len(sent[i]) :], out, new))
+                        sent[i], reported[i] = text, len(logprobs or [])
             except EngineError as e:
                 yield sse(as_api_error(e).body())
             else:
