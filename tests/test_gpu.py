@@ -257,3 +257,24 @@ def test_bf16_real_geometry_agreement():
     assert clear >= rows / 2 and clear_agree >= 0.99 * clear  # the 99% of the issue, away from near-ties
     assert clear_out >= total / 2 and clear_out_agree >= 0.99 * clear_out
     assert agree >= 0.85 * total  # 243/256 measured on the H200; near-ties flip the rest
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_fp32_serving_paths_equal_cpu_reference(tmp_path, family):
+    """Log-probabilities (their +logprobs graphs), prefill in chunks of 7 tokens (hybrid: states
+    carried between chunks through fla's kernels) and, where the target allows it, prefix-cache
+    hits (each prompt twice): greedy tokens as the CPU's, log-probabilities within 1e-4."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128) if family == "qwen3" else hybrid_target(tmp_path, family)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    prompts = [p for p in PROMPTS if len(p) <= RECURRENT_MAX_ROWS] * 2
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    results = []
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(t), {"model": str(d)}, device=device, dtype="float32", fold_norms=True, max_num_batched_tokens=7)
+        outs = [llm.generate([p], params)[0].outputs[0] for p in prompts]  # one at a time: the repeats hit
+        results.append(([o.token_ids for o in outs], [lp.logprob for o in outs for lp in o.logprobs]))
+        hits = llm.engine.scheduler.allocator.hits
+        assert (hits > 0) == (family == "qwen3")
+    (cpu_tokens, cpu_lps), (gpu_tokens, gpu_lps) = results
+    assert gpu_tokens == cpu_tokens
+    assert gpu_lps == pytest.approx(cpu_lps, abs=1e-4)
