@@ -35,6 +35,7 @@ class InvalidSamplingParam(ValueError):
 
 
 MAX_LOGPROBS = 20  # most likely tokens a step reports per row (OpenAI's top_logprobs bound)
+MAX_STOP_IDS = 16  # eos and stop token ids a request with min_tokens may have (a step's [B, 16] tensor)
 
 
 @dataclass
@@ -47,6 +48,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # no eos, stop token or stop string ends the output before it has this many tokens (eos and
+    # stop tokens are never drawn: their probability is 0 there, drafts of them rejected)
+    min_tokens: int = 0
     seed: int | None = None  # a signed 64-bit int: each value its own draws
     include_stop_str_in_output: bool = False  # keep the stop string, or the stop token's text
     skip_special_tokens: bool = True  # in the output text
@@ -76,6 +80,11 @@ class SamplingParams:
             "stop_token_ids": (
                 all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "must be non-negative ints",
+            ),
+            "min_tokens": (
+                is_int(self.min_tokens)
+                and 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens),
+                f"must be >= 0 and at most max_tokens, got {self.min_tokens!r}",
             ),
             "logprobs": (
                 self.logprobs is None or is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
@@ -196,6 +205,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)
     top = logp.topk(MAX_LOGPROBS, dim=-1)
     return torch.cat([logp.gather(-1, tokens[..., None]), top.values, top.indices.float()], dim=-1)
+
+
+@cuda_compiled
+def ban_early_stops(
+    logits: torch.Tensor, positions: torch.Tensor, min_positions: torch.Tensor, stop_ids: torch.Tensor
+) -> torch.Tensor:
+    """logits [B, w, V] with each row's stop ids (stop_ids [B, MAX_STOP_IDS], padded with -1) at
+    -inf where the row's token would stand before its sequence's min_positions [B] (positions
+    [B, w]: the token each row decides): min_tokens."""
+    banned = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)
+    banned = banned.scatter_add(1, stop_ids.clamp_min(0), (stop_ids >= 0).float()) > 0
+    early = positions < min_positions[:, None]
+    return logits.masked_fill(banned[:, None, :] & early[..., None], float("-inf"))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

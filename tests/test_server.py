@@ -227,7 +227,7 @@ BAD_COMPLETIONS = [
         "stop_token_ids",
     ),  # SamplingParams' own checks name their field too
     ({"extra_body": {"max_token": 5}}, 400, "max_token"),  # unknown fields are named, not ignored
-    ({"extra_body": {"min_tokens": 3}}, 400, "min_tokens"),
+    ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens"),  # more than max_tokens
     ({"extra_body": {"repetition_penalty": 1.2}}, 400, "repetition_penalty"),
     ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),
     ({"extra_body": {"guided_regex": "w[0-9]"}}, 400, "guided_regex"),

@@ -26,7 +26,7 @@ from blockspec.proposers import DRAFTER_PROPOSERS
 from blockspec.proposers.base import Proposer
 from blockspec.proposers.ngram import NgramProposer
 from blockspec.proposers.simulated import SimulatedProposer
-from blockspec.sampling import SamplingParams
+from blockspec.sampling import MAX_STOP_IDS, SamplingParams
 
 CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
 GPU_KV_FRACTION = 0.5  # of free device memory
@@ -206,6 +206,13 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)  # unseeded: its own
         request_id = request_id if request_id is not None else fresh_request_id(self.requests)
         seq = Sequence(text, ids, params, seed, request_id)
+        seq.stop_ids = list(
+            dict.fromkeys((self.target.eos_token_ids if not params.ignore_eos else []) + params.stop_token_ids)
+        )
+        if params.min_tokens and len(seq.stop_ids) > MAX_STOP_IDS:
+            raise ValueError(
+                f"min_tokens bans at most {MAX_STOP_IDS} eos and stop token ids, and this request has {len(seq.stop_ids)}"
+            )
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq
@@ -323,12 +330,13 @@ class LLMEngine:
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if (not p.ignore_eos and token in self.target.eos_token_ids) or token in p.stop_token_ids:
+        stops = seq.num_generated >= p.min_tokens  # before it, nothing stops (stop ids are never drawn)
+        if stops and token in seq.stop_ids:
             seq.stopped_on_token = not p.include_stop_str_in_output
             return "stop"
         if p.stop and self.tokenizer is not None:
-            added = append_text(self.tokenizer, seq)
-            hit = find_stop(seq.text, added, p.stop)
+            added = append_text(self.tokenizer, seq)  # also before min_tokens: stops are sought in new text
+            hit = find_stop(seq.text, added, p.stop) if stops else None
             if hit is not None:
                 seq.text = seq.text[: hit.stop if p.include_stop_str_in_output else hit.start]
                 return "stop"

@@ -15,7 +15,7 @@ from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.models.causal_lm import CausalLM
 from blockspec.proposers.base import Proposer
-from blockspec.sampling import sampling_row
+from blockspec.sampling import MAX_STOP_IDS, sampling_row
 
 
 class ModelRunner:
@@ -153,14 +153,21 @@ class ModelRunner:
         if sampled:  # float32 parameters crossing bitwise, two to an int64
             rows = np.asarray([sampling_row(s.params) for s in seqs], dtype=np.float32)
             arrays.append(rows.view(np.int64))
+        min_tokens = any(s.num_generated < s.params.min_tokens for s in seqs)  # a step launched ahead: or fewer
+        if min_tokens:
+            arrays.append([s.num_prompt_tokens + s.params.min_tokens for s in seqs])
+            arrays.append([s.stop_ids + [-1] * (MAX_STOP_IDS - len(s.stop_ids)) for s in seqs])
         lengths, tables, seeds, slots, *rest = self.tensors(*arrays)
+        min_positions, stop_ids = (rest.pop(-2), rest.pop()) if min_tokens else (None, None)
         sampling = rest.pop() if sampled else None
         tokens = rest.pop() if anchors is None else anchors
         tokens = tokens.expand(-1, width)  # a device proposer reads column 0; the width sets the rows
         starts = rest.pop() if starts is None else starts
         filters = sampled and any(s.params.top_k > 0 or s.params.top_p < 1 for s in seqs if not s.params.greedy)
         logprobs = any(s.params.logprobs is not None for s in seqs)
-        return StepInputs(tokens, starts, lengths, tables, seeds, slots, sampling, filters, logprobs)
+        return StepInputs(
+            tokens, starts, lengths, tables, seeds, slots, sampling, filters, logprobs, min_positions, stop_ids
+        )
 
     @torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

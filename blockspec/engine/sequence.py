@@ -39,6 +39,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.stop_ids: list[int] = []  # the token ids that end it: eos (unless ignored) and stop_token_ids
         self.seed = seed  # int64: keys the counter-based draws of its sampled tokens
         self.status = Status.WAITING
         self.num_cached = 0

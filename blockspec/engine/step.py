@@ -22,6 +22,7 @@ from blockspec.sampling import (
     MAX_LOGPROBS,
     Stream,
     argmax,
+    ban_early_stops,
     greedy_accept,
     point_mass_or,
     probs,
@@ -47,6 +48,10 @@ class StepInputs:
     sampling: torch.Tensor | None = None
     filters: bool = False  # some sampled row uses top-k or top-p (their sort runs)
     logprobs: bool = False  # some row reports log-probabilities (`sampling.token_logprobs` runs)
+    # min_tokens, where a sequence is short of it: the position before which its stop ids
+    # [B, MAX_STOP_IDS] (padded with -1) are banned (`sampling.ban_early_stops`)
+    min_positions: torch.Tensor | None = None
+    stop_ids: torch.Tensor | None = None
 
     # A CUDA graph's rows past the batch: sequences of one greedy row at position 0, writing to the
     # trash page (0.0 is all zero bits).
@@ -58,13 +63,15 @@ class StepInputs:
         "seeds": 0,
         "state_slots": 0,
         "sampling": 0,
+        "min_positions": 0,
+        "stop_ids": -1,
     }
 
     @property
     def mode(self) -> str:
         """The step's kind (its CUDA graphs' name): what its rows need computed."""
         kind = "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
-        return kind + "+logprobs" if self.logprobs else kind
+        return kind + "+logprobs" * self.logprobs + "+min_tokens" * (self.min_positions is not None)
 
     @property
     def sampling_params(self) -> torch.Tensor:
@@ -77,9 +84,14 @@ class StepInputs:
         return self.sampling_params[:, 0] == 0
 
     @property
+    def decided_positions(self) -> torch.Tensor:
+        """[B, w] the position of the token each row decides (its own + 1)."""
+        return self.starts[:, None] + torch.arange(1, self.tokens.shape[1] + 1, device=self.starts.device)
+
+    @property
     def draft_positions(self) -> torch.Tensor:
-        """[B, w-1] the token position each draft stands for (its row's position + 1)."""
-        return self.starts[:, None] + torch.arange(1, self.tokens.shape[1], device=self.starts.device)
+        """[B, w-1] the token position each draft stands for."""
+        return self.decided_positions[:, :-1]
 
 
 class StepOutcome:
@@ -126,7 +138,10 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     hidden, features = runner.target_forward(block, inputs.starts, inputs.lengths, inputs.block_tables, states)
     logits = runner.target.compute_logits(hidden)
     runner.mark("verify")
-    accepted, bonus = accept(proposal, logits, inputs)
+    rule_logits = logits  # logprobs report the raw distribution; the acceptance rule, min_tokens' bans
+    if inputs.min_positions is not None:
+        rule_logits = ban_early_stops(logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
+    accepted, bonus = accept(proposal, rule_logits, inputs)
     committed = accepted + 1
     runner.mark("accept")
     states.commit(committed)

@@ -18,7 +18,6 @@ UNSUPPORTED = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
-    "min_tokens",
     "tools",
     "tool_choice",
     "functions",
@@ -112,6 +111,7 @@ class SamplingRequest(OpenAIModel):
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
+    min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 

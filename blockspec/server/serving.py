@@ -402,6 +402,7 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
+                min_tokens=req.min_tokens,
                 seed=choice_seed(req.seed, choice),
                 ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
