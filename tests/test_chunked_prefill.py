@@ -54,3 +54,15 @@ def test_running_sequences_decode_between_a_long_prompts_chunks(tmp_path):
         steps += 1
         assert running.num_generated > before
     assert steps >= 8
+
+
+def test_a_prefill_pads_to_at_most_the_budget(tmp_path):
+    """Chunks run padded to the longest: a 10-token chunk and a 3-token one would be 20 rows,
+    past a budget of 16, so the second waits for the next step."""
+    target = make_target(tmp_path / "t", "qwen3", vocab=128)
+    engine = LLM(str(target), device="cpu", max_num_batched_tokens=16).engine
+    long, short = (engine.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=2)) for n in (11, 4))
+    engine.scheduler.admit()
+    assert [(s, n) for s, n in engine.scheduler.prefill_chunks()] == [(long, 10)]
+    long.num_cached = 10
+    assert engine.scheduler.prefill_chunks() == [(short, 3)]

@@ -642,3 +642,32 @@ def test_logprobs_in_both_shapes_streamed_and_whole(live: Live) -> None:
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
     r = httpx.post(f"{live.url}/v1/chat/completions", json=chat | {"logprobs": False}, headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_gate_holds_wherever_the_app_is_mounted(checkpoints) -> None:
+    """Behind a proxy prefix (the app mounted under /api) every route but /health and /metrics
+    still wants the key."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    outer = FastAPI()
+    outer.mount("/api", build_app(load(checkpoints), NAME, KEY))
+    client = TestClient(outer)
+    assert client.get("/api/v1/models").status_code == 401
+    assert client.get("/api/v1/models", headers=auth()).status_code == 200
+    assert client.get("/api/metrics").status_code == 200
+
+
+def test_nulls_mean_defaults_and_deep_json_is_a_400(live: Live) -> None:
+    nulls = {"model": NAME, "prompt": "w7", "max_tokens": 2, "n": None, "echo": None, "stream": None}
+    r = httpx.post(f"{live.url}/v1/completions", json=nulls, headers=auth())
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    deep = '{"model": "tiny", "messages": ' + "[" * 600 + "]" * 600 + "}"
+    r = httpx.post(
+        f"{live.url}/v1/chat/completions", content=deep, headers=auth() | {"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    for ids in ([5] * 257, [5, 10**6]):  # too many; outside the vocabulary
+        body = {"model": NAME, "prompt": "w7", "max_tokens": 2, "stop_token_ids": ids}
+        r = httpx.post(f"{live.url}/v1/completions", json=body, headers=auth())
+        assert r.status_code == 400 and "stop_token_ids" in (r.json()["error"]["param"] or r.json()["error"]["message"])

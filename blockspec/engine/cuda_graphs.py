@@ -52,7 +52,7 @@ class GraphCache:
         self.max_pages, self.row_classes = max_pages, sorted(row_classes)
         self.warmup = warmup
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, StepInputs, StepTensors]] = {}
 
     def run(self, name: str, fn: Callable[[StepInputs], StepTensors], inputs: StepInputs) -> StepTensors:
         """fn(inputs) -> ([B, k + w-1], [B, w, ...] or None) (w: the step's width, rows per
@@ -81,7 +81,7 @@ class GraphCache:
 
         return dataclasses.replace(inputs, **{n: buffer(n, x) for n, x in tensor_fields(inputs).items()})
 
-    def capture(self, fn: Callable[[StepInputs], torch.Tensor], bucket: int, width: int, inputs: StepInputs):
+    def capture(self, fn: Callable[[StepInputs], StepTensors], bucket: int, width: int, inputs: StepInputs):
         static = self.static_inputs(bucket, width, inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

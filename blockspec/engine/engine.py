@@ -194,6 +194,10 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids {params.stop_token_ids} reach outside the vocabulary (size {self.vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         if len(ids) >= self.max_model_len:
@@ -273,7 +277,8 @@ class LLMEngine:
     def launch_ahead(self, prev: Flight) -> Flight | None:
         """The next step of prev's sequences, anchored at prev's bonus tokens and its new lengths,
         both still on the device; None where it cannot start before prev is committed (newcomers
-        to admit, a sequence that finished or may finish with prev, pages short)."""
+        to admit, a prompt still prefilling, a sequence that finished or may finish with prev,
+        pages short)."""
         seqs, widths = prev.step.seqs, prev.step.widths
         if not self.run_ahead or self.scheduler.admission_open() or any(s.finished for s in seqs):
             return None

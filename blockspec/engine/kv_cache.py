@@ -12,6 +12,8 @@ them (reference counts) instead of computing them again. As both pools share pag
 brings the drafter's context K/V of those positions along with the target's. A page no sequence
 holds keeps its K/V for reuse until the pool runs short (the least recently freed goes first)."""
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -99,7 +101,7 @@ class SlotAllocator:
 
 @dataclass(frozen=True)
 class PageKey:
-    prefix_hash: int  # of the tokens from position 0 to the page's end
+    prefix_hash: bytes  # of the tokens from position 0 to the page's end (`PageAllocator.page_hash`)
     tokens: tuple[int, ...]  # the page's own (a hash match is checked against them)
 
 
@@ -110,7 +112,7 @@ class PageAllocator:
         self.free_pages = deque(range(1, num_pages))  # pages holding nothing reusable
         self.prefix_caching = prefix_caching
         self.refs = [0] * num_pages  # sequences holding each page
-        self.cached: dict[int, int] = {}  # prefix hash -> registered page
+        self.cached: dict[bytes, int] = {}  # prefix hash -> registered page
         self.keys: dict[int, PageKey] = {}  # registered page -> its key
         self.evictable: OrderedDict[int, None] = OrderedDict()  # registered pages no one holds, oldest first
         self.queries = self.hits = 0  # prompt tokens looked up in the cache, and found there
@@ -152,8 +154,12 @@ class PageAllocator:
                     self.free_pages.append(page)
         block_table.clear()
 
-    def page_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
-        return tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+    def page_key(self, seq: Sequence, i: int) -> PageKey:
+        """Page i of the sequence's tokens: its tokens, and SHA-256 of them after the hash of the
+        pages before it (a cryptographic hash: a client cannot forge a prefix another's matches)."""
+        tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+        parent = seq.page_hashes[i - 1] if i else b""
+        return PageKey(hashlib.sha256(parent + array("q", tokens).tobytes()).digest(), tokens)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no pages the registered pages its prompt starts with (whole pages,
@@ -162,16 +168,15 @@ class PageAllocator:
             return 0
         num_pages = (len(seq.token_ids) - 1) // self.page_size
         for i in range(num_pages):
-            tokens = self.page_tokens(seq, i)
-            prefix_hash = hash((seq.page_hashes[-1] if i else None, tokens))
-            page = self.cached.get(prefix_hash)
-            if page is None or self.keys[page].tokens != tokens:
+            key = self.page_key(seq, i)
+            page = self.cached.get(key.prefix_hash)
+            if page is None or self.keys[page] != key:
                 break
             if self.refs[page] == 0:
                 del self.evictable[page]
             self.refs[page] += 1
             seq.block_table.append(page)
-            seq.page_hashes.append(prefix_hash)
+            seq.page_hashes.append(key.prefix_hash)
         return len(seq.block_table) * self.page_size
 
     def count_lookup(self, seq: Sequence) -> None:
@@ -184,10 +189,8 @@ class PageAllocator:
         if not self.prefix_caching:
             return
         for i in range(len(seq.page_hashes), seq.num_cached // self.page_size):
-            tokens = self.page_tokens(seq, i)
-            prefix_hash = hash((seq.page_hashes[-1] if i else None, tokens))
-            seq.page_hashes.append(prefix_hash)
-            page = seq.block_table[i]
-            if prefix_hash not in self.cached:  # else another page computed the same prefix first
-                self.cached[prefix_hash] = page
-                self.keys[page] = PageKey(prefix_hash, tokens)
+            key = self.page_key(seq, i)
+            seq.page_hashes.append(key.prefix_hash)
+            if key.prefix_hash not in self.cached:  # else another page computed the same prefix first
+                self.cached[key.prefix_hash] = seq.block_table[i]
+                self.keys[seq.block_table[i]] = key

@@ -112,7 +112,8 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], num_tokens: list[int] | None = None) -> None:
         """Process the next num_tokens[i] of each sequence's tokens before its anchor (a chunk of
         them; None: all); fills target KV and the proposer's context."""
-        tokens = [s.pending_prefill[:n] for s, n in zip(seqs, num_tokens or [None] * len(seqs))]
+        num_tokens = num_tokens or [s.num_pending_prefill for s in seqs]
+        tokens = [s.token_ids[s.num_cached : s.num_cached + n] for s, n in zip(seqs, num_tokens)]
         lengths = [len(t) for t in tokens]
         width = max(lengths)
         ids, starts, lengths_t, tables, slots = self.tensors(
@@ -156,7 +157,7 @@ class ModelRunner:
         min_tokens = any(s.num_generated < s.params.min_tokens for s in seqs)  # a step launched ahead: or fewer
         if min_tokens:
             arrays.append([s.num_prompt_tokens + s.params.min_tokens for s in seqs])
-            arrays.append([s.stop_ids + [-1] * (MAX_STOP_IDS - len(s.stop_ids)) for s in seqs])
+            arrays.append([[t + 1 for t in s.stop_ids] + [0] * (MAX_STOP_IDS - len(s.stop_ids)) for s in seqs])
         lengths, tables, seeds, slots, *rest = self.tensors(*arrays)
         min_positions, stop_ids = (rest.pop(-2), rest.pop()) if min_tokens else (None, None)
         sampling = rest.pop() if sampled else None

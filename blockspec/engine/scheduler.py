@@ -31,7 +31,7 @@ class Scheduler:
 
     def admit(self) -> list[Sequence]:
         """Move waiting sequences to running, holding the cached pages their prompt starts with
-        (prefix caching); they need a prefill of `pending_prefill`, the rest.
+        (prefix caching); the rest of their prompt is prefilled in chunks (`prefill_chunks`).
         Under a backlog, newcomers wait until an eighth of the batch is free: a prefill is an
         eager forward costing several decoding steps, so one per finished sequence would
         dominate a full batch's time."""
@@ -59,16 +59,19 @@ class Scheduler:
 
     def prefill_chunks(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens) to prefill before the next step: the running sequences' unprocessed
-        prompt tokens, oldest first, up to max_num_batched_tokens in all (chunked prefill: a long
-        prompt takes several steps, and the running sequences decode between its chunks). Every
-        sequence with unprocessed tokens counts, not only the newly admitted: after a failed
-        prefill (e.g. out of memory) the next step redoes it."""
-        chunks, budget = [], self.config.max_num_batched_tokens
+        prompt tokens, oldest first, in at most max_num_batched_tokens rows (the prefill pads each
+        sequence to the longest chunk): chunked prefill, where a long prompt takes several steps and
+        the running sequences decode between its chunks. Every sequence with unprocessed tokens
+        counts, not only the newly admitted: after a failed prefill (e.g. out of memory) the next
+        step redoes it."""
+        chunks, limit = [], self.config.max_num_batched_tokens
         for seq in self.running:
-            n = min(seq.num_pending_prefill, budget)
-            if n:
-                chunks.append((seq, n))
-                budget -= n
+            if not seq.needs_prefill:
+                continue
+            n = min(seq.num_pending_prefill, limit)
+            if chunks and (len(chunks) + 1) * max(n, *(c for _, c in chunks)) > limit:
+                break
+            chunks.append((seq, n))
         return chunks
 
     def admission_open(self) -> bool:

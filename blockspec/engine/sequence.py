@@ -44,7 +44,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_cached = 0
         self.block_table: list[int] = []
-        self.page_hashes: list[int] = []  # prefix hashes of its leading pages (`PageAllocator.register`)
+        self.page_hashes: list[bytes] = []  # prefix hashes of its leading pages (`PageAllocator.register`)
         self.state_slot = 0  # its linear-attention layers' state slot while it runs (0: none held)
         self.finish_reason: str | None = None
         # by eos or a stop token id: its text is left out, as vLLM does (unless include_stop_str_in_output)
@@ -73,12 +73,8 @@ class Sequence:
         return self.token_ids[-1]
 
     @property
-    def pending_prefill(self) -> list[int]:
-        """Tokens the target must process before the next step: all but the anchor."""
-        return self.token_ids[self.num_cached : -1]
-
-    @property
     def num_pending_prefill(self) -> int:
+        """Tokens the target must process before the next step: all but the anchor."""
         return len(self.token_ids) - 1 - self.num_cached
 
     @property

@@ -43,17 +43,21 @@ def authorized(headers: Headers, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())
 
 
+OPEN_PATHS = ("/health", "/metrics")  # all else is behind the gate, wherever the app is mounted
+
+
 class RequestGate:
-    """ASGI middleware for /v1: the API key is checked before the body is read (a wrong key costs
-    the server no parsing, however large the body), then the body must stay within
-    `max_body_bytes` (its declared length, and what arrives) and arrive within `body_timeout_s`."""
+    """ASGI middleware for every route but `OPEN_PATHS`: the API key is checked before the body is
+    read (a wrong key costs the server no parsing, however large the body), then the body must stay
+    within `max_body_bytes` (its declared length, and what arrives) and arrive within
+    `body_timeout_s`."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app, self.api_key = app, api_key
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or scope["path"].endswith(OPEN_PATHS):
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
         if not authorized(headers, self.api_key):
@@ -80,7 +84,7 @@ class RequestGate:
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 raise HTTPException(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
             size += len(message.get("body", b""))
             done = message["type"] != "http.request" or not message.get("more_body", False)

@@ -5,7 +5,7 @@ import time
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 from blockspec.sampling import MAX_LOGPROBS
 
@@ -34,11 +34,15 @@ IGNORED = ("user",)  # an end-user id for the provider's records: it changes no 
 
 def lone_surrogate(value) -> str | None:
     """The first string in a parsed JSON value that holds a lone UTF-16 surrogate (JSON's "\\ud800"
-    escape parses to one; it is no Unicode text, and no tokenizer or UTF-8 encoder takes it)."""
-    if isinstance(value, str):
-        return value if any("\ud800" <= c <= "\udfff" for c in value) else None
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    return next((s for s in map(lone_surrogate, items) if s is not None), None)
+    escape parses to one; it is no Unicode text, and no tokenizer or UTF-8 encoder takes it). Walked
+    without recursion: JSON nests deeper than Python's stack."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str) and any("\ud800" <= c <= "\udfff" for c in item):
+            return item
+        pending.extend(item.values() if isinstance(item, dict) else item if isinstance(item, list) else ())
+    return None
 
 
 MAX_CHOICES = 64  # n, and prompts x n of a batched completion
@@ -84,6 +88,13 @@ class OpenAIModel(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
+    def null_is_the_default(cls, value, info: ValidationInfo):
+        """An explicit null of an optional field means its default, as OpenAI reads it."""
+        field = cls.model_fields[info.field_name]
+        return field.get_default(call_default_factory=True) if value is None and not field.is_required() else value
+
+    @field_validator("*", mode="before")
+    @classmethod
     def unicode_text(cls, value):
         if lone_surrogate(value) is not None:
             raise ValueError("holds a lone UTF-16 surrogate (such as \\ud800), which is not Unicode text")
@@ -91,6 +102,7 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")  # a field not named here is a 400
     include_usage: bool = False
 
 
@@ -110,7 +122,7 @@ class SamplingRequest(OpenAIModel):
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=256)
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -127,10 +139,18 @@ class CompletionRequest(SamplingRequest):
     # one prompt, or a batch (each its own choices); strict: true is no token id
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False  # the prompt's text before each choice's
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (each its own choices)."""
+        batch = isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int)
+        return self.prompt if batch else [self.prompt]
+
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top ones'
 
 
 class TextPart(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 

@@ -60,10 +60,7 @@ SEED_STEP = 0x9E3779B97F4A7C15  # choice i of a seeded request draws with seed +
 
 
 def feature_off(name: str, value) -> bool:
-    """Whether an unsupported field asks for nothing (clients send frequency_penalty 0, logit_bias
-    {}); but logprobs 0 asks for the sampled tokens' logprobs."""
-    if name == "logprobs":
-        return value is None or value is False
+    """Whether an unsupported field asks for nothing (clients send frequency_penalty 0, logit_bias {})."""
     return not value or value in ALSO_OFF.get(name, ())
 
 
@@ -135,8 +132,8 @@ async def merged(
     firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(position, output) of every choice's outputs as they come, until all finish. The queue holds
-    one item a choice: a client that stops reading makes the engine's side keep only each choice's
-    newest output (`AsyncEngine.generate`), not every one."""
+    as many items as there are choices: a client that stops reading makes the engine's side keep
+    only each choice's newest output (`AsyncEngine.generate`), not every one."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def forward(i: int, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> None:
@@ -159,7 +156,10 @@ async def merged(
             yield i, item
     finally:
         for task in tasks:
-            task.cancel()  # aborts the choices still running (their streams close)
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:  # a task cancelled before it ran never opened its stream: abort it here
+            await stream.aclose()
 
 
 def as_api_error(e: EngineError) -> APIError:
@@ -188,7 +188,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 @dataclass
 class Format:
     """Builds one request's response objects; subclasses give the endpoint's shapes. A chunk
-    carries the log-probabilities of the tokens since the choice's last chunk (`new`)."""
+    carries the text after the `sent` characters of the choice's so far, and the log-probabilities
+    of the tokens since its last chunk (`new`)."""
 
     id: str
     model: str
@@ -215,12 +216,13 @@ class CompletionFormat(Format):
             text_offset=list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else [],
         )
 
-    def chunk(self, choice: Choice, delta: str, out: RequestOutput, new: list[TokenLogprob] | None) -> BaseModel:
-        offset = len(choice.echo + out.outputs[0].text) - len(delta)
+    def chunk(
+        self, choice: Choice, sent: int, delta: str, out: RequestOutput, new: list[TokenLogprob] | None
+    ) -> BaseModel:
         c = CompletionChoice(
             index=choice.index,
             text=delta,
-            logprobs=self.logprobs(new, offset),
+            logprobs=self.logprobs(new, sent),
             finish_reason=out.outputs[0].finish_reason,
         )
         return CompletionResponse(**self.head(), choices=[c], **finished_stats(out))
@@ -267,7 +269,9 @@ class ChatFormat(Format):
             ChatCompletionChunk(**self.head(), choices=[ChatStreamChoice(index=c.index, delta=delta)]) for c in choices
         ]
 
-    def chunk(self, choice: Choice, delta: str, out: RequestOutput, new: list[TokenLogprob] | None) -> BaseModel:
+    def chunk(
+        self, choice: Choice, sent: int, delta: str, out: RequestOutput, new: list[TokenLogprob] | None
+    ) -> BaseModel:
         c = ChatStreamChoice(
             index=choice.index,
             delta=DeltaMessage(content=delta),
@@ -303,13 +307,15 @@ class OpenAIServing:
     def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str) -> None:
         self.llm, self.engine, self.model_name = llm, engine, model_name
         self.max_model_len = llm.engine.max_model_len
+        self.token_texts: dict[int, str] = {}  # at most the vocabulary
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check(req)
+        batch = req.prompts
+        if len(batch) * req.n > MAX_CHOICES:  # before the work of tokenizing them
+            raise bad_request(f"{len(batch)} prompts x n={req.n} choices is more than {MAX_CHOICES}", "n")
         # tokenizing a long prompt takes a while: off the event loop, which serves every connection
-        prompts = await asyncio.to_thread(self.prompts, req.prompt, req.echo)
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise bad_request(f"{len(prompts)} prompts x n={req.n} choices is more than {MAX_CHOICES}", "n")
+        prompts = await asyncio.to_thread(lambda: [self.prompt(p, req.echo) for p in batch])
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs asks for the prompt's log-probabilities: not supported", "echo")
         max_tokens = req.max_tokens or COMPLETION_MAX_TOKENS
@@ -335,9 +341,14 @@ class OpenAIServing:
         return await self.generate(req, raw, choices, fmt)
 
     def token_text(self, token_id: int) -> str:
-        """A token's own text (as OpenAI's logprobs show it); without a tokenizer, its id."""
-        tokenizer = self.llm.tokenizer
-        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+        """A token's own text (as OpenAI's logprobs show it; decoded once per id); without a
+        tokenizer, its id."""
+        text = self.token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.llm.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+            self.token_texts[token_id] = text
+        return text
 
     def check(self, req: SamplingRequest) -> None:
         """What pydantic cannot say: fields this server does not take, then the model name."""
@@ -362,11 +373,6 @@ class OpenAIServing:
             return self.llm.chat_prompt([m.template_message() for m in req.messages])
         except (ValueError, TemplateError) as e:
             raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
-
-    def prompts(self, prompt: str | list, echo: bool) -> list[tuple[str, list[int]]]:
-        """(echoed text, token ids) of each prompt of a completion request: one, or a batch."""
-        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        return [self.prompt(p, echo) for p in batch]
 
     def prompt(self, prompt: str | list[int], echo: bool) -> tuple[str, list[int]]:
         try:
@@ -423,7 +429,8 @@ class OpenAIServing:
             return StreamingResponse(events, media_type="text/event-stream")
         finals = asyncio.gather(*map(final_output, firsts, streams))
         outs = await unless_disconnected(raw, finals)
-        return Response(fmt.response(choices, outs).model_dump_json(), media_type="application/json")
+        body = await asyncio.to_thread(lambda: fmt.response(choices, outs).model_dump_json())  # n x logprobs: large
+        return Response(body, media_type="application/json")
 
     async def events(
         self,
@@ -444,7 +451,7 @@ class OpenAIServing:
                     text = choice.echo + streamable_text(out.outputs[0].text, out.finished, choice.params.stop)
                     if len(text) > len(sent[i]) or out.finished:
                         new = logprobs[reported[i] :] if logprobs is not None else None
-                        yield sse(fmt.chunk(choice, text[len(sent[i]) :], out, new))
+                        yield sse(fmt.chunk(choice, len(sent[i]), text[len(sent[i]) :], out, new))
                         sent[i], reported[i] = text, len(logprobs or [])
             except EngineError as e:
                 yield sse(as_api_error(e).body())
