@@ -671,3 +671,12 @@ def test_nulls_mean_defaults_and_deep_json_is_a_400(live: Live) -> None:
         body = {"model": NAME, "prompt": "w7", "max_tokens": 2, "stop_token_ids": ids}
         r = httpx.post(f"{live.url}/v1/completions", json=body, headers=auth())
         assert r.status_code == 400 and "stop_token_ids" in (r.json()["error"]["param"] or r.json()["error"]["message"])
+
+
+def test_n_choices_share_one_prefill(live: Live) -> None:
+    """A request's n choices: the first computes the prompt, the others hold its pages."""
+    prompt = " ".join(f"w{60 + i}" for i in range(40))
+    n = len(live.served.tokenizer.encode(prompt)) - 1
+    before = live.metrics()["blockspec_prefix_cache_hits_total"]
+    assert len(set(completion_texts(live, prompt=prompt, max_tokens=4, temperature=0, n=3))) == 1
+    assert live.metrics()["blockspec_prefix_cache_hits_total"] - before == 2 * (n // 16 * 16)

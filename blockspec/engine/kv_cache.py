@@ -161,6 +161,12 @@ class PageAllocator:
         parent = seq.page_hashes[i - 1] if i else b""
         return PageKey(hashlib.sha256(parent + array("q", tokens).tobytes()).digest(), tokens)
 
+    def first_page_hash(self, seq: Sequence) -> bytes | None:
+        """The key a prompt's first page would be cached under (None: no whole page, or no cache)."""
+        if not self.prefix_caching or len(seq.token_ids) - 1 < self.page_size:
+            return None
+        return self.page_key(seq, 0).prefix_hash
+
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no pages the registered pages its prompt starts with (whole pages,
         before the anchor), held as its own; returns the positions they cover, now computed."""

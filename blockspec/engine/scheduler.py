@@ -39,12 +39,17 @@ class Scheduler:
         if not self.slots_open():
             return admitted
         reserved = self.reserved_pages()
+        # Prompts being computed: one that starts as they do, with nothing cached yet, waits for
+        # their pages instead of computing them again (a request's n choices, a shared system prompt).
+        computing = {self.allocator.first_page_hash(s) for s in self.running if s.needs_prefill}
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
             seq.num_cached = self.allocator.match_prefix(seq)
             num_prefill = seq.num_pending_prefill
             over_budget = admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens
-            if over_budget or not self.fits(seq, reserved):
+            first_page = self.allocator.first_page_hash(seq)
+            recomputes = seq.num_cached == 0 and first_page is not None and first_page in computing
+            if over_budget or recomputes or not self.fits(seq, reserved):
                 self.release(seq)  # the cached pages it would have held
                 seq.num_cached = 0
                 break
@@ -54,6 +59,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             admitted.append(self.waiting.popleft())
             num_tokens += num_prefill
+            computing.add(first_page)
         self.running.extend(admitted)
         return admitted
 
