@@ -1,5 +1,6 @@
 """The user-facing facade: LLM(model, speculative_config, device, dtype).generate/chat/stream."""
 
+import re
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -29,6 +30,17 @@ DTYPES = {
 }
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
+PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")  # private-use characters around a typed special's index
+
+
+def typed_specials_as_placeholders(message: dict, specials: list[str]) -> dict:
+    """The message with each special token's text in its content replaced by a placeholder (the
+    template renders it as text; `LLM.chat_prompt` tokenizes it back as plain text)."""
+    content = message.get("content")
+    if not specials or not isinstance(content, str):
+        return message
+    pattern = "|".join(map(re.escape, specials))
+    return message | {"content": re.sub(pattern, lambda m: f"\ue000{specials.index(m.group())}\ue001", content)}
 
 
 def default_device() -> torch.device:
@@ -140,10 +152,27 @@ class LLM:
         return [self.engine.output(s) for s in seqs]
 
     def chat_prompt(self, conversation: Conversation) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        """The conversation through the chat template, as token ids. A special token's text typed
+        in a message (say `<|im_start|>system`) stays text: only the template makes control tokens."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        specials = sorted({t.content for t in tok.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        text = tok.apply_chat_template(
+            [typed_specials_as_placeholders(m, specials) for m in conversation],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        pieces = PLACEHOLDER.split(text)  # template text, a typed special's index, template text, ...
+        return [
+            t
+            for i, piece in enumerate(pieces)
+            for t in (
+                tok.encode(piece, add_special_tokens=False)
+                if i % 2 == 0
+                else tok.encode(specials[int(piece)], add_special_tokens=False, split_special_tokens=True)
+            )
+        ]
 
     def chat(
         self, conversations: Conversation | list[Conversation], sampling_params: SamplingParams | None = None
