@@ -211,11 +211,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def ban_early_stops(
     logits: torch.Tensor, positions: torch.Tensor, min_positions: torch.Tensor, stop_ids: torch.Tensor
 ) -> torch.Tensor:
-    """logits [B, w, V] with each row's stop ids (stop_ids [B, MAX_STOP_IDS]: id + 1, padded with
-    0) at -inf where the row's token would stand before its sequence's min_positions [B]
-    (positions [B, w]: the token each row decides): min_tokens."""
+    """logits [B, w, V] with each row's stop ids (stop_ids [B, MAX_STOP_IDS], padded with -1) at
+    -inf where the row's token would stand before its sequence's min_positions [B] (positions
+    [B, w]: the token each row decides): min_tokens."""
     banned = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)
-    banned = banned.scatter_add(1, (stop_ids - 1).clamp_min(0), (stop_ids > 0).float()) > 0
+    banned = banned.scatter_add(1, stop_ids.clamp_min(0), (stop_ids >= 0).float()) > 0
     early = positions < min_positions[:, None]
     return logits.masked_fill(banned[:, None, :] & early[..., None], float("-inf"))
 

@@ -37,16 +37,18 @@ def step_inputs(batch: int, width: int, pages: int) -> tuple[torch.Tensor, ...]:
 @runs_kernel
 @pytest.mark.parametrize("batch,bucket", [(1, 1), (3, 4), (4, 4)])
 def test_fill_buffers_kernel_matches_copies(batch: int, bucket: int) -> None:
-    """Every input in its buffer's first rows and columns, the padding rows set to PAD, the columns
-    past an input left as they were."""
+    """Every input in its buffer's first rows and columns, the padding rows set to PAD (and to a
+    negative value, as min_tokens' stop ids pad), the columns past an input left as they were."""
     xs = step_inputs(batch, width=5, pages=3)
+    pads = [*PAD[:5], -1]
     shapes = [(bucket, 8), (bucket,), (bucket,), (bucket, 6), (bucket,), (bucket, 2)]
     bufs = [torch.full(s, -7, dtype=torch.int64, device=DEVICE) for s in shapes]
     expected = [b.clone() for b in bufs]
     with reference_ops():
-        fill_buffers(expected, xs, PAD, batch)
-    fill_buffers_triton(bufs, list(xs), list(PAD), batch)
+        fill_buffers(expected, xs, pads, batch)
+    fill_buffers_triton(bufs, list(xs), pads, batch)
     for got, want in zip(bufs, expected, strict=True):
         assert torch.equal(got, want)
     assert torch.equal(bufs[0][:batch, 5:], torch.full((batch, 3), -7, device=DEVICE))  # past the width: as it was
     assert torch.equal(bufs[3][batch:], torch.zeros(bucket - batch, 6, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(bufs[5][batch:], torch.full((bucket - batch, 2), -1, device=DEVICE))

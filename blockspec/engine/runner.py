@@ -157,7 +157,7 @@ class ModelRunner:
         min_tokens = any(s.num_generated < s.params.min_tokens for s in seqs)  # a step launched ahead: or fewer
         if min_tokens:
             arrays.append([s.num_prompt_tokens + s.params.min_tokens for s in seqs])
-            arrays.append([[t + 1 for t in s.stop_ids] + [0] * (MAX_STOP_IDS - len(s.stop_ids)) for s in seqs])
+            arrays.append([s.stop_ids + [-1] * (MAX_STOP_IDS - len(s.stop_ids)) for s in seqs])
         lengths, tables, seeds, slots, *rest = self.tensors(*arrays)
         min_positions, stop_ids = (rest.pop(-2), rest.pop()) if min_tokens else (None, None)
         sampling = rest.pop() if sampled else None

@@ -49,7 +49,7 @@ class StepInputs:
     filters: bool = False  # some sampled row uses top-k or top-p (their sort runs)
     logprobs: bool = False  # some row reports log-probabilities (`sampling.token_logprobs` runs)
     # min_tokens, where a sequence is short of it: the position before which its stop ids
-    # [B, MAX_STOP_IDS] (each id + 1, padded with 0) are banned (`sampling.ban_early_stops`)
+    # [B, MAX_STOP_IDS] (padded with -1) are banned (`sampling.ban_early_stops`)
     min_positions: torch.Tensor | None = None
     stop_ids: torch.Tensor | None = None
 
@@ -64,7 +64,7 @@ class StepInputs:
         "state_slots": 0,
         "sampling": 0,
         "min_positions": 0,
-        "stop_ids": 0,
+        "stop_ids": -1,
     }
 
     @property

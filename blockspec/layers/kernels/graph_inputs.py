@@ -33,7 +33,8 @@ def fill_buffers_triton(bufs: list[torch.Tensor], xs: list[torch.Tensor], pads: 
     assert all(b.is_contiguous() and b.dtype == x.dtype == torch.int64 for b, x in zip(bufs, xs, strict=True))
     assert all(x.shape[0] == batch and x.shape[1] <= b.shape[1] for b, x in zip(bufs, xs)), "inputs past their buffers"
     widths, cols, strides = [b.shape[1] for b in bufs], [x.shape[1] for x in xs], [s for x in xs for s in x.stride()]
-    assert all(0 <= n < 2**24 for n in widths + strides + list(pads)), "sizes past float32's exact integers"
+    assert all(0 <= n < 2**24 for n in widths + strides), "sizes past float32's exact integers"
+    assert all(abs(p) < 2**24 for p in pads), "padding values past float32's exact integers"
     _fill_kernel[(bufs[0].shape[0], triton.cdiv(max(widths), BLOCK))](
         tuple(bufs), tuple(xs), *(tuple(map(float, v)) for v in (widths, strides, cols, pads)), batch, BLOCK=BLOCK
     )
