@@ -282,7 +282,7 @@ class LLMEngine:
         seqs, widths = prev.step.seqs, prev.step.widths
         if not self.run_ahead or self.scheduler.admission_open() or any(s.finished for s in seqs):
             return None
-        if len(seqs) < len(self.scheduler.running):  # a prompt still prefilling: its next chunk first
+        if any(s.needs_prefill for s in self.scheduler.running):  # its next chunk comes first
             return None
         bound = [self.width(s, ahead=w) for s, w in zip(seqs, widths)]
         # A seeded sample keeps the widths a step from the committed state would give it.
