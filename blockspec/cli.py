@@ -2,14 +2,11 @@
 
 import argparse
 import dataclasses
-import gc
 import os
 import sys
 import time
 
-import torch
-
-from blockspec.llm import AUTO, LLM, resolve_speculative_config
+from blockspec.llm import AUTO, LLM, free_device_memory, resolve_speculative_config
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import SamplingParams
 
@@ -109,9 +106,7 @@ def generate(args: argparse.Namespace) -> None:
         summary += f", mean acceptance length {out.metrics.mean_acceptance_length:.2f}"
     if args.compare and llm.engine.proposer is not None:
         del llm  # its weights and KV pages: a second engine must fit beside nothing
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
         plain = LLM(args.model, None, args.device, args.dtype, max_model_len=args.max_model_len)
         plain_out, plain_elapsed = timed(plain, prompt, params)
         plain_rate = len(plain_out.outputs[0].token_ids) / plain_elapsed

@@ -1,5 +1,6 @@
 """The user-facing facade: LLM(model, speculative_config, device, dtype).generate/chat/stream."""
 
+import gc
 import re
 from collections.abc import Iterator
 from dataclasses import fields
@@ -95,6 +96,14 @@ def resolve_speculative_config(
     if isinstance(value, str):
         return SpeculativeConfig(model=value)
     return SpeculativeConfig.from_dict(value) if value is not None else None
+
+
+def free_device_memory() -> None:
+    """After dropping the last reference to an LLM or engine: its weights and caches go now (an
+    engine holds reference cycles: its scheduler calls back into it), not at some later collection."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class LLM:

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from blockspec.bench.bench import free_device_memory, load, sync
+from blockspec.bench.bench import load, sync
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.sequence import Sequence
-from blockspec.llm import resolve_device, resolve_dtype
+from blockspec.llm import free_device_memory, resolve_device, resolve_dtype
 from blockspec.sampling import SamplingParams
 
 

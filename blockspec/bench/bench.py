@@ -10,7 +10,6 @@ weights, `--simulate-tau` sets the acceptance pattern (`proposers.simulated`); t
 `--temperature` > 0 times sampled decoding."""
 
 import argparse
-import gc
 import itertools
 import json
 import shlex
@@ -28,7 +27,7 @@ from blockspec.engine.kv_cache import cache_bytes
 from blockspec.layers.decoder import PAGED_KV
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.moe import SparseMoE
-from blockspec.llm import resolve_device, resolve_dtype
+from blockspec.llm import free_device_memory, resolve_device, resolve_dtype
 from blockspec.loading.drafters import load_drafter
 from blockspec.loading.finish import drafter_options, target_options
 from blockspec.loading.hf import load_target
@@ -96,13 +95,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
         sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes * reps / best
-
-
-def free_device_memory() -> None:
-    """After dropping an engine: its caches go (it holds cycles: its scheduler calls back into it)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def sync(device: torch.device) -> None:
