@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
@@ -40,6 +40,7 @@ from blockspec.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    Envelope,
     SamplingRequest,
     SpecDecodingStats,
     TopLogprob,
@@ -187,10 +188,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 @dataclass
 class Format:
-    """Builds one request's response objects; subclasses give the endpoint's shapes. A chunk
-    carries the text after the `sent` characters of the choice's so far, and the log-probabilities
-    of the tokens since its last chunk (`new`)."""
+    """Builds one request's response objects: `whole` holds a response's choices, `streamed` a
+    chunk's; subclasses give the endpoint's choice shapes (`item`, `chunk_item`). A chunk carries
+    the text after the `sent` characters of the choice's so far, and the log-probabilities of the
+    tokens since its last chunk (`new`)."""
 
+    whole: ClassVar[type[Envelope]]
+    streamed: ClassVar[type[Envelope]]
     id: str
     model: str
     token_text: Callable[[int], str]  # a token id as logprobs show it
@@ -202,8 +206,23 @@ class Format:
     def opening(self, choices: list[Choice]) -> list[BaseModel]:
         return []
 
+    def response(self, choices: list[Choice], outs: list[RequestOutput]) -> BaseModel:
+        items = [self.item(c, o) for c, o in zip(choices, outs)]
+        return self.whole(**self.head(), choices=items, usage=usage(choices, outs), spec_decoding=spec_stats(outs))
+
+    def chunk(
+        self, choice: Choice, sent: int, delta: str, out: RequestOutput, new: list[TokenLogprob] | None
+    ) -> BaseModel:
+        item = self.chunk_item(choice, sent, delta, out, new)
+        return self.streamed(**self.head(), choices=[item], **finished_stats(out))
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return self.streamed(**self.head(), choices=[], usage=usage)
+
 
 class CompletionFormat(Format):
+    whole = streamed = CompletionResponse  # OpenAI streams the same object
+
     def logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
         """OpenAI's legacy shape; text offsets from `offset` on, each token's text after the last's."""
         if lps is None:
@@ -216,36 +235,21 @@ class CompletionFormat(Format):
             text_offset=list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else [],
         )
 
-    def chunk(
+    def item(self, choice: Choice, out: RequestOutput) -> CompletionChoice:
+        o = out.outputs[0]
+        text, logprobs = choice.echo + o.text, self.logprobs(o.logprobs, len(choice.echo))
+        return CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
+
+    def chunk_item(
         self, choice: Choice, sent: int, delta: str, out: RequestOutput, new: list[TokenLogprob] | None
-    ) -> BaseModel:
-        c = CompletionChoice(
-            index=choice.index,
-            text=delta,
-            logprobs=self.logprobs(new, sent),
-            finish_reason=out.outputs[0].finish_reason,
-        )
-        return CompletionResponse(**self.head(), choices=[c], **finished_stats(out))
-
-    def response(self, choices: list[Choice], outs: list[RequestOutput]) -> BaseModel:
-        items = [
-            CompletionChoice(
-                index=c.index,
-                text=c.echo + o.outputs[0].text,
-                logprobs=self.logprobs(o.outputs[0].logprobs, len(c.echo)),
-                finish_reason=o.outputs[0].finish_reason,
-            )
-            for c, o in zip(choices, outs)
-        ]
-        return CompletionResponse(
-            **self.head(), choices=items, usage=usage(choices, outs), spec_decoding=spec_stats(outs)
-        )
-
-    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return CompletionResponse(**self.head(), choices=[], usage=usage)
+    ) -> CompletionChoice:
+        logprobs, reason = self.logprobs(new, sent), out.outputs[0].finish_reason
+        return CompletionChoice(index=choice.index, text=delta, logprobs=logprobs, finish_reason=reason)
 
 
 class ChatFormat(Format):
+    whole, streamed = ChatCompletionResponse, ChatCompletionChunk
+
     def logprobs(self, lps: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if lps is None:
             return None
@@ -265,37 +269,20 @@ class ChatFormat(Format):
 
     def opening(self, choices: list[Choice]) -> list[BaseModel]:
         delta = DeltaMessage(role="assistant", content="")
-        return [
-            ChatCompletionChunk(**self.head(), choices=[ChatStreamChoice(index=c.index, delta=delta)]) for c in choices
-        ]
+        return [self.streamed(**self.head(), choices=[ChatStreamChoice(index=c.index, delta=delta)]) for c in choices]
 
-    def chunk(
+    def item(self, choice: Choice, out: RequestOutput) -> ChatChoice:
+        o = out.outputs[0]
+        message, logprobs = AssistantMessage(content=o.text), self.logprobs(o.logprobs)
+        return ChatChoice(index=choice.index, message=message, logprobs=logprobs, finish_reason=o.finish_reason)
+
+    def chunk_item(
         self, choice: Choice, sent: int, delta: str, out: RequestOutput, new: list[TokenLogprob] | None
-    ) -> BaseModel:
-        c = ChatStreamChoice(
-            index=choice.index,
-            delta=DeltaMessage(content=delta),
-            logprobs=self.logprobs(new),
-            finish_reason=out.outputs[0].finish_reason,
+    ) -> ChatStreamChoice:
+        delta_message, reason = DeltaMessage(content=delta), out.outputs[0].finish_reason
+        return ChatStreamChoice(
+            index=choice.index, delta=delta_message, logprobs=self.logprobs(new), finish_reason=reason
         )
-        return ChatCompletionChunk(**self.head(), choices=[c], **finished_stats(out))
-
-    def response(self, choices: list[Choice], outs: list[RequestOutput]) -> BaseModel:
-        items = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=o.outputs[0].text),
-                logprobs=self.logprobs(o.outputs[0].logprobs),
-                finish_reason=o.outputs[0].finish_reason,
-            )
-            for c, o in zip(choices, outs)
-        ]
-        return ChatCompletionResponse(
-            **self.head(), choices=items, usage=usage(choices, outs), spec_decoding=spec_stats(outs)
-        )
-
-    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return ChatCompletionChunk(**self.head(), choices=[], usage=usage)
 
 
 def finished_stats(out: RequestOutput) -> dict:
