@@ -34,6 +34,16 @@ HYBRID_FIELDS = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
+# The small presets' widths (CPU-sized), targets' and drafters' alike
+SMALL_WIDTHS = {
+    "vocab_size": 8192,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+}
 TARGETS = {
     "Qwen3-8B": lambda: Qwen3Config(
         vocab_size=151936,
@@ -145,49 +155,28 @@ TARGETS = {
         architectures=["Qwen3_5MoeForCausalLM"],
     ),
     "small-moe": lambda: Qwen3MoeConfig(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=768,
+        **SMALL_WIDTHS,
         moe_intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         num_experts=16,
         num_experts_per_tok=4,
         norm_topk_prob=True,
-        max_position_embeddings=4096,
         tie_word_embeddings=True,
         architectures=["Qwen3MoeForCausalLM"],
     ),
     # the hybrid layers at the small preset's widths: 6 Gated DeltaNet layers, 2 gated full-attention ones
     "small-hybrid": lambda: Qwen3_5TextConfig(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=768,
+        **SMALL_WIDTHS,
         num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
-        max_position_embeddings=4096,
         tie_word_embeddings=True,
         architectures=["Qwen3_5ForCausalLM"],
     ),
     "small": lambda: Qwen3Config(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        architectures=["Qwen3ForCausalLM"],
+        **SMALL_WIDTHS, num_hidden_layers=8, tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"]
     ),
 }
 # DeepSpec's released DSpark drafters' fields (`dspark_qwen3_*_block7`): 7 shifted rows, a vanilla
@@ -212,16 +201,7 @@ QWEN3_8B_LAYERS = {
     "max_position_embeddings": 40960,
     "rope_theta": 1000000.0,
 }
-SMALL_LAYERS = {
-    "vocab_size": 8192,
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "max_position_embeddings": 4096,
-}
+SMALL_LAYERS = SMALL_WIDTHS | {"num_hidden_layers": 2}
 QWEN3_8B_IDS = {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
 # z-lab's released DFlash2 drafters' fields (Qwen3.8-27B-DFlash2): 2-tap convolutions over groups of
 # 16 channels, a selector of rank 256 over 16 candidates, bidirectional sliding layers of 2048.
