@@ -17,7 +17,8 @@ TARGETS = {
 }
 
 
-def run(target, drafter, budget: int) -> list[tuple[list[int], list[list[int]]]]:
+def run(target, drafter, budget: int) -> tuple[list[tuple[list[int], list[list[int]]]], list[list[int]]]:
+    """Each request's tokens and drafts, and the chunk sizes of every prefill."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 127, (n,), generator=gen).tolist() for n in (3, 29, 11, 40)]
     params = [
@@ -26,7 +27,9 @@ def run(target, drafter, budget: int) -> list[tuple[list[int], list[list[int]]]]
     ]
     spec = {"model": str(drafter), "adaptive_width": False}
     llm = LLM(str(target), spec, "cpu", page_size=4, max_num_batched_tokens=budget, prefix_caching=False)
-    return [(o.outputs[0].token_ids, o.metrics.draft_token_ids) for o in llm.generate(prompts, params)]
+    chunks, prefill = [], llm.engine.runner.prefill
+    llm.engine.runner.prefill = lambda seqs, counts: (chunks.append(counts), prefill(seqs, counts))
+    return [(o.outputs[0].token_ids, o.metrics.draft_token_ids) for o in llm.generate(prompts, params)], chunks
 
 
 @pytest.mark.parametrize("family", list(TARGETS))
@@ -35,7 +38,12 @@ def test_chunked_equals_unchunked(tmp_path, family):
     and the same drafts, step for step, greedy and seeded."""
     target = TARGETS[family](tmp_path)
     drafter = make_drafter(tmp_path / "d", target, block_size=6)
-    assert run(target, drafter, budget=7) == run(target, drafter, budget=1000)
+    (chunked, chunks), (whole, wholes) = run(target, drafter, budget=7), run(target, drafter, budget=1000)
+    assert chunked == whole
+    assert wholes == [[2, 28, 10, 39]]  # every prompt (less its anchor) in one prefill
+    # the same 79 tokens in steps of at most 7 rows, padding included: the long prompts were cut
+    assert sum(n for step in chunks for n in step) == 79
+    assert all(len(step) * max(step) <= 7 for step in chunks)
 
 
 def test_running_sequences_decode_between_a_long_prompts_chunks(tmp_path):

@@ -27,6 +27,7 @@ from blockspec.outputs import RequestMetrics, RequestOutput
 from blockspec.server.api import build_app
 from blockspec.server.async_engine import NewestOutput
 from blockspec.server.metrics import ServerMetrics
+from blockspec.server.protocol import ChatMessage
 
 KEY = "test-key"
 NAME = "tiny"
@@ -498,6 +499,11 @@ def test_ordinary_chat_formats(live: Live) -> None:
         return r.choices[0].message.content
 
     assert reply(parts, user="someone") == reply(plain)
+    # the test template reads no roles: the mapping itself, as the template receives it
+    developer = ChatMessage(role="developer", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
+    assert developer.template_message() == {"role": "system", "content": "a\nb"}
+    tool_message = ChatMessage(role="tool", content="w33", tool_call_id="c").template_message()
+    assert tool_message == {"role": "tool", "content": "w33", "tool_call_id": "c"}
     tool = [{"role": "assistant", "content": None}, {"role": "tool", "content": "w33", "tool_call_id": "c"}]
     rendered = [{"role": "assistant", "content": ""}, {"role": "tool", "content": "w33"}]
     assert reply(plain + tool) == live.reference.chat(plain + rendered, greedy(8))[0].outputs[0].text
