@@ -13,6 +13,9 @@ from blockspec.sampling import SamplingParams
 GREEN, RESET = "\033[42m\033[30m", "\033[0m"
 
 
+ROW_INVARIANT = {"auto": None, "on": True, "off": False}  # --row-invariant -> EngineConfig.row_invariant
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
     p.add_argument(
@@ -30,6 +33,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--row-invariant",
+        choices=ROW_INVARIANT,
+        default="auto",
+        help="each row's numbers independent of the batch, so a greedy request's output is the same alone or in "
+        "any batch and equals plain decoding (auto: on for bf16/fp16 on the CPU; costs in docs/benchmarks.md)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +57,13 @@ def build_llm(args: argparse.Namespace) -> LLM:
     if spec is not None and n is not None:
         spec = dataclasses.replace(spec, num_speculative_tokens=n)  # validated again
     return LLM(
-        args.model, spec, args.device, args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs
+        args.model,
+        spec,
+        args.device,
+        args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        row_invariant=ROW_INVARIANT[args.row_invariant],
     )
 
 

@@ -64,6 +64,9 @@ class KernelConfig:
     triton_linear: bool = True  # few-row bf16/fp16 linears by the Triton skinny GEMM (off: cuBLAS, ops apart)
     pdl: bool = True  # the kernels that can launch with programmatic dependent launch do (Hopper+)
     fp8_kernel: bool = True  # FP8 linears on FP8 tensor cores (off: their reference, weights dequantized)
+    # Every row's numbers independent of the rows beside it (`blockspec.layers.row_invariant`); the
+    # engine sets it from EngineConfig.row_invariant.
+    row_invariant: bool = False
 
 
 @dataclass
@@ -89,6 +92,11 @@ class EngineConfig:
     # the model's dtype at load, faster on the H200 (docs/benchmarks.md: h200-gpt-oss-20b-*). On the
     # CPU the reference dequantizes them at every call.
     mxfp4_experts: bool = False
+    # Each row's numbers independent of how many rows share its GEMMs and attention (batch size, draft
+    # width, prefill chunking), so that a request's output does not depend on the load and greedy
+    # speculative decoding equals plain decoding bit for bit (`blockspec.layers.row_invariant`);
+    # None: on where it costs little (bf16/fp16 on the CPU). Not for linear-attention targets.
+    row_invariant: bool | None = None
     # The CUDA fast paths' switches, put in force for the process when the engine is built.
     kernels: KernelConfig = field(default_factory=KernelConfig)
 

@@ -29,6 +29,7 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
+from blockspec.layers.fast_path import active_kernels, use_kernels
 from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_config, load_target, target_family
 from blockspec.models.dflash import DFlashDrafter
@@ -36,6 +37,16 @@ from blockspec.models.dflash2 import DFlash2Drafter
 from blockspec.models.dspark import DSparkDrafter
 from blockspec.proposers import DRAFTER_PROPOSERS
 from blockspec.proposers.base import Proposal, Proposer
+
+
+@pytest.fixture(autouse=True)
+def kernels_in_force():
+    """Each test ends with the switches in force that it began with: an engine built in one (with
+    row invariance, on by default in bf16 on the CPU) does not change the next one's ops."""
+    before = active_kernels()
+    yield
+    use_kernels(before)
+
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),

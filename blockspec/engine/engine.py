@@ -17,7 +17,7 @@ from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, fresh_request_id
 from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_step
 from blockspec.layers.decoder import RECURRENT_STATE
-from blockspec.layers.fast_path import use_kernels
+from blockspec.layers.fast_path import restore_kernels, use_kernels
 from blockspec.layers.gated_deltanet import fla_kernels
 from blockspec.loading.hf import Target
 from blockspec.models.registry import Drafter
@@ -43,11 +43,26 @@ class Flight:
     timed: bool  # False: its time is not a measure of its width (a prefill or a capture ran in it)
 
 
+def row_invariance(asked: bool | None, model: torch.nn.Module) -> bool:
+    """EngineConfig.row_invariant for this target: None is on where it costs little, bf16/fp16 on
+    the CPU (fp32 GEMMs there run several times slower in row tiles, and fp32 seldom meets the
+    near-ties that flip); linear-attention layers have no row-invariant path."""
+    weight = model.lm_head.weight
+    if any(layer.cache_kind == RECURRENT_STATE for layer in model.layers):
+        if asked:
+            raise ValueError("row_invariant: not supported for targets with linear-attention layers")
+        return False
+    if asked is not None:
+        return asked
+    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+
+
 class LLMEngine:
     def __init__(
         self, target: Target, drafter: Drafter | None, spec: SpeculativeConfig | None, config: EngineConfig
     ) -> None:
-        use_kernels(config.kernels)
+        invariant = row_invariance(config.row_invariant, target.model)
+        self.kernels = use_kernels(replace(config.kernels, row_invariant=invariant))
         if config.fold_norms is not None and config.fold_norms != target.model.norms_folded:
             raise ValueError(
                 f"fold_norms={config.fold_norms} is a load option: this target was loaded with its norms "
@@ -241,6 +256,7 @@ class LLMEngine:
         step is launched before the one in flight is read, from its results still on the device,
         so that the host's bookkeeping overlaps the device's work; a step from the committed
         state then stays in flight until the next call."""
+        restore_kernels(self.kernels)
         prev, done = self.in_flight, []
         if prev is not None:
             graphs = self.runner.num_graphs()

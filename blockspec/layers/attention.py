@@ -26,6 +26,7 @@ from blockspec.layers.fast_path import fast_kernels
 from blockspec.layers.kv_write import KVWrite
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.layers.rotary import qk_norm_rope
+from blockspec.layers.row_invariant import gather_pages, row_invariant, tiled_attention
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
 
@@ -53,7 +54,7 @@ class AttentionMetadata:
     ) -> torch.Tensor:
         """`rope_then_attend`; on CUDA, for a step of one query tile, in one launch
         (`qkv_attention_triton`: its q and k normed and rotated in registers)."""
-        kernels = fast_kernels(qkv, "paged_attention")
+        kernels = None if row_invariant() else fast_kernels(qkv, "paged_attention")
         partial_rotary = rope[0].shape[-1] != qkv.shape[-1]  # the fused kernel rotates whole heads
         if kernels is None or partial_rotary or not kernels.fuses_qkv(qkv, cache[0]):
             return rope_then_attend(self, qkv, norms, eps, rope, heads, cache, layer_type, scale, sinks)
@@ -112,6 +113,8 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if row_invariant():
+        return tiled_attention(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks)
     kernels = fast_kernels(q, "paged_attention")
     if kernels is not None:
         return kernels.paged_attention_triton(
@@ -131,7 +134,7 @@ def paged_attention_ref(
     scale: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    k, v = gather_kv(k_cache, block_tables, page_size), gather_kv(v_cache, block_tables, page_size)
+    k, v = gather_pages(k_cache, block_tables, page_size), gather_pages(v_cache, block_tables, page_size)
     k_pos = torch.arange(k.shape[1], device=q.device)
     mask = (k_pos >= k_start[..., None]) & (k_pos < k_end[..., None])
     return sdpa(q, k, v, mask[:, None], scale, sinks)
@@ -167,12 +170,6 @@ def sdpa_with_sinks(
     sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return (probs.to(v.dtype) @ v).transpose(1, 2)
-
-
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[B, M*page_size, Hkv, D]: each sequence's pages laid end to end."""
-    pages = cache.view(-1, page_size, *cache.shape[1:])[block_tables]
-    return pages.flatten(1, 2)
 
 
 def visibility(

@@ -8,7 +8,8 @@ one definition.
 
 The switches are one `KernelConfig` for the process, held here: the engine puts its own in force
 when it is built (`use_kernels`), and that is the one moment the environment is read for them (see
-ENV_OVERRIDES). `reference_ops()`, the fast-path tests' oracle, forces every op's reference over
+ENV_OVERRIDES); it puts them back at each step (`restore_kernels`), so engines built side by side
+each run their own. `reference_ops()`, the fast-path tests' oracle, forces every op's reference over
 whatever is in force, engines built inside it included."""
 
 import contextlib
@@ -62,6 +63,13 @@ def use_kernels(config: KernelConfig) -> KernelConfig:
     global _kernels
     _kernels = kernels_from_env(config)
     return _kernels
+
+
+def restore_kernels(config: KernelConfig) -> None:
+    """Put `config`, switches already in force once (`use_kernels`'s result), back in force: an
+    engine does so at each step, over whatever engine was built after it."""
+    global _kernels
+    _kernels = config
 
 
 def active_kernels() -> KernelConfig:

@@ -15,6 +15,7 @@ from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import active_kernels, fast_path
 from blockspec.layers.kernels import kernel_module
 from blockspec.layers.norm import RMSNorm
+from blockspec.layers.row_invariant import row_invariant, tiled_linear
 
 # Rows up to which the kernel reads bf16/fp16 weights faster than cuBLAS.
 LINEAR_MAX_M = 16
@@ -39,10 +40,14 @@ def dense(
     swiglu: bool = False,
 ) -> torch.Tensor:
     """The unfused ops: residual + F.linear(norm(x), weight, bias), then SiLU(gate) * up of the
-    gate|up output with `swiglu`. Without a bias the residual add is cuBLAS's epilogue (addmm)."""
+    gate|up output with `swiglu`. Without a bias the residual add is cuBLAS's epilogue (addmm);
+    under row invariance the GEMM runs in fixed tiles of rows (`row_invariant.tiled_linear`)."""
     assert not (swiglu and residual is not None), "SwiGLU's output takes no residual"
     x = x if norm is None else norm(x)
-    if residual is None or bias is not None:
+    if row_invariant():
+        y = tiled_linear(x, weight, bias)
+        y = y if residual is None else residual + y
+    elif residual is None or bias is not None:
         y = F.linear(x, weight, bias)
         y = y if residual is None else residual + y
     else:
@@ -85,6 +90,7 @@ def linear(
         and weight.dtype == x.dtype
         and x.numel() <= LINEAR_MAX_M * x.shape[-1]
         and _skinny_on()
+        and not row_invariant()
     ):
         return fused_linear(x, weight, bias, norm, swiglu, residual)
     return dense(x, weight, bias, residual, norm, swiglu)

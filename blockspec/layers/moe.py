@@ -20,6 +20,7 @@ from blockspec.layers.linear import Linear
 from blockspec.layers.mlp import MLP
 from blockspec.layers.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
 from blockspec.layers.norm import RMSNorm
+from blockspec.layers.row_invariant import elementwise, row_invariant, tiled_linear
 
 if TYPE_CHECKING:
     from blockspec.layers.decoder import LayerSpec
@@ -82,9 +83,9 @@ def expert_activation(gate_up: torch.Tensor, m: MoESpec) -> torch.Tensor:
     """[..., 2I] (gate | up) -> [..., I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     if m.activation == "swiglu":
-        return F.silu(gate) * up
+        return elementwise(F.silu, gate) * up
     gate, up = gate.clamp(max=m.swiglu_limit), up.clamp(-m.swiglu_limit, m.swiglu_limit)
-    return gate * torch.sigmoid(gate * m.swiglu_alpha) * (up + 1)
+    return gate * elementwise(torch.sigmoid, gate * m.swiglu_alpha) * (up + 1)
 
 
 def experts_ref(
@@ -107,6 +108,7 @@ def experts_ref(
     order = ids.flatten().argsort(stable=True)
     counts = torch.bincount(ids.flatten(), minlength=m.num_experts).tolist()
     flat_weights = weights.flatten()
+    gemm = tiled_linear if row_invariant() else F.linear
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -114,8 +116,8 @@ def experts_ref(
         pairs = order[start : start + n]
         start += n
         rows = pairs // ids.shape[1]
-        h = expert_activation(F.linear(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]), m)
-        y = F.linear(h, down[e], None if down_bias is None else down_bias[e])
+        h = expert_activation(gemm(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]), m)
+        y = gemm(h, down[e], None if down_bias is None else down_bias[e])
         out.index_add_(0, rows, (y * flat_weights[pairs, None]).to(x.dtype))
     return out if residual is None else residual + out
 
@@ -218,7 +220,7 @@ class SparseMoE(nn.Module):
         out = moe_experts(flat, weights, ids, self.experts, x.reshape(flat.shape) if residual else None)
         if self.spec.shared_expert_intermediate_size:
             shared = self.shared_expert(flat, None, residual=False)
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + elementwise(torch.sigmoid, self.shared_expert_gate(flat)) * shared
         return out.view(x.shape)
 
     def fold_norm(self, norm: RMSNorm) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from blockspec.layers.linear import Linear
+from blockspec.layers.row_invariant import elementwise
 from blockspec.models.dflash import DFlashDrafter, dflash_problems, dflash_value, fc_problems
 from blockspec.models.registry import DrafterKind
 from blockspec.sampling import is_int
@@ -55,12 +56,12 @@ class MarkovHead(nn.Module):
         if self.kind == "vanilla":
             latent = e
         elif self.kind == "gated":
-            latent = torch.sigmoid(self.gate_proj(torch.cat([hidden, e], -1))) * e
+            latent = elementwise(torch.sigmoid, self.gate_proj(torch.cat([hidden, e], -1))) * e
         else:
             gate, candidate, out = self.joint_proj(torch.cat([state, e, hidden], -1)).chunk(3, -1)
-            gate = torch.sigmoid(gate)
-            state = gate * state + (1 - gate) * torch.tanh(candidate)
-            latent = torch.tanh(out)
+            gate = elementwise(torch.sigmoid, gate)
+            state = gate * state + (1 - gate) * elementwise(torch.tanh, candidate)
+            latent = elementwise(torch.tanh, out)
         return MarkovStep(latent, e, state)
 
     def bias(self, latent: torch.Tensor) -> torch.Tensor:

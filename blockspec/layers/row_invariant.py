@@ -1,0 +1,127 @@
+"""Row-invariant numerics: each row's result is the same bits whatever rows share the call.
+
+A GEMM library picks its kernel, blocking and split of the reduction by the shape of the call
+(MKL's fp32 GEMM rounds row 0 differently at 1, 2, 4 and 16 rows; cuBLAS splits K at small M),
+and attention kernels split the keys by the batch. A token's logits then move with the batch
+size, the draft width and the prefill chunking, near-ties flip, and bf16 speculative decoding
+leaves plain decoding. With `KernelConfig.row_invariant` in force every product runs at shapes
+that do not depend on the call:
+- linear: the rows in tiles of ROW_TILE (the last one padded with zeros), one GEMM a tile;
+- attention: the query rows in tiles of ROW_TILE and the keys in chunks of KEY_CHUNK positions
+  counted from position 0, each (tile, chunk) one fixed-shape GEMM for the scores and one for the
+  weighted values; the chunks' sums meet in order (cumsum, a sequential scan) under one max per
+  row, and a chunk past a row's keys adds exact zeros, so the number of chunks does not matter;
+- elementwise SiLU, sigmoid and tanh in float64, rounded once: torch's CPU kernels run the last elements
+  of a call on a scalar path that rounds differently from the vector one (fp32 SiLU: 4% of them),
+  and which elements those are depends on the call's size. A last-bit difference in float64
+  survives the rounding to fp32 about once in 2**29.
+Norms, rope, residual adds and sampling compute each row on its own already. The cost is the
+padding and the smaller GEMMs (`docs/benchmarks.md`); the engine turns it on where that is small
+(`EngineConfig.row_invariant`)."""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.layers.fast_path import active_kernels
+
+ROW_TILE = 16  # rows per GEMM: a verify block of up to 16 tokens is one tile
+KEY_CHUNK = 128  # key positions per attention GEMM
+
+
+def row_invariant() -> bool:
+    """Whether row-invariant numerics are in force (`KernelConfig.row_invariant`)."""
+    return active_kernels().row_invariant
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), ROW_TILE rows of x a GEMM (the last tile padded with zero rows),
+    the bias added after it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    M, N = x2.shape[0], weight.shape[0]
+    padded = F.pad(x2, (0, 0, 0, -M % ROW_TILE))
+    y = torch.empty((padded.shape[0], N), dtype=x.dtype, device=x.device)
+    for start in range(0, padded.shape[0], ROW_TILE):
+        torch.mm(padded[start : start + ROW_TILE], weight.t(), out=y[start : start + ROW_TILE])
+    y = y[:M] if bias is None else y[:M] + bias
+    return y.view(*x.shape[:-1], N)
+
+
+def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) of an elementwise transcendental fn (SiLU, sigmoid, tanh), in float64 on the CPU under
+    row invariance (see the module's note)."""
+    if x.is_cuda or not row_invariant():
+        return fn(x)
+    return fn(x.double()).to(x.dtype)
+
+
+def tiled_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    page_size: int,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`attention.paged_attention_ref` (same arguments and result) in float32, one query tile and
+    key chunk a GEMM. The block tables are padded with the trash page 0 to whole chunks: the pools
+    start zeroed and hold only computed K/V, so a masked key's value is finite and its zero weight
+    adds exact zeros. A row with no visible key gives zeros."""
+    B, S, _, D = q.shape
+    chunk = page_size * -(-KEY_CHUNK // page_size)  # fixed for the engine: whole pages
+    pages = -(-block_tables.shape[1] * page_size // chunk) * chunk // page_size
+    block_tables = F.pad(block_tables, (0, pages - block_tables.shape[1]))
+    k, v = (gather_pages(c, block_tables, page_size) for c in (k_cache, v_cache))  # [B, Lp, Hkv, D]
+    chunks, Hkv = k.shape[1] // chunk, k.shape[2]
+    # [B, Hkv, chunks, D, C] and [B, Hkv, chunks, C, D]: a chunk is the last two dims
+    kc = k.view(B, chunks, chunk, Hkv, D).permute(0, 3, 1, 4, 2).float()
+    vc = v.view(B, chunks, chunk, Hkv, D).permute(0, 3, 1, 2, 4).float()
+    pos = torch.arange(chunks * chunk, device=q.device)
+    out = torch.empty_like(q)
+    for s0 in range(0, S, ROW_TILE):
+        rows = slice(s0, min(s0 + ROW_TILE, S))
+        visible = (pos >= k_start[:, rows, None]) & (pos < k_end[:, rows, None])  # [B, R, Lp]
+        out[:, rows] = _attend_tile(q[:, rows], kc, vc, visible, scale, sinks)
+    return out
+
+
+def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[B, M*page_size, Hkv, D]: each sequence's pages laid end to end."""
+    pages = cache.view(-1, page_size, *cache.shape[1:])[block_tables]
+    return pages.flatten(1, 2)
+
+
+def _attend_tile(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One query tile q [B, R <= ROW_TILE, Hq, D] against the key chunks (`tiled_attention`) ->
+    [B, R, Hq, D]. A kv head's GEMM rows are its G query heads at each of the ROW_TILE positions
+    (the tile padded; r = t * G + g); the softmax sees only the R real positions."""
+    B, R, Hq, D = q.shape
+    Hkv, chunks, chunk = kc.shape[1], kc.shape[2], kc.shape[4]
+    G = Hq // Hkv
+    qt = F.pad(q.float(), (0, 0, 0, 0, 0, ROW_TILE - R)).view(B, ROW_TILE, Hkv, G, D)
+    qt = qt.permute(0, 2, 1, 3, 4).reshape(B, Hkv, 1, ROW_TILE * G, D)
+    scores = (qt @ kc)[..., : R * G, :] * scale  # [B, Hkv, chunks, R * G, C]
+    mask = visible.view(B, R, 1, chunks, chunk).expand(B, R, G, chunks, chunk)
+    scores = scores.masked_fill(~mask.reshape(B, 1, R * G, chunks, chunk).transpose(2, 3), float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)
+    top = torch.where(top == float("-inf"), 0.0, top)  # rows without keys
+    p = torch.exp((scores - top).double()).float()
+    total = p.sum(dim=4).cumsum(dim=2)[:, :, -1]  # [B, Hkv, R * G]
+    if sinks is not None:
+        sink = sinks.float().view(1, Hkv, 1, G).expand(1, Hkv, R, G).reshape(1, Hkv, R * G)
+        total = total + torch.exp((sink - top[:, :, 0, :, 0]).double()).float()
+    p = F.pad(p, (0, 0, 0, (ROW_TILE - R) * G))
+    acc = (p @ vc).cumsum(dim=2)[:, :, -1, : R * G]  # [B, Hkv, R * G, D]
+    out = torch.where(total[..., None] > 0, acc / total[..., None], 0.0)
+    return out.view(B, Hkv, R, G, D).transpose(1, 2).reshape(B, R, Hq, D).to(q.dtype)

@@ -1,0 +1,175 @@
+"""Row-invariant numerics (`blockspec.layers.row_invariant`): a row's result is the same bits
+whatever rows share the call, so a greedy request gives the same tokens alone, in a batch of
+others, at any draft width, and equal to plain decoding, in fp32 and in bf16; seeded sampling
+reproduces across batches."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_drafter, make_target
+from safetensors.torch import load_file, save_file
+
+from blockspec import LLM, SamplingParams
+from blockspec.config import KernelConfig
+from blockspec.layers.attention import paged_attention_ref
+from blockspec.layers.fast_path import use_kernels
+from blockspec.layers.row_invariant import ROW_TILE, elementwise, tiled_attention, tiled_linear
+from blockspec.loading.gguf import default_gguf_path
+
+DTYPES = [torch.float32, torch.bfloat16]
+TWIN_GAP = 1e-5  # relative: within what fp32 GEMMs' row-count-dependent rounding moves a logit
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiled_linear_gives_a_row_the_same_bits_at_any_row_count(dtype):
+    torch.manual_seed(0)
+    w, b = torch.randn(1536, 576, dtype=dtype), torch.randn(1536, dtype=dtype)
+    x = torch.randn(300, 576, dtype=dtype)
+    alone = torch.cat([tiled_linear(x[i : i + 1], w, b) for i in range(300)])
+    for start, rows in [(0, 2), (0, ROW_TILE), (3, ROW_TILE + 1), (5, 33), (0, 300)]:
+        together = tiled_linear(x[start : start + rows], w, b)
+        assert torch.equal(together, alone[start : start + rows]), (start, rows)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone, F.linear(x, w, b), rtol=tol, atol=tol)
+
+
+def paged_case(lengths: list[int], dtype: torch.dtype, page_size: int = 4, heads: tuple[int, int] = (6, 2)):
+    """Random K/V pools with each sequence's pages scattered over them (page 0 left as the trash
+    page), and the block tables: (k_cache, v_cache, block_tables)."""
+    g = torch.Generator().manual_seed(1)
+    pages = [-(-n // page_size) for n in lengths]
+    order = (torch.randperm(sum(pages), generator=g) + 1).tolist()
+    tables = torch.zeros(len(lengths), max(pages), dtype=torch.long)
+    for b, n in enumerate(pages):
+        tables[b, :n] = torch.tensor(order[:n])
+        del order[:n]
+    shape = ((sum(pages) + 1) * page_size, heads[1], 16)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["causal", "window", "sinks"])
+def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_batch(dtype, kind):
+    """Each row of a batch of blocks (a verify step: causal rows; a windowed drafter block; with
+    gpt-oss's sinks) equals that row attending alone (a decode step), bit for bit, and the reference."""
+    lengths, block, page_size = [37, 300, 150], 20, 4
+    k_cache, v_cache, tables = paged_case(lengths, dtype, page_size)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(len(lengths), block, 6, 16, generator=g).to(dtype)
+    positions = torch.tensor([[n - block + i for i in range(block)] for n in lengths])
+    k_end = positions + 1
+    k_start = (k_end - 50).clamp_min(0) if kind == "window" else torch.zeros_like(k_end)
+    sinks = torch.randn(6, generator=g) if kind == "sinks" else None
+    together = tiled_attention(q, k_cache, v_cache, tables, k_start, k_end, page_size, 0.25, sinks)
+    for b in range(len(lengths)):
+        for i in range(block):
+            ends = (k_start[b : b + 1, i : i + 1], k_end[b : b + 1, i : i + 1])
+            alone = tiled_attention(
+                q[b : b + 1, i : i + 1], k_cache, v_cache, tables[b : b + 1], *ends, page_size, 0.25, sinks
+            )
+            assert torch.equal(alone[0, 0], together[b, i]), (b, i)
+    reference = paged_attention_ref(q, k_cache, v_cache, tables, k_start, k_end, page_size, 0.25, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together, reference, rtol=tol, atol=tol)
+
+
+def test_elementwise_runs_in_float64_only_under_row_invariance():
+    x = torch.randn(1000) * 4
+    exact = F.silu(x.double()).float()
+    use_kernels(KernelConfig(row_invariant=True))
+    assert torch.equal(elementwise(F.silu, x), exact)
+    use_kernels(KernelConfig(row_invariant=False))
+    assert torch.equal(elementwise(F.silu, x), F.silu(x))
+
+
+def others(n: int, seed: int = 3) -> list[list[int]]:
+    """n random prompts of 3 to 40 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 128, (int(torch.randint(3, 41, (), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
+
+
+TARGETS = [[5, 9, 3], [7, 11, 40, 2, 8, 100, 17, 64, 31, 12], [(7 * i) % 120 + 3 for i in range(29)]]
+
+
+def outputs(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def alone_and_in_batch(llm: LLM, params: SamplingParams, prompts=TARGETS, batch=None) -> tuple[list, list]:
+    """The target prompts' outputs each alone, and in one batch of 16 with random others."""
+    alone = [outputs(llm, [p], params)[0] for p in prompts]
+    together = outputs(llm, list(prompts) + (batch or others(16 - len(prompts))), params)[: len(prompts)]
+    return alone, together
+
+
+def tiny_pair(root, family: str = "qwen3"):
+    """A tiny random target whose LM head rows come in near-equal pairs, and a drafter: whichever
+    token leads, its twin's logit is a near-tie that fp32 rounding flips as soon as the row's
+    numbers move (without row invariance the fp32 greedy test fails; in bf16 the twins round to
+    ties or far apart, and the shipped pair's test is the bf16 one that fails without it)."""
+    target = make_target(root / family, family, layers=3)
+    weights = load_file(target / "model.safetensors")
+    head = weights["lm_head.weight"]
+    g = torch.Generator().manual_seed(4)
+    head[1::2] = head[0::2] * (1 + TWIN_GAP * torch.randn(head[0::2].shape, generator=g))
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return str(target), str(make_drafter(root / f"{family}_drafter", target, block_size=8))
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("row_invariant"))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_output_is_the_same_alone_in_a_batch_at_any_width_and_plain(tmp_path, family, dtype):
+    """Dense, MoE (experts' rows grouped per expert) and sliding-window + sinks attention."""
+    t, d = tiny_pair(tmp_path, family)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(t, None, device="cpu", dtype=dtype, row_invariant=True)
+    expected, together = alone_and_in_batch(plain, params)
+    assert together == expected
+    for spec in ({"model": d, "adaptive_width": False}, {"model": d}, {"model": d, "num_speculative_tokens": 3}):
+        llm = LLM(t, spec, device="cpu", dtype=dtype, row_invariant=True)
+        assert alone_and_in_batch(llm, params) == (expected, expected), spec
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(qwen3_pair, dtype):
+    t, d = qwen3_pair
+    params = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=11)
+    for spec in (None, {"model": d, "adaptive_width": False}):
+        llm = LLM(t, spec, device="cpu", dtype=dtype, row_invariant=True)
+        alone, together = alone_and_in_batch(llm, params)
+        assert alone == together, spec
+
+
+def test_row_invariance_is_on_by_default_in_half_precision_on_the_cpu(qwen3_pair, tmp_path):
+    t, _ = qwen3_pair
+    assert LLM(t, None, device="cpu", dtype="bfloat16").engine.kernels.row_invariant
+    assert not LLM(t, None, device="cpu", dtype="float32").engine.kernels.row_invariant
+    hybrid = make_target(tmp_path / "hybrid", "qwen3_5", layers=4)
+    assert not LLM(str(hybrid), None, device="cpu", dtype="bfloat16").engine.kernels.row_invariant
+    with pytest.raises(ValueError, match="row_invariant: not supported for targets with linear-attention layers"):
+        LLM(str(hybrid), None, device="cpu", row_invariant=True)
+
+
+def test_shipped_pair_in_bf16_is_the_same_alone_in_a_batch_and_plain():
+    """The CLI's default on this CPU: bf16, row invariance on by default."""
+    try:
+        default_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(f"embedded GGUF target absent: {exc}")
+    questions = ["Explain what a hash table is.", "Write a haiku about autumn.", "What is recursion?"]
+    fillers = ["Name a prime number.", "Say hello in French.", "What is 2 + 2?", "Describe the sea.", "Count to five."]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(device="cpu", dtype="bfloat16", speculative_config=None)
+    spec = LLM(device="cpu", dtype="bfloat16")
+    chat = [[{"role": "user", "content": q}] for q in questions + fillers * 3]
+    prompts = [spec.chat_prompt(c) for c in chat]
+    expected, together = alone_and_in_batch(plain, params, prompts[:3], prompts[3:16])
+    assert together == expected
+    assert alone_and_in_batch(spec, params, prompts[:3], prompts[3:16]) == (expected, expected)
