@@ -6,14 +6,12 @@ import os
 import sys
 import time
 
+from blockspec.config import ROW_INVARIANT_WORDS
 from blockspec.llm import AUTO, LLM, free_device_memory, resolve_speculative_config
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import SamplingParams
 
 GREEN, RESET = "\033[42m\033[30m", "\033[0m"
-
-
-ROW_INVARIANT = {"auto": None, "on": True, "off": False}  # --row-invariant -> EngineConfig.row_invariant
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
         "--row-invariant",
-        choices=ROW_INVARIANT,
+        choices=ROW_INVARIANT_WORDS,
         default="auto",
         help="each row's numbers independent of the batch, so a greedy request's output is the same alone or in "
         "any batch and equals plain decoding (auto: on for bf16/fp16 on the CPU; costs in docs/benchmarks.md)",
@@ -63,7 +61,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        row_invariant=ROW_INVARIANT[args.row_invariant],
+        row_invariant=ROW_INVARIANT_WORDS[args.row_invariant],
     )
 
 

@@ -69,6 +69,10 @@ class KernelConfig:
     row_invariant: bool = False
 
 
+# The command lines' --row-invariant words -> EngineConfig.row_invariant
+ROW_INVARIANT_WORDS = {"auto": None, "on": True, "off": False}
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64  # sequences decoded together in one step

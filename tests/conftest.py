@@ -175,6 +175,18 @@ def llama_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, make_drafter(root / "drafter", target)
 
 
+def twin_head_pair(root: Path, family: str, gap: float) -> tuple[str, str]:
+    """A tiny random target (3 layers) whose LM head rows come in near-equal pairs, `gap` apart
+    (relative), and a drafter for it: whichever token leads, its twin's logit is a near-tie."""
+    target = make_target(root / family, family, layers=3)
+    weights = load_file(target / "model.safetensors")
+    head = weights["lm_head.weight"]
+    g = torch.Generator().manual_seed(4)
+    head[1::2] = head[0::2] * (1 + gap * torch.randn(head[0::2].shape, generator=g))
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return str(target), str(make_drafter(root / f"{family}_drafter", target, block_size=8))
+
+
 def add_word_tokenizer(path: Path, vocab: int) -> Path:
     """A word-level tokenizer over tokens w0..w{vocab-1} (decoded space-separated), with eos w2
     and a tiny chat template, so text prompts, stop strings and chat work on tiny models."""

@@ -151,9 +151,9 @@ def poisoned_partials(monkeypatch) -> None:
     (zeros and an lse of -inf where it holds none of the row's keys), or the NaN reaches the output."""
     real = paged_attention_module._partials
 
-    def poisoned(num_splits: int, out: torch.Tensor, d_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-        part, lse = real(num_splits, out, d_pad)
-        return (part.fill_(float("nan")), lse) if num_splits > 1 else (part, lse)
+    def poisoned(num_splits: int, out: torch.Tensor, d_pad: int, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        part, lse = real(num_splits, out, d_pad, split)
+        return (part.fill_(float("nan")), lse) if split else (part, lse)
 
     monkeypatch.setattr(paged_attention_module, "_partials", poisoned)
 
@@ -241,6 +241,32 @@ def assert_catches_wrong_sinks(expected: torch.Tensor, attend) -> None:
     for wrong in (attend(None), attend(sinks + math.log(2))):
         with pytest.raises(AssertionError):
             check_sinks(wrong, expected)
+
+
+@runs_kernel
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize(
+    "name", ["decode_g4_d128", "verify_g4_s16_ragged", "draft_block_window_g1", "prefill_three_tiles"]
+)
+def test_invariant_launch_matches_reference_and_gives_a_row_the_same_bits_alone(
+    name: str, sinks: bool, monkeypatch, poisoned_partials, arrivals
+) -> None:
+    """Row invariance (`invariant_launch`): against the reference, keys split at fixed positions
+    (small splits here, so that rows span several, some empty), and each real row of the batch the
+    same bits as that row attending alone, as a decode step computes it."""
+    monkeypatch.setattr(paged_attention_module, "INVARIANT_SPLIT_KEYS", 64)
+    case = make_case(*CASES[name], dtype=DTYPES[0])
+    case["sinks"] = head_sinks(case["q"].shape[2]) if sinks else None
+    together = paged_attention_triton(**case, invariant=True)
+    if sinks:
+        check_sinks(together, reference(case))
+    else:
+        check(together, case)
+    for b, s in (case["k_end"] > case["k_start"]).nonzero().tolist():
+        row = {"q": case["q"][b : b + 1, s : s + 1], "block_tables": case["block_tables"][b : b + 1]}
+        row |= {"k_start": case["k_start"][b : b + 1, s : s + 1], "k_end": case["k_end"][b : b + 1, s : s + 1]}
+        alone = paged_attention_triton(**(case | row), invariant=True)
+        assert torch.equal(alone[0, 0], together[b, s]), (b, s)
 
 
 @runs_kernel

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 
-from blockspec.layers.kernels import argmax, graph_inputs, paged_attention, qk_norm_rope, quantize_rows
+from blockspec.layers.kernels import argmax, graph_inputs, paged_attention, qk_norm_rope, quantize_rows, rms_norm
 from blockspec.layers.kernels import skinny_linear as kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -136,15 +136,25 @@ def test_dequantize_compiles():
 SPLIT_POINTERS = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "arrivals_ptr": "*i32"}
 
 
-@pytest.mark.parametrize("split,arrive,fp32,sinks", [(True, True, False, False), (True, False, False, False),
-                                                     (False, False, False, True), (True, True, True, True)])  # fmt: skip
-def test_paged_attention_compiles(split, arrive, fp32, sinks):
+@pytest.mark.parametrize("split,arrive,fp32,sinks,split_keys", [
+    (True, True, False, False, 0), (True, False, False, False, 0), (False, False, False, True, 0),
+    (True, True, True, True, 0), (True, True, False, True, paged_attention.INVARIANT_SPLIT_KEYS),
+])  # fmt: skip
+def test_paged_attention_compiles(split, arrive, fp32, sinks, split_keys):
     flags = {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 32 if fp32 else 64, "SPLIT": split}
     flags |= {"ARRIVE": arrive, "UNROLL": 1, "PRECISION": "ieee" if fp32 else "tf32", "HAS_SINKS": sinks}
+    flags["SPLIT_KEYS"] = split_keys
     pointers = dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS
     if fp32:
         pointers |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*fp32")
     compile_for_hopper(paged_attention._attention_kernel, flags, **pointers)
+
+
+@pytest.mark.parametrize("weight", [False, True])
+def test_rms_norm_compiles(weight):
+    compile_for_hopper(
+        rms_norm._rms_norm_kernel, {"HAS_WEIGHT": weight, "BLOCK": 4096}, options={"num_warps": rms_norm.NUM_WARPS}
+    )
 
 
 @pytest.mark.parametrize("sinks", [False, True])

@@ -256,6 +256,49 @@ def test_fused_linear_matches_the_unfused_ops(rows, dtype, kind):
 
 
 @runs_kernel
+@runs_kernel
+@pytest.mark.parametrize("fused", ["plain", "norm_swiglu", "residual"])
+def test_invariant_linear_gives_a_row_the_same_bits_at_any_row_count(fused):
+    """Row invariance (`linear_module.invariant_linear`): the MMA kernel without a split of K at every
+    row count, one row too (no GEMV), its norm by the one-program-a-row kernel; each row of any
+    call equals that row alone, bit for bit, and the unfused ops within rounding. On the GPU across
+    tile shapes too (an MMA chain sums K in the same order whatever BLOCK_K and BLOCK_M); the
+    interpreter's tl.dot is numpy's, whose rounding follows the tile, so there only within one."""
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    gen = torch.Generator().manual_seed(0)
+    N, K, rows = 96, 320, 70
+    w = (torch.randn(2 * N if fused == "norm_swiglu" else N, K, generator=gen) * 0.05).to(DEVICE, dtype)
+    x = torch.randn(rows, K, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(rows, N, generator=gen).to(DEVICE, dtype) if fused == "residual" else None
+    norm = RMSNorm(K, 1e-6).to(DEVICE, dtype) if fused == "norm_swiglu" else None
+    swiglu = fused == "norm_swiglu"
+
+    def call(i, j):
+        return linear_module.invariant_linear(x[i:j], w, None, norm, swiglu, None if res is None else res[i:j])
+
+    alone = torch.cat([call(i, i + 1) for i in range(rows)])
+    for i, j in [(0, 2), (3, 19)] + ([(5, 38), (0, rows)] if CUDA else []):
+        assert torch.equal(call(i, j), alone[i:j]), (i, j)
+    expected = linear_module.dense(x, w, None, res, norm, swiglu)
+    torch.testing.assert_close(alone.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@runs_kernel
+def test_rms_norm_kernel_is_the_reference_a_row_at_a_time():
+    from blockspec.layers.kernels.rms_norm import rms_norm_rows
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, H in [(torch.float32, 576), (torch.float16, 4096)]:
+        x = torch.randn(37, H, generator=gen).to(DEVICE, dtype)
+        w = (torch.rand(H, generator=gen) + 0.5).to(DEVICE, dtype)
+        for weight in (w, None):
+            together = rms_norm_rows(x, weight, 1e-6)
+            alone = torch.cat([rms_norm_rows(x[i : i + 1], weight, 1e-6) for i in range(37)])
+            assert torch.equal(together, alone)
+            tol = 1e-5 if dtype == torch.float32 else 2e-3
+            torch.testing.assert_close(together, rms_norm_ref(x, weight, 1e-6), rtol=tol, atol=tol)
+
+
 def test_kernel_empty_and_batched_input():
     dtype = torch.float32
     w = torch.randn(40, 32, device=DEVICE)

@@ -6,8 +6,7 @@ reproduces across batches."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_drafter, make_target
-from safetensors.torch import load_file, save_file
+from conftest import make_target, twin_head_pair
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig
@@ -17,7 +16,11 @@ from blockspec.layers.row_invariant import ROW_TILE, elementwise, tiled_attentio
 from blockspec.loading.gguf import default_gguf_path
 
 DTYPES = [torch.float32, torch.bfloat16]
-TWIN_GAP = 1e-5  # relative: within what fp32 GEMMs' row-count-dependent rounding moves a logit
+# The target's LM head rows come in twins this far apart (relative): whichever token leads, its twin's
+# logit is a near-tie that fp32 rounding flips as soon as the row's numbers move (without row
+# invariance the fp32 greedy test fails; in bf16 the twins round to ties or far apart, and the
+# shipped pair's test is the bf16 one that fails without it).
+TWIN_GAP = 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -104,30 +107,16 @@ def alone_and_in_batch(llm: LLM, params: SamplingParams, prompts=TARGETS, batch=
     return alone, together
 
 
-def tiny_pair(root, family: str = "qwen3"):
-    """A tiny random target whose LM head rows come in near-equal pairs, and a drafter: whichever
-    token leads, its twin's logit is a near-tie that fp32 rounding flips as soon as the row's
-    numbers move (without row invariance the fp32 greedy test fails; in bf16 the twins round to
-    ties or far apart, and the shipped pair's test is the bf16 one that fails without it)."""
-    target = make_target(root / family, family, layers=3)
-    weights = load_file(target / "model.safetensors")
-    head = weights["lm_head.weight"]
-    g = torch.Generator().manual_seed(4)
-    head[1::2] = head[0::2] * (1 + TWIN_GAP * torch.randn(head[0::2].shape, generator=g))
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    return str(target), str(make_drafter(root / f"{family}_drafter", target, block_size=8))
-
-
 @pytest.fixture(scope="module")
 def qwen3_pair(tmp_path_factory):
-    return tiny_pair(tmp_path_factory.mktemp("row_invariant"))
+    return twin_head_pair(tmp_path_factory.mktemp("row_invariant"), "qwen3", TWIN_GAP)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_output_is_the_same_alone_in_a_batch_at_any_width_and_plain(tmp_path, family, dtype):
     """Dense, MoE (experts' rows grouped per expert) and sliding-window + sinks attention."""
-    t, d = tiny_pair(tmp_path, family)
+    t, d = twin_head_pair(tmp_path, family, TWIN_GAP)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(t, None, device="cpu", dtype=dtype, row_invariant=True)
     expected, together = alone_and_in_batch(plain, params)

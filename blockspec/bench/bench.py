@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from blockspec.bench.presets import is_preset, random_drafter, random_target
-from blockspec.config import EngineConfig, KernelConfig, SpeculativeConfig
+from blockspec.config import ROW_INVARIANT_WORDS, EngineConfig, KernelConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.kv_cache import cache_bytes
@@ -239,6 +239,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
         cuda_graphs=not args.no_cuda_graphs,
         async_steps=False if args.lock_step else None,
         num_pages=batch * (-(-max_len // 16) + 2) + 1,
+        row_invariant=ROW_INVARIANT_WORDS[args.row_invariant],
     )
     engine = LLMEngine(target, drafter, spec, config)
     marks = engine.runner.phase_marks = PhaseMarks(cuda)  # before any step: graphs capture the marks
@@ -360,6 +361,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mxfp4-experts",
         action="store_true",
         help="keep an MXFP4 target's experts in MXFP4 (EngineConfig.mxfp4_experts)",
+    )
+    p.add_argument(
+        "--row-invariant",
+        choices=ROW_INVARIANT_WORDS,
+        default="auto",
+        help="EngineConfig.row_invariant (auto: its default)",
     )
     p.add_argument("--out", default="bench.json")
 

@@ -19,6 +19,7 @@ from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_
 from blockspec.layers.decoder import RECURRENT_STATE
 from blockspec.layers.fast_path import restore_kernels, use_kernels
 from blockspec.layers.gated_deltanet import fla_kernels
+from blockspec.layers.moe import SparseMoE
 from blockspec.loading.hf import Target
 from blockspec.models.registry import Drafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -46,11 +47,15 @@ class Flight:
 def row_invariance(asked: bool | None, model: torch.nn.Module) -> bool:
     """EngineConfig.row_invariant for this target: None is on where it costs little, bf16/fp16 on
     the CPU (fp32 GEMMs there run several times slower in row tiles, and fp32 seldom meets the
-    near-ties that flip); linear-attention layers have no row-invariant path."""
+    near-ties that flip). Not for linear-attention layers, nor for MoE layers on CUDA (the expert
+    kernel's tiles follow each expert's rows)."""
     weight = model.lm_head.weight
-    if any(layer.cache_kind == RECURRENT_STATE for layer in model.layers):
+    unsupported = "linear-attention" if any(layer.cache_kind == RECURRENT_STATE for layer in model.layers) else None
+    if weight.is_cuda and any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
+        unsupported = unsupported or "MoE (on CUDA)"
+    if unsupported is not None:
         if asked:
-            raise ValueError("row_invariant: not supported for targets with linear-attention layers")
+            raise ValueError(f"row_invariant: not supported for targets with {unsupported} layers")
         return False
     if asked is not None:
         return asked

@@ -113,13 +113,13 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if row_invariant():
-        return tiled_attention(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks)
     kernels = fast_kernels(q, "paged_attention")
     if kernels is not None:
         return kernels.paged_attention_triton(
-            q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks=sinks
+            q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks=sinks, invariant=row_invariant()
         )
+    if row_invariant():
+        return tiled_attention(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import active_kernels, fast_path
-from blockspec.layers.kernels import kernel_module
+from blockspec.layers.kernels import kernel_module, num_sms
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.row_invariant import row_invariant, tiled_linear
 
@@ -73,6 +73,25 @@ def fused_linear(
     return kernel_module("skinny_linear").skinny_linear(x, weight, bias, None, norm_args, swiglu, residual)
 
 
+def invariant_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: RMSNorm | None,
+    swiglu: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """`fused_linear` under row invariance, at any number of rows: the MMA kernel without a split of
+    K (`skinny_linear.invariant_config`), so each output's sum runs over K in one order whatever the
+    row count; the norm apart, by a kernel of one program a row (the prologue's sum of squares
+    would follow the tile)."""
+    x = x if norm is None else norm(x)
+    module = kernel_module("skinny_linear")
+    M, N, K = x.numel() // x.shape[-1], weight.shape[0], x.shape[-1]
+    config = module.invariant_config(M, N, K, num_sms(x.device, interpreted=8))
+    return module.skinny_linear(x, weight, bias, config, None, swiglu, residual)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -82,17 +101,13 @@ def linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`dense`: residual + F.linear(norm(x), weight, bias), or SiLU(gate) * up of it with `swiglu`
-    (residual None: no add); on CUDA, without grad, for bf16/fp16 and at most LINEAR_MAX_M rows,
-    the skinny kernel (`fused_linear`)."""
-    if (
-        fast_path(x)
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and x.numel() <= LINEAR_MAX_M * x.shape[-1]
-        and _skinny_on()
-        and not row_invariant()
-    ):
-        return fused_linear(x, weight, bias, norm, swiglu, residual)
+    (residual None: no add); on CUDA, without grad, for bf16/fp16, the skinny kernel: at most
+    LINEAR_MAX_M rows (`fused_linear`), or any number under row invariance (`invariant_linear`)."""
+    if fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and _skinny_on():
+        if row_invariant():
+            return invariant_linear(x, weight, bias, norm, swiglu, residual)
+        if x.numel() <= LINEAR_MAX_M * x.shape[-1]:
+            return fused_linear(x, weight, bias, norm, swiglu, residual)
     return dense(x, weight, bias, residual, norm, swiglu)
 
 

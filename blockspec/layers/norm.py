@@ -3,7 +3,8 @@
 import torch
 from torch import nn
 
-from blockspec.layers.fast_path import cuda_compiled
+from blockspec.layers.fast_path import cuda_compiled, fast_kernels
+from blockspec.layers.row_invariant import row_invariant
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -13,7 +14,16 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     return x.to(dtype) if weight is None else weight * x.to(dtype)
 
 
-rms_norm = cuda_compiled(rms_norm_ref)
+rms_norm_compiled = cuda_compiled(rms_norm_ref)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rms_norm_ref`; on CUDA one compiled kernel, or under row invariance the Triton kernel of one
+    program a row (`blockspec.layers.kernels.rms_norm`)."""
+    kernels = fast_kernels(x, "rms_norm") if row_invariant() else None
+    if kernels is not None:
+        return kernels.rms_norm_rows(x, weight, eps)
+    return rms_norm_compiled(x, weight, eps)
 
 
 class RMSNorm(nn.Module):

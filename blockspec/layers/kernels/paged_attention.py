@@ -195,6 +195,7 @@ def _attention_kernel(
     ARRIVE: tl.constexpr,
     UNROLL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
     tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -209,11 +210,16 @@ def _attention_kernel(
 
     k_start = tl.load(k_start_ptr + b * stride_sb + s * stride_ss, mask=row_ok, other=2**30).to(tl.int32)
     k_end = tl.load(k_end_ptr + b * stride_eb + s * stride_es, mask=row_ok, other=0).to(tl.int32)
-    # This program's keys: its split's share of the union of its rows' ranges.
+    # This program's keys: its split's share of the union of its rows' ranges; with SPLIT_KEYS (row
+    # invariance) its split's fixed positions, in key tiles at multiples of BLOCK_N.
     lo, hi = tl.min(k_start, 0), tl.max(k_end, 0)
-    chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    end = tl.minimum(hi, start + chunk)
+    if SPLIT_KEYS > 0:
+        start = tl.maximum(lo // BLOCK_N * BLOCK_N, split * SPLIT_KEYS)
+        end = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
+    else:
+        chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(hi, start + chunk)
 
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(
@@ -416,9 +422,9 @@ def _key_tile(dtype: torch.dtype, d_pad: int) -> dict:
     return {"BLOCK_N": block_n, "PRECISION": "ieee" if fp32 else "tf32", "num_warps": 4, "num_stages": 2 if fp32 else 3}
 
 
-def _partials(num_splits: int, out: torch.Tensor, d_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _partials(num_splits: int, out: torch.Tensor, d_pad: int, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K's partial outputs [splits, B, S, Hq, d_pad] and log-sum-exps (`out` itself unsplit)."""
-    if num_splits == 1:
+    if not split:
         return out, out  # lse unused
     part = torch.empty((num_splits, *out.shape[:-1], d_pad), dtype=torch.float32, device=out.device)
     return part, torch.empty(part.shape[:-1], dtype=torch.float32, device=out.device)
@@ -449,9 +455,25 @@ def split_flags(num_splits: int, block_m: int) -> dict:
     return {"SPLIT": num_splits > 1, "ARRIVE": 1 < num_splits <= ARRIVE_MAX_SPLITS, "UNROLL": max(1, 64 // block_m)}
 
 
+# Row invariance: keys split at fixed positions, this many a split.
+INVARIANT_SPLIT_KEYS = 512
+
+
+def invariant_launch(rows: int, max_keys: int) -> tuple[int, int, int, dict]:
+    """(rows per program, query tiles, key splits, split flags) under row invariance
+    (`blockspec.layers.row_invariant`): every call the same query tile (MAX_ROWS rows: the same MMA
+    shapes and reduction layouts for a row wherever it sits) and splits of INVARIANT_SPLIT_KEYS
+    fixed positions, always as partials combined in order by the last split to arrive (the unsplit
+    normalization and the tree of the combine kernel would round a row differently). A split
+    past a row's keys, or a key tile, adds exact zeros, so their number does not matter."""
+    num_splits = triton.cdiv(max(max_keys, 1), INVARIANT_SPLIT_KEYS)
+    flags = {"SPLIT": True, "ARRIVE": True, "UNROLL": 1}
+    return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), num_splits, flags
+
+
 def _split_outputs(num_splits: int, out: torch.Tensor, d_pad: int, groups: int, flags: dict) -> list[torch.Tensor]:
     """[out, partials, lse, arrival counters] as the kernels take them (unsplit: out in every place, unread)."""
-    part, lse = _partials(num_splits, out, d_pad)
+    part, lse = _partials(num_splits, out, d_pad, flags["SPLIT"])
     return [out, part, lse, _arrivals(out.device, groups) if flags["ARRIVE"] else out]
 
 
@@ -489,21 +511,26 @@ def paged_attention_triton(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """q [B, S, Hq, D]; caches [num_slots, Hkv, D]; block_tables [B, M]; k_start, k_end [B, S]
     (any integer dtype, any strides); returns [B, S, Hq, D] in q's dtype (written into `out`
     when given). `num_splits` overrides the split-K heuristic (1: no split). `sinks` [Hq]: each
     head's attention-sink logit (gpt-oss; None: no sinks); with sinks a row that sees no key gets
-    zeros, as in the reference (the sink takes all its weight)."""
+    zeros, as in the reference (the sink takes all its weight). `invariant`: each row's result the
+    same bits whatever the batch (`invariant_launch`)."""
     B, S, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_m, tiles = query_tiles(S * (Hq // Hkv))
-    num_splits = num_splits or default_splits(q, k_cache, block_tables, page_size)
+    if invariant:
+        block_m, tiles, num_splits, flags = invariant_launch(S * (Hq // Hkv), block_tables.shape[1] * page_size)
+    else:
+        block_m, tiles = query_tiles(S * (Hq // Hkv))
+        num_splits = num_splits or default_splits(q, k_cache, block_tables, page_size)
+        flags = split_flags(num_splits, block_m)
     d_pad = triton.next_power_of_2(D)
-    flags = split_flags(num_splits, block_m)
     outputs = _split_outputs(num_splits, out, d_pad, tiles * B * Hkv, flags)
     sinks, has_sinks = _sinks(sinks, Hq, out)
     _attention_kernel[(tiles, B * Hkv, num_splits)](
@@ -512,7 +539,7 @@ def paged_attention_triton(
         v_cache.stride(1), block_tables.stride(0), block_tables.stride(1), k_start.stride(0), k_start.stride(1),
         k_end.stride(0), k_end.stride(1), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
         G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, **flags, **has_sinks,
-        **_key_tile(q.dtype, d_pad),
+        SPLIT_KEYS=INVARIANT_SPLIT_KEYS if invariant else 0, **_key_tile(q.dtype, d_pad),
     )  # fmt: skip
     _combine(outputs, flags, sinks, has_sinks)
     return out

@@ -398,6 +398,13 @@ def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologu
     return SkinnyConfig(bm, bn, bk, split, warps, stages)
 
 
+def invariant_config(M: int, N: int, K: int, sms: int) -> SkinnyConfig:
+    """`choose_config`'s MMA tiles for M rows (at one row too: no GEMV) without a split of K, for row
+    invariance (`blockspec.layers.row_invariant`): each output then sums its K products in one
+    order, BLOCK_K steps of the same MMA accumulated in place, whatever the tiles or the row count."""
+    return dataclasses.replace(choose_config(max(M, 2), N, K, sms), split_k=1)
+
+
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
