@@ -99,7 +99,8 @@ class EngineConfig:
     # Each row's numbers independent of how many rows share its GEMMs and attention (batch size, draft
     # width, prefill chunking), so that a request's output does not depend on the load and greedy
     # speculative decoding equals plain decoding bit for bit (`blockspec.layers.row_invariant`);
-    # None: on where it costs little (bf16/fp16 on the CPU). Not for linear-attention targets.
+    # None: on for bf16/fp16 on the CPU (the CLI's default there), off on CUDA; it is not free on either
+    # (docs/benchmarks.md, *row-invariant*). Not for linear-attention targets, nor MoE ones on CUDA.
     row_invariant: bool | None = None
     # The CUDA fast paths' switches, put in force for the process when the engine is built.
     kernels: KernelConfig = field(default_factory=KernelConfig)

@@ -6,12 +6,13 @@ import argparse
 import dataclasses
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target
+from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target, twin_head_pair
 
-from blockspec.bench import acceptance, arrival, bench
+from blockspec.bench import acceptance, arrival, bench, determinism, report
 from blockspec.config import EngineConfig
 from blockspec.engine.kv_cache import cache_bytes
 from blockspec.loading.hf import load_target
@@ -119,6 +120,34 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     assert [(r["set"], r["prompts"]) for r in rows] == [("humaneval", 1), ("mtbench", 1)]
     engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dspark", "dspark_adaptive")
     assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 for e in engines) for r in rows)
+
+
+def test_determinism_bench_counts_equal_outputs_per_row_invariance_setting(tmp_path):
+    """`blockspec.bench.determinism` on local prompt files, at the twin-headed tiny pair in fp32
+    (near-ties everywhere): with row invariance on, every prompt's speculative tokens are plain
+    decoding's and the same alone; its rows render in docs/benchmarks.md's acceptance tables."""
+    target, drafter = twin_head_pair(tmp_path, "qwen3", 1e-5)
+    add_word_tokenizer(Path(target), 128)
+    with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"prompt": " ".join(f"w{5 + i + j}" for j in range(3 + i))}) + "\n" for i in range(5))
+    (tmp_path / "mtbench.jsonl").write_text(json.dumps({"turns": ["w8 w9 w40 w41", "w10"]}) + "\n")
+    parser = argparse.ArgumentParser()
+    determinism.add_arguments(parser)
+    out = tmp_path / "determinism.json"
+    args = parser.parse_args(
+        ["--model", target, "--draft", drafter, "--device", "cpu", "--dtype", "float32", "--humaneval",
+         str(tmp_path / "humaneval.jsonl.gz"), "--mtbench", str(tmp_path / "mtbench.jsonl"), "--max-tokens", "24",
+         "--alone", "3", "--batch-size", "4", "--out", str(out)]
+    )  # fmt: skip
+    determinism.run(args)
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["row_invariant"], r["set"], r["prompts"]) for r in rows] == [
+        ("off", "humaneval", 5), ("off", "mtbench", 1), ("on", "humaneval", 5), ("on", "mtbench", 1)
+    ]  # fmt: skip
+    on = [r for r in rows if r["row_invariant"] == "on"]
+    assert [(r["spec_equals_plain"], r["alone_equals_batch"]) for r in on] == [(5, "3/3"), (1, "1/1")]
+    assert all(r["dflash"]["tau"] >= 1 for r in rows)
+    assert "alone equals batch" in report.render([out])
 
 
 def test_arrival_bench_times_a_long_prompt_chunked_and_whole(tmp_path):

@@ -2,28 +2,24 @@
 turns, chat template applied) at T=0, per row-invariance setting (`EngineConfig.row_invariant`):
 how many prompts speculative decoding (adaptive width, the default) gives exactly plain
 decoding's tokens, batched; how many of the first `--alone` give the same tokens alone as in the
-batch; and each engine's tok/s over the batch. Rows in the acceptance bench's shape, for
-`bench.report`."""
+batch; and the drafter's tau. No speeds: the engine bench (`--row-invariant`) times the cost.
+Rows in the acceptance bench's shape, for `bench.report`."""
 
 import argparse
 import json
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from blockspec.bench.acceptance import humaneval_prompts, mtbench_prompts, summarize
+from blockspec.bench.acceptance import humaneval_prompts, mtbench_prompts
 from blockspec.llm import DEFAULT_DRAFTER, LLM
 from blockspec.sampling import SamplingParams
 
 
-def tokens(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list[list[int]], list, float]:
-    """(each prompt's output tokens, the outputs, seconds) of one batched generate."""
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return [o.outputs[0].token_ids for o in outs], outs, time.perf_counter() - start
+def tokens(outs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,14 +47,13 @@ def run(args: argparse.Namespace) -> None:
         spec = LLM(args.model, {"model": draft}, args.device, args.dtype, **options)
         for name, texts in sets.items():
             prompts = [plain.chat_prompt([{"role": "user", "content": t}]) for t in texts[: args.limit]]
-            for llm in (plain, spec):  # warm up: every graph and kernel this set's steps need
-                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
-            expected, _, plain_s = tokens(plain, prompts, params)
-            batched, outs, spec_s = tokens(spec, prompts, params)
-            alone = [tokens(spec, [p], params)[0][0] for p in prompts[: args.alone]]
-            row = {"set": name, "temperature": 0.0, "prompts": len(prompts), "row_invariant": setting}
-            row["plain"] = {"tok_per_s": sum(map(len, expected)) / plain_s}
-            row[spec.engine.drafter.proposer] = summarize(outs, spec_s)
+            expected = tokens(plain.generate(prompts, params))
+            outs = spec.generate(prompts, params)
+            batched = tokens(outs)
+            alone = [tokens(spec.generate(p, params))[0] for p in prompts[: args.alone]]
+            row = {"set": name, "temperature": 0.0, "prompts": len(prompts), "row_invariant": setting, "plain": {}}
+            taus = [a for o in outs for a in o.metrics.acceptance_lengths]
+            row[spec.engine.drafter.proposer] = {"tau": sum(taus) / len(taus)}
             row["spec_equals_plain"] = sum(a == b for a, b in zip(batched, expected))
             row["alone_equals_batch"] = f"{sum(a == b for a, b in zip(alone, batched))}/{len(alone)}"
             results.append(row)

@@ -55,6 +55,12 @@ turns), chat template applied, a real target and drafter. Per prompt set and tem
 decoding's tok/s, and for each proposer its tau, tok/s and speed over plain decoding on the same
 engine and prompts (*x plain*). `dflash` and `ngram` verify the full block every step;
 `dflash_adaptive` lets the engine choose the width; `dflash_fp8` runs the drafter in FP8.
+
+**Determinism** (`python -m blockspec.bench.determinism`, in the acceptance shape). Real prompts at
+T=0, per *row invariant* setting (`EngineConfig.row_invariant`): *spec equals plain*, the prompts
+whose speculative tokens (adaptive width, batched) are exactly plain decoding's; *alone equals
+batch*, of the first few, those whose speculative tokens alone are those of the batch; the
+drafter's tau. The engine bench's `--row-invariant` sections time what it costs.
 """
 
 # Bench result columns the renderer lays out itself; any other key becomes an extra column.

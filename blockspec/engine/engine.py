@@ -45,10 +45,11 @@ class Flight:
 
 
 def row_invariance(asked: bool | None, model: torch.nn.Module) -> bool:
-    """EngineConfig.row_invariant for this target: None is on where it costs little, bf16/fp16 on
-    the CPU (fp32 GEMMs there run several times slower in row tiles, and fp32 seldom meets the
-    near-ties that flip). Not for linear-attention layers, nor for MoE layers on CUDA (the expert
-    kernel's tiles follow each expert's rows)."""
+    """EngineConfig.row_invariant for this target: None is on for bf16/fp16 on the CPU, the CLI's
+    default there, where identical requests otherwise give different texts; off for fp32 there (its
+    GEMMs run several times slower in row tiles, and fp32 seldom meets the near-ties that flip) and
+    on CUDA (a step 12-33% slower at Qwen3-8B). Not for linear-attention layers, nor for MoE layers
+    on CUDA (the expert kernel's tiles follow each expert's rows)."""
     weight = model.lm_head.weight
     unsupported = "linear-attention" if any(layer.cache_kind == RECURRENT_STATE for layer in model.layers) else None
     if weight.is_cuda and any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):

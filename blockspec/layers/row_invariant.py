@@ -15,9 +15,10 @@ that do not depend on the call:
   of a call on a scalar path that rounds differently from the vector one (fp32 SiLU: 4% of them),
   and which elements those are depends on the call's size. A last-bit difference in float64
   survives the rounding to fp32 about once in 2**29.
-Norms, rope, residual adds and sampling compute each row on its own already. The cost is the
-padding and the smaller GEMMs (`docs/benchmarks.md`); the engine turns it on where that is small
-(`EngineConfig.row_invariant`)."""
+Norms, rope, residual adds and sampling compute each row on its own already. On CUDA the Triton
+kernels take fixed shapes instead (`linear.invariant_linear`, `kernels.rms_norm`,
+`kernels.paged_attention.invariant_launch`). The cost (the padding, smaller GEMMs, ops apart that
+are fused otherwise) is in `docs/benchmarks.md`; `EngineConfig.row_invariant` says where it is on."""
 
 from collections.abc import Callable
 
