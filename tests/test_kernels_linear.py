@@ -256,7 +256,6 @@ def test_fused_linear_matches_the_unfused_ops(rows, dtype, kind):
 
 
 @runs_kernel
-@runs_kernel
 @pytest.mark.parametrize("fused", ["plain", "norm_swiglu", "residual"])
 def test_invariant_linear_gives_a_row_the_same_bits_at_any_row_count(fused):
     """Row invariance (`linear_module.invariant_linear`): the MMA kernel without a split of K at every
@@ -299,6 +298,7 @@ def test_rms_norm_kernel_is_the_reference_a_row_at_a_time():
             torch.testing.assert_close(together, rms_norm_ref(x, weight, 1e-6), rtol=tol, atol=tol)
 
 
+@runs_kernel
 def test_kernel_empty_and_batched_input():
     dtype = torch.float32
     w = torch.randn(40, 32, device=DEVICE)
