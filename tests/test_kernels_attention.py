@@ -255,6 +255,7 @@ def test_invariant_launch_matches_reference_and_gives_a_row_the_same_bits_alone(
     (small splits here, so that rows span several, some empty), and each real row of the batch the
     same bits as that row attending alone, as a decode step computes it."""
     monkeypatch.setattr(paged_attention_module, "INVARIANT_SPLIT_KEYS", 64)
+    monkeypatch.setattr(paged_attention_module, "INVARIANT_QUERY_ROWS", 24)  # the prefill: launches of 12 rows
     case = make_case(*CASES[name], dtype=DTYPES[0])
     case["sinks"] = head_sinks(case["q"].shape[2]) if sinks else None
     together = paged_attention_triton(**case, invariant=True)

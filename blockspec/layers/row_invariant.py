@@ -29,6 +29,7 @@ from blockspec.layers.fast_path import active_kernels
 
 ROW_TILE = 16  # rows per GEMM: a verify block of up to 16 tokens is one tile
 KEY_CHUNK = 128  # key positions per attention GEMM
+CONTIGUOUS = torch.contiguous_format  # a permuted view converted in one copy, laid out as the GEMM reads it
 
 
 def row_invariant() -> bool:
@@ -79,8 +80,8 @@ def tiled_attention(
     k, v = (gather_pages(c, block_tables, page_size) for c in (k_cache, v_cache))  # [B, Lp, Hkv, D]
     chunks, Hkv = k.shape[1] // chunk, k.shape[2]
     # [B, Hkv, chunks, D, C] and [B, Hkv, chunks, C, D]: a chunk is the last two dims
-    kc = k.view(B, chunks, chunk, Hkv, D).permute(0, 3, 1, 4, 2).float()
-    vc = v.view(B, chunks, chunk, Hkv, D).permute(0, 3, 1, 2, 4).float()
+    kc = k.view(B, chunks, chunk, Hkv, D).permute(0, 3, 1, 4, 2).to(torch.float32, memory_format=CONTIGUOUS)
+    vc = v.view(B, chunks, chunk, Hkv, D).permute(0, 3, 1, 2, 4).to(torch.float32, memory_format=CONTIGUOUS)
     pos = torch.arange(chunks * chunk, device=q.device)
     out = torch.empty_like(q)
     for s0 in range(0, S, ROW_TILE):
@@ -110,19 +111,19 @@ def _attend_tile(
     B, R, Hq, D = q.shape
     Hkv, chunks, chunk = kc.shape[1], kc.shape[2], kc.shape[4]
     G = Hq // Hkv
-    qt = F.pad(q.float(), (0, 0, 0, 0, 0, ROW_TILE - R)).view(B, ROW_TILE, Hkv, G, D)
+    qt = F.pad(q.float() * scale, (0, 0, 0, 0, 0, ROW_TILE - R)).view(B, ROW_TILE, Hkv, G, D)
     qt = qt.permute(0, 2, 1, 3, 4).reshape(B, Hkv, 1, ROW_TILE * G, D)
-    scores = (qt @ kc)[..., : R * G, :] * scale  # [B, Hkv, chunks, R * G, C]
-    mask = visible.view(B, R, 1, chunks, chunk).expand(B, R, G, chunks, chunk)
-    scores = scores.masked_fill(~mask.reshape(B, 1, R * G, chunks, chunk).transpose(2, 3), float("-inf"))
-    top = scores.amax(dim=(2, 4), keepdim=True)
+    scores = (qt @ kc)[..., : R * G, :].view(B, Hkv, chunks, R, G, chunk)
+    hidden = ~visible.view(B, R, chunks, chunk).transpose(1, 2)[:, None, :, :, None, :]  # [B, 1, chunks, R, 1, C]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    top = scores.amax(dim=(2, 5), keepdim=True)  # [B, Hkv, 1, R, G, 1]
     top = torch.where(top == float("-inf"), 0.0, top)  # rows without keys
     p = torch.exp((scores - top).double()).float()
-    total = p.sum(dim=4).cumsum(dim=2)[:, :, -1]  # [B, Hkv, R * G]
+    total = p.sum(dim=5).cumsum(dim=2)[:, :, -1]  # [B, Hkv, R, G]
     if sinks is not None:
-        sink = sinks.float().view(1, Hkv, 1, G).expand(1, Hkv, R, G).reshape(1, Hkv, R * G)
-        total = total + torch.exp((sink - top[:, :, 0, :, 0]).double()).float()
-    p = F.pad(p, (0, 0, 0, (ROW_TILE - R) * G))
-    acc = (p @ vc).cumsum(dim=2)[:, :, -1, : R * G]  # [B, Hkv, R * G, D]
+        sink = sinks.float().view(1, Hkv, 1, G)
+        total = total + torch.exp((sink - top[:, :, 0, :, :, 0]).double()).float()
+    p = F.pad(p.view(B, Hkv, chunks, R * G, chunk), (0, 0, 0, (ROW_TILE - R) * G))
+    acc = (p @ vc).cumsum(dim=2)[:, :, -1, : R * G].view(B, Hkv, R, G, D)
     out = torch.where(total[..., None] > 0, acc / total[..., None], 0.0)
-    return out.view(B, Hkv, R, G, D).transpose(1, 2).reshape(B, R, Hq, D).to(q.dtype)
+    return out.permute(0, 2, 1, 3, 4).reshape(B, R, Hq, D).to(q.dtype)

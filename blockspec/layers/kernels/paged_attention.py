@@ -455,8 +455,10 @@ def split_flags(num_splits: int, block_m: int) -> dict:
     return {"SPLIT": num_splits > 1, "ARRIVE": 1 < num_splits <= ARRIVE_MAX_SPLITS, "UNROLL": max(1, 64 // block_m)}
 
 
-# Row invariance: keys split at fixed positions, this many a split.
+# Row invariance: keys split at fixed positions, this many a split; a long prefill's query rows
+# attend this many (over the batch) a launch, which bounds the splits' partials (fp32, a split each).
 INVARIANT_SPLIT_KEYS = 512
+INVARIANT_QUERY_ROWS = 256
 
 
 def invariant_launch(rows: int, max_keys: int) -> tuple[int, int, int, dict]:
@@ -518,12 +520,21 @@ def paged_attention_triton(
     when given). `num_splits` overrides the split-K heuristic (1: no split). `sinks` [Hq]: each
     head's attention-sink logit (gpt-oss; None: no sinks); with sinks a row that sees no key gets
     zeros, as in the reference (the sink takes all its weight). `invariant`: each row's result the
-    same bits whatever the batch (`invariant_launch`)."""
+    same bits whatever the batch (`invariant_launch`; a long prefill's rows in several launches)."""
     B, S, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    rows_per_call = max(1, INVARIANT_QUERY_ROWS // B)
+    if invariant and S > rows_per_call:  # a row's result does not depend on the rows beside it
+        for s0 in range(0, S, rows_per_call):
+            part = slice(s0, s0 + rows_per_call)
+            paged_attention_triton(
+                q[:, part], k_cache, v_cache, block_tables, k_start[:, part], k_end[:, part], page_size, scale,
+                out=out[:, part], sinks=sinks, invariant=True,
+            )  # fmt: skip
+        return out
     if invariant:
         block_m, tiles, num_splits, flags = invariant_launch(S * (Hq // Hkv), block_tables.shape[1] * page_size)
     else:
