@@ -34,9 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--row-invariant",
         choices=ROW_INVARIANT_WORDS,
-        default="auto",
-        help="each row's numbers independent of the batch, so a greedy request's output is the same alone or in "
-        "any batch and equals plain decoding (auto: on for bf16/fp16 on the CPU; costs in docs/benchmarks.md)",
+        default="off",
+        help="on: each row's numbers independent of the batch, so a greedy request's output is the same alone or in "
+        "any batch and equals plain decoding (slower: docs/benchmarks.md)",
     )
 
 

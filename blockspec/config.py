@@ -70,7 +70,7 @@ class KernelConfig:
 
 
 # The command lines' --row-invariant words -> EngineConfig.row_invariant
-ROW_INVARIANT_WORDS = {"auto": None, "on": True, "off": False}
+ROW_INVARIANT_WORDS = {"off": False, "on": True}
 
 
 @dataclass
@@ -98,10 +98,10 @@ class EngineConfig:
     mxfp4_experts: bool = False
     # Each row's numbers independent of how many rows share its GEMMs and attention (batch size, draft
     # width, prefill chunking), so that a request's output does not depend on the load and greedy
-    # speculative decoding equals plain decoding bit for bit (`blockspec.layers.row_invariant`);
-    # None: on for bf16/fp16 on the CPU (the CLI's default there), off on CUDA; it is not free on either
-    # (docs/benchmarks.md, *row-invariant*). Not for linear-attention targets, nor MoE ones on CUDA.
-    row_invariant: bool | None = None
+    # speculative decoding equals plain decoding bit for bit (`blockspec.layers.row_invariant`).
+    # Off by default: its cost is not small yet on either device (docs/benchmarks.md,
+    # *row-invariant*). Not for linear-attention targets, nor MoE ones on CUDA.
+    row_invariant: bool = False
     # The CUDA fast paths' switches, put in force for the process when the engine is built.
     kernels: KernelConfig = field(default_factory=KernelConfig)
 

@@ -42,7 +42,7 @@ from blockspec.proposers.base import Proposal, Proposer
 @pytest.fixture(autouse=True)
 def kernels_in_force():
     """Each test ends with the switches in force that it began with: an engine built in one (with
-    row invariance, on by default in bf16 on the CPU) does not change the next one's ops."""
+    row invariance, say) does not change the ops of the next."""
     before = active_kernels()
     yield
     use_kernels(before)

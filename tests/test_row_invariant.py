@@ -136,10 +136,10 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(qwen3_pair, dtype):
         assert alone == together, spec
 
 
-def test_row_invariance_is_on_by_default_in_half_precision_on_the_cpu(qwen3_pair, tmp_path):
+def test_row_invariance_is_asked_for_and_refused_where_unsupported(qwen3_pair, tmp_path):
     t, _ = qwen3_pair
-    assert LLM(t, None, device="cpu", dtype="bfloat16").engine.kernels.row_invariant
-    assert not LLM(t, None, device="cpu", dtype="float32").engine.kernels.row_invariant
+    assert not LLM(t, None, device="cpu", dtype="bfloat16").engine.kernels.row_invariant
+    assert LLM(t, None, device="cpu", dtype="bfloat16", row_invariant=True).engine.kernels.row_invariant
     hybrid = make_target(tmp_path / "hybrid", "qwen3_5", layers=4)
     assert not LLM(str(hybrid), None, device="cpu", dtype="bfloat16").engine.kernels.row_invariant
     with pytest.raises(ValueError, match="row_invariant: not supported for targets with linear-attention layers"):
@@ -147,7 +147,7 @@ def test_row_invariance_is_on_by_default_in_half_precision_on_the_cpu(qwen3_pair
 
 
 def test_shipped_pair_in_bf16_is_the_same_alone_in_a_batch_and_plain():
-    """The CLI's default on this CPU: bf16, row invariance on by default."""
+    """bf16, the CLI's default dtype on this CPU, with row invariance."""
     try:
         default_gguf_path()
     except FileNotFoundError as exc:
@@ -155,8 +155,8 @@ def test_shipped_pair_in_bf16_is_the_same_alone_in_a_batch_and_plain():
     questions = ["Explain what a hash table is.", "Write a haiku about autumn.", "What is recursion?"]
     fillers = ["Name a prime number.", "Say hello in French.", "What is 2 + 2?", "Describe the sea.", "Count to five."]
     params = SamplingParams(temperature=0, max_tokens=48)
-    plain = LLM(device="cpu", dtype="bfloat16", speculative_config=None)
-    spec = LLM(device="cpu", dtype="bfloat16")
+    plain = LLM(device="cpu", dtype="bfloat16", speculative_config=None, row_invariant=True)
+    spec = LLM(device="cpu", dtype="bfloat16", row_invariant=True)
     chat = [[{"role": "user", "content": q}] for q in questions + fillers * 3]
     prompts = [spec.chat_prompt(c) for c in chat]
     expected, together = alone_and_in_batch(plain, params, prompts[:3], prompts[3:16])

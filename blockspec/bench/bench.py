@@ -365,8 +365,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--row-invariant",
         choices=ROW_INVARIANT_WORDS,
-        default="auto",
-        help="EngineConfig.row_invariant (auto: its default)",
+        default="off",
+        help="EngineConfig.row_invariant",
     )
     p.add_argument("--out", default="bench.json")
 

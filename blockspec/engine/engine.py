@@ -44,31 +44,23 @@ class Flight:
     timed: bool  # False: its time is not a measure of its width (a prefill or a capture ran in it)
 
 
-def row_invariance(asked: bool | None, model: torch.nn.Module) -> bool:
-    """EngineConfig.row_invariant for this target: None is on for bf16/fp16 on the CPU, the CLI's
-    default there, where identical requests otherwise give different texts; off for fp32 there (its
-    GEMMs run several times slower in row tiles, and fp32 seldom meets the near-ties that flip) and
-    on CUDA (a step 12-33% slower at Qwen3-8B). Not for linear-attention layers, nor for MoE layers
-    on CUDA (the expert kernel's tiles follow each expert's rows)."""
-    weight = model.lm_head.weight
+def check_row_invariance(model: torch.nn.Module) -> None:
+    """EngineConfig.row_invariant's targets: not those with linear-attention layers, nor those with
+    MoE layers on CUDA (the expert kernel's tiles follow each expert's rows)."""
     unsupported = "linear-attention" if any(layer.cache_kind == RECURRENT_STATE for layer in model.layers) else None
-    if weight.is_cuda and any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
+    if model.lm_head.weight.is_cuda and any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
         unsupported = unsupported or "MoE (on CUDA)"
     if unsupported is not None:
-        if asked:
-            raise ValueError(f"row_invariant: not supported for targets with {unsupported} layers")
-        return False
-    if asked is not None:
-        return asked
-    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+        raise ValueError(f"row_invariant: not supported for targets with {unsupported} layers")
 
 
 class LLMEngine:
     def __init__(
         self, target: Target, drafter: Drafter | None, spec: SpeculativeConfig | None, config: EngineConfig
     ) -> None:
-        invariant = row_invariance(config.row_invariant, target.model)
-        self.kernels = use_kernels(replace(config.kernels, row_invariant=invariant))
+        if config.row_invariant:
+            check_row_invariance(target.model)
+        self.kernels = use_kernels(replace(config.kernels, row_invariant=config.row_invariant))
         if config.fold_norms is not None and config.fold_norms != target.model.norms_folded:
             raise ValueError(
                 f"fold_norms={config.fold_norms} is a load option: this target was loaded with its norms "

@@ -18,7 +18,8 @@ that do not depend on the call:
 Norms, rope, residual adds and sampling compute each row on its own already. On CUDA the Triton
 kernels take fixed shapes instead (`linear.invariant_linear`, `kernels.rms_norm`,
 `kernels.paged_attention.invariant_launch`). The cost (the padding, smaller GEMMs, ops apart that
-are fused otherwise) is in `docs/benchmarks.md`; `EngineConfig.row_invariant` says where it is on."""
+are fused otherwise) is in `docs/benchmarks.md`, and not yet small: `EngineConfig.row_invariant`
+is off by default."""
 
 from collections.abc import Callable
 
