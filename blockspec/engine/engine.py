@@ -19,6 +19,7 @@ from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_
 from blockspec.layers.decoder import RECURRENT_STATE
 from blockspec.layers.fast_path import restore_kernels, use_kernels
 from blockspec.layers.gated_deltanet import fla_kernels
+from blockspec.layers.kernels import kernel_module
 from blockspec.layers.moe import SparseMoE
 from blockspec.loading.hf import Target
 from blockspec.models.registry import Drafter
@@ -46,12 +47,16 @@ class Flight:
 
 def check_row_invariance(model: torch.nn.Module) -> None:
     """EngineConfig.row_invariant's targets: not those with linear-attention layers, nor those with
-    MoE layers on CUDA (the expert kernel's tiles follow each expert's rows)."""
+    MoE layers on CUDA (the expert kernel's tiles follow each expert's rows); on CUDA, with triton
+    (torch's CUDA scans and reductions pick their order by the shape)."""
     unsupported = "linear-attention" if any(layer.cache_kind == RECURRENT_STATE for layer in model.layers) else None
-    if model.lm_head.weight.is_cuda and any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
+    cuda = model.lm_head.weight.is_cuda
+    if cuda and any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
         unsupported = unsupported or "MoE (on CUDA)"
     if unsupported is not None:
         raise ValueError(f"row_invariant: not supported for targets with {unsupported} layers")
+    if cuda and kernel_module("paged_attention") is None:
+        raise ValueError("row_invariant on CUDA runs Triton kernels: pip install triton")
 
 
 class LLMEngine:

@@ -71,7 +71,8 @@ def tiled_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention.paged_attention_ref` (same arguments and result) in float32, one query tile and
-    key chunk a GEMM. The block tables are padded with the trash page 0 to whole chunks: the pools
+    key chunk a GEMM (CPU: its cumsum is a sequential scan; CUDA runs the Triton kernel's
+    `invariant_launch` instead). The block tables are padded with the trash page 0 to whole chunks: the pools
     start zeroed and hold only computed K/V, so a masked key's value is finite and its zero weight
     adds exact zeros. A row with no visible key gives zeros."""
     B, S, _, D = q.shape
