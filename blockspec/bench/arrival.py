@@ -9,14 +9,13 @@ engine bench's JSON shape (`blockspec.bench.report` renders it)."""
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
 
 import torch
 
 from blockspec.bench.bench import load, sync
+from blockspec.bench.meta import run_meta
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.sequence import Sequence
@@ -94,14 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = [run_budget(target, drafter, args, int(b)) for b in args.budgets.split(",")]
     for r in rows:
         print(json.dumps(r))
-    meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype),
-        "model": args.model,
-        "draft": args.draft,
-        "simulated_tau": args.simulate_tau,
-        "command": " ".join(["python -m blockspec.bench.arrival", *map(shlex.quote, sys.argv[1:])]),
-    }
+    meta = run_meta(
+        "blockspec.bench.arrival", device, dtype, model=args.model, draft=args.draft, simulated_tau=args.simulate_tau
+    )
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=2)
 

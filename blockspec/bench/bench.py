@@ -12,13 +12,12 @@ weights, `--simulate-tau` sets the acceptance pattern (`proposers.simulated`); t
 import argparse
 import itertools
 import json
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from blockspec.bench.meta import run_meta
 from blockspec.bench.presets import is_preset, random_drafter, random_target
 from blockspec.config import ROW_INVARIANT_WORDS, EngineConfig, KernelConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
@@ -377,15 +376,10 @@ def run(args: argparse.Namespace) -> None:
     args.draft = None if args.draft == "none" else args.draft
     target, drafter = load(args, device, dtype)
     bandwidth = copy_bandwidth(device)
-    meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype),
-        "model": args.model,
-        "draft": args.draft,
-        "bandwidth_Bps": bandwidth,
-        "simulated_tau": args.simulate_tau,
-        "command": " ".join(["python -m blockspec.bench.bench", *map(shlex.quote, sys.argv[1:])]),
-    }
+    meta = run_meta(
+        "blockspec.bench.bench", device, dtype, model=args.model, draft=args.draft, bandwidth_Bps=bandwidth,
+        simulated_tau=args.simulate_tau,
+    )  # fmt: skip
     results = []
     for prompt_len in [int(n) for n in args.prompt_len.split(",")]:
         for batch in [int(b) for b in args.batch_sizes.split(",")]:

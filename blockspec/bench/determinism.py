@@ -7,13 +7,10 @@ Rows in the acceptance bench's shape, for `bench.report`."""
 
 import argparse
 import json
-import shlex
-import sys
 from pathlib import Path
 
-import torch
-
 from blockspec.bench.acceptance import humaneval_prompts, mtbench_prompts
+from blockspec.bench.meta import run_meta
 from blockspec.llm import DEFAULT_DRAFTER, LLM
 from blockspec.sampling import SamplingParams
 
@@ -62,16 +59,8 @@ def run(args: argparse.Namespace) -> None:
                 f"alone == batch {row['alone_equals_batch']}",
                 flush=True,
             )
-            Path(args.out).write_text(json.dumps({"meta": meta(args, spec), "results": results}, indent=2))
-
-
-def meta(args: argparse.Namespace, llm: LLM) -> dict:
-    device = llm.engine.device
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(llm.dtype),
-        "command": " ".join(["python -m blockspec.bench.determinism", *map(shlex.quote, sys.argv[1:])]),
-    }
+            meta = run_meta("blockspec.bench.determinism", spec.engine.device, spec.dtype)
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
