@@ -187,6 +187,61 @@ def twin_head_pair(root: Path, family: str, gap: float) -> tuple[str, str]:
     return str(target), str(make_drafter(root / f"{family}_drafter", target, block_size=8))
 
 
+def random_prompts(n: int, seed: int = 3) -> list[list[int]]:
+    """n random prompts of 3 to 40 tokens (ids 3..127)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 128, (int(torch.randint(3, 41, (), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
+
+
+INVARIANCE_PROMPTS = [[5, 9, 3], [7, 11, 40, 2, 8, 100, 17, 64, 31, 12], [(7 * i) % 120 + 3 for i in range(29)]]
+
+
+def alone_and_in_batch(llm, params, prompts: list, others: list) -> tuple[list, list]:
+    """The prompts' output tokens each alone, and in one batch with the others after them."""
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    batch = [o.outputs[0].token_ids for o in llm.generate(list(prompts) + list(others), params)[: len(prompts)]]
+    return alone, batch
+
+
+def assert_row_invariant_pair(target: str, drafter: str, device: str, dtype: str, specs: list[dict]) -> None:
+    """Under row invariance, three prompts' greedy tokens alone and in a batch of 16 are one
+    sequence under plain decoding and under each speculative config of `specs` (the drafter's
+    directory filled in)."""
+    from blockspec import LLM, SamplingParams
+
+    prompts, others = INVARIANCE_PROMPTS, random_prompts(13)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target, None, device=device, dtype=dtype, row_invariant=True)
+    expected, batch = alone_and_in_batch(plain, params, prompts, others)
+    assert batch == expected
+    for spec in specs:
+        llm = LLM(target, {"model": drafter, **spec}, device=device, dtype=dtype, row_invariant=True)
+        assert alone_and_in_batch(llm, params, prompts, others) == (expected, expected), spec
+
+
+def assert_shipped_pair_row_invariant(device: str, max_tokens: int) -> None:
+    """The shipped pair in bf16 under row invariance: three chat prompts' greedy tokens alone and in
+    a batch of 16 are one sequence, speculative and plain. Skipped without the embedded GGUF."""
+    from blockspec import LLM, SamplingParams
+    from blockspec.loading.gguf import default_gguf_path
+
+    try:
+        default_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(f"embedded GGUF target absent: {exc}")
+    questions = ["Explain what a hash table is.", "Write a haiku about autumn.", "What is recursion?"]
+    fillers = ["Name a prime number.", "Say hello in French.", "What is 2 + 2?", "Describe the sea.", "Count to five."]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    plain = LLM(device=device, dtype="bfloat16", speculative_config=None, row_invariant=True)
+    spec = LLM(device=device, dtype="bfloat16", row_invariant=True)
+    prompts = [spec.chat_prompt([{"role": "user", "content": q}]) for q in questions + fillers * 3]
+    expected, batch = alone_and_in_batch(plain, params, prompts[:3], prompts[3:16])
+    assert batch == expected
+    assert alone_and_in_batch(spec, params, prompts[:3], prompts[3:16]) == (expected, expected)
+
+
 def add_word_tokenizer(path: Path, vocab: int) -> Path:
     """A word-level tokenizer over tokens w0..w{vocab-1} (decoded space-separated), with eos w2
     and a tiny chat template, so text prompts, stop strings and chat work on tiny models."""

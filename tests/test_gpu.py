@@ -5,7 +5,15 @@ import json
 
 import pytest
 import torch
-from conftest import make_dflash2, make_drafter, make_dspark, make_target, twin_head_pair
+from conftest import (
+    assert_row_invariant_pair,
+    assert_shipped_pair_row_invariant,
+    make_dflash2,
+    make_drafter,
+    make_dspark,
+    make_target,
+    twin_head_pair,
+)
 from test_hybrid_targets import hybrid_target
 from test_moe_targets import to_mxfp4_checkpoint
 
@@ -287,34 +295,8 @@ def test_row_invariant_greedy_is_the_same_alone_in_a_batch_at_any_width_and_plai
     and under plain decoding are one sequence. The twins' gap is about a bf16 step, so that near-ties
     survive the weights' rounding."""
     t, d = twin_head_pair(tmp_path, "qwen3", 4e-3 if dtype == "bfloat16" else 1e-5)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [list(p) for p in PROMPTS[:3]]
-    others = [[(5 * i + j) % 120 + 3 for j in range(3 + 7 * i)] for i in range(13)]
-
-    def alone_and_batch(llm):
-        alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-        batch = [o.outputs[0].token_ids for o in llm.generate(prompts + others, params)[:3]]
-        return alone, batch
-
-    expected, batch = alone_and_batch(LLM(t, None, device="cuda", dtype=dtype, row_invariant=True))
-    assert batch == expected
-    for spec in ({"model": d, "adaptive_width": False}, {"model": d}):
-        llm = LLM(t, spec, device="cuda", dtype=dtype, row_invariant=True)
-        assert alone_and_batch(llm) == (expected, expected), spec
+    assert_row_invariant_pair(t, d, "cuda", dtype, [{"adaptive_width": False}, {}])
 
 
 def test_row_invariant_shipped_pair_in_bf16_equals_plain():
-    from blockspec.loading.gguf import default_gguf_path
-
-    try:
-        default_gguf_path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"embedded GGUF target absent: {exc}")
-    questions = ["Explain what a hash table is.", "Write a haiku about autumn.", "What is recursion?"]
-    params = SamplingParams(temperature=0, max_tokens=128)
-    plain = LLM(device="cuda", dtype="bfloat16", speculative_config=None, row_invariant=True)
-    spec = LLM(device="cuda", dtype="bfloat16", row_invariant=True)
-    prompts = [spec.chat_prompt([{"role": "user", "content": q}]) for q in questions]
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
-    assert [spec.generate(p, params)[0].outputs[0].token_ids for p in prompts] == expected
+    assert_shipped_pair_row_invariant("cuda", max_tokens=128)

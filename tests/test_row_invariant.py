@@ -6,14 +6,21 @@ reproduces across batches."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_target, twin_head_pair
+from conftest import (
+    INVARIANCE_PROMPTS,
+    alone_and_in_batch,
+    assert_row_invariant_pair,
+    assert_shipped_pair_row_invariant,
+    make_target,
+    random_prompts,
+    twin_head_pair,
+)
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig
 from blockspec.layers.attention import paged_attention_ref
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.row_invariant import ROW_TILE, elementwise, tiled_attention, tiled_linear
-from blockspec.loading.gguf import default_gguf_path
 
 DTYPES = [torch.float32, torch.bfloat16]
 # The target's LM head rows come in twins this far apart (relative): whichever token leads, its twin's
@@ -77,34 +84,13 @@ def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_bat
 
 
 def test_elementwise_runs_in_float64_only_under_row_invariance():
-    x = torch.randn(1000) * 4
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 4
     exact = F.silu(x.double()).float()
+    assert not torch.equal(exact, F.silu(x))  # the two ways round differently somewhere: the test tells them apart
     use_kernels(KernelConfig(row_invariant=True))
     assert torch.equal(elementwise(F.silu, x), exact)
     use_kernels(KernelConfig(row_invariant=False))
     assert torch.equal(elementwise(F.silu, x), F.silu(x))
-
-
-def others(n: int, seed: int = 3) -> list[list[int]]:
-    """n random prompts of 3 to 40 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(3, 128, (int(torch.randint(3, 41, (), generator=g)),), generator=g).tolist() for _ in range(n)
-    ]
-
-
-TARGETS = [[5, 9, 3], [7, 11, 40, 2, 8, 100, 17, 64, 31, 12], [(7 * i) % 120 + 3 for i in range(29)]]
-
-
-def outputs(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
-def alone_and_in_batch(llm: LLM, params: SamplingParams, prompts=TARGETS, batch=None) -> tuple[list, list]:
-    """The target prompts' outputs each alone, and in one batch of 16 with random others."""
-    alone = [outputs(llm, [p], params)[0] for p in prompts]
-    together = outputs(llm, list(prompts) + (batch or others(16 - len(prompts))), params)[: len(prompts)]
-    return alone, together
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +103,7 @@ def qwen3_pair(tmp_path_factory):
 def test_greedy_output_is_the_same_alone_in_a_batch_at_any_width_and_plain(tmp_path, family, dtype):
     """Dense, MoE (experts' rows grouped per expert) and sliding-window + sinks attention."""
     t, d = twin_head_pair(tmp_path, family, TWIN_GAP)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(t, None, device="cpu", dtype=dtype, row_invariant=True)
-    expected, together = alone_and_in_batch(plain, params)
-    assert together == expected
-    for spec in ({"model": d, "adaptive_width": False}, {"model": d}, {"model": d, "num_speculative_tokens": 3}):
-        llm = LLM(t, spec, device="cpu", dtype=dtype, row_invariant=True)
-        assert alone_and_in_batch(llm, params) == (expected, expected), spec
+    assert_row_invariant_pair(t, d, "cpu", dtype, [{"adaptive_width": False}, {}, {"num_speculative_tokens": 3}])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -132,7 +112,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(qwen3_pair, dtype):
     params = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=11)
     for spec in (None, {"model": d, "adaptive_width": False}):
         llm = LLM(t, spec, device="cpu", dtype=dtype, row_invariant=True)
-        alone, together = alone_and_in_batch(llm, params)
+        alone, together = alone_and_in_batch(llm, params, INVARIANCE_PROMPTS, random_prompts(13))
         assert alone == together, spec
 
 
@@ -148,17 +128,4 @@ def test_row_invariance_is_asked_for_and_refused_where_unsupported(qwen3_pair, t
 
 def test_shipped_pair_in_bf16_is_the_same_alone_in_a_batch_and_plain():
     """bf16, the CLI's default dtype on this CPU, with row invariance."""
-    try:
-        default_gguf_path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"embedded GGUF target absent: {exc}")
-    questions = ["Explain what a hash table is.", "Write a haiku about autumn.", "What is recursion?"]
-    fillers = ["Name a prime number.", "Say hello in French.", "What is 2 + 2?", "Describe the sea.", "Count to five."]
-    params = SamplingParams(temperature=0, max_tokens=48)
-    plain = LLM(device="cpu", dtype="bfloat16", speculative_config=None, row_invariant=True)
-    spec = LLM(device="cpu", dtype="bfloat16", row_invariant=True)
-    chat = [[{"role": "user", "content": q}] for q in questions + fillers * 3]
-    prompts = [spec.chat_prompt(c) for c in chat]
-    expected, together = alone_and_in_batch(plain, params, prompts[:3], prompts[3:16])
-    assert together == expected
-    assert alone_and_in_batch(spec, params, prompts[:3], prompts[3:16]) == (expected, expected)
+    assert_shipped_pair_row_invariant("cpu", max_tokens=48)
