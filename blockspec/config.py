@@ -111,3 +111,5 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
+        if self.kernels.row_invariant:  # the engine sets it from row_invariant: it would be overridden
+            raise ValueError("set EngineConfig.row_invariant, not kernels.row_invariant (the engine sets that one)")

@@ -124,6 +124,8 @@ def test_row_invariance_is_asked_for_and_refused_where_unsupported(qwen3_pair, t
     assert not LLM(str(hybrid), None, device="cpu", dtype="bfloat16").engine.kernels.row_invariant
     with pytest.raises(ValueError, match="row_invariant: not supported for targets with linear-attention layers"):
         LLM(str(hybrid), None, device="cpu", row_invariant=True)
+    with pytest.raises(ValueError, match="set EngineConfig.row_invariant, not kernels.row_invariant"):
+        LLM(t, None, device="cpu", kernels=KernelConfig(row_invariant=True))
 
 
 def test_shipped_pair_in_bf16_is_the_same_alone_in_a_batch_and_plain():

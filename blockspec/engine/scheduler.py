@@ -70,12 +70,13 @@ class Scheduler:
         the running sequences decode between its chunks. Every sequence with unprocessed tokens
         counts, not only the newly admitted: after a failed prefill (e.g. out of memory) the next
         step redoes it."""
-        chunks, limit = [], self.config.max_num_batched_tokens
+        chunks, limit, longest = [], self.config.max_num_batched_tokens, 0
         for seq in self.running:
             if not seq.needs_prefill:
                 continue
             n = min(seq.num_pending_prefill, limit)
-            if chunks and (len(chunks) + 1) * max(n, *(c for _, c in chunks)) > limit:
+            longest = max(longest, n)
+            if chunks and (len(chunks) + 1) * longest > limit:
                 break
             chunks.append((seq, n))
         return chunks

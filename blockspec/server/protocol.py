@@ -139,14 +139,13 @@ class CompletionRequest(SamplingRequest):
     # one prompt, or a batch (each its own choices); strict: true is no token id
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False  # the prompt's text before each choice's
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top ones'
 
     @property
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (each its own choices)."""
         batch = isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int)
         return self.prompt if batch else [self.prompt]
-
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top ones'
 
 
 class TextPart(OpenAIModel):

@@ -526,8 +526,8 @@ def paged_attention_triton(
     q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    rows_per_call = max(1, INVARIANT_QUERY_ROWS // B)
-    if invariant and S > rows_per_call:  # a row's result does not depend on the rows beside it
+    rows_per_call = max(1, INVARIANT_QUERY_ROWS // B) if invariant else S
+    if S > rows_per_call:  # row invariance: a row's result does not depend on the rows beside it
         for s0 in range(0, S, rows_per_call):
             part = slice(s0, s0 + rows_per_call)
             paged_attention_triton(
