@@ -29,7 +29,7 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from blockspec.layers.fast_path import active_kernels, use_kernels
+from blockspec.layers.fast_path import active_kernels, restore_kernels
 from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_config, load_target, target_family
 from blockspec.models.dflash import DFlashDrafter
@@ -45,7 +45,7 @@ def kernels_in_force():
     row invariance, say) does not change the ops of the next."""
     before = active_kernels()
     yield
-    use_kernels(before)
+    restore_kernels(before)
 
 
 FAMILIES = {

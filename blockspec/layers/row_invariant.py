@@ -1,7 +1,8 @@
 """Row-invariant numerics: each row's result is the same bits whatever rows share the call.
 
 A GEMM library picks its kernel, blocking and split of the reduction by the shape of the call
-(MKL's fp32 GEMM rounds row 0 differently at 1, 2, 4 and 16 rows; cuBLAS splits K at small M),
+(MKL's fp32 GEMM rounds row 0 differently at 1, 2, 4 and 16 rows; the skinny kernel takes a GEMV
+at one row and splits K by the row count),
 and attention kernels split the keys by the batch. A token's logits then move with the batch
 size, the draft width and the prefill chunking, near-ties flip, and bf16 speculative decoding
 leaves plain decoding. With `KernelConfig.row_invariant` in force every product runs at shapes
