@@ -78,7 +78,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the model's
     page_size: int = 16  # tokens per KV page
-    num_pages: int | None = None  # KV pages per pool; None: sized from max_num_seqs and max_model_len
+    # KV pages of the full-attention layers' pools; None: sized from max_num_seqs and max_model_len
+    # (sliding layers' pools hold windows, sized to their bound: `kv_cache_manager.window_pool_pages`)
+    num_pages: int | None = None
     max_num_batched_tokens: int = 8192  # prompt tokens admitted per prefill
     # Share the K/V pages of common prompt prefixes between requests (`engine.kv_cache`); None: on
     # where every target layer keeps K/V pages (a linear-attention layer's state is no page's).

@@ -14,7 +14,7 @@ from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target,
 
 from blockspec.bench import acceptance, arrival, bench, determinism, report
 from blockspec.config import EngineConfig
-from blockspec.engine.kv_cache import cache_bytes
+from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
 from blockspec.loading.hf import load_target
 
 
@@ -75,7 +75,7 @@ def test_hybrid_floor_counts_states_and_context_kv_at_each_prompt_length(tmp_pat
     flags = ("--batch-sizes", "2", "--steps", "2", "--prompt-len", "16,48")
     args, report = run_bench(tmp_path, monkeypatch, "random:small-hybrid", *flags)
     target, drafter = bench.load(args, torch.device("cpu"), torch.float32)
-    per_token, per_slot = cache_bytes(target.model.layers, 4)
+    per_token, per_slot = sum(kv_token_bytes(target.model.layers, 4).values()), state_bytes(target.model.layers, 4)
     assert per_slot == 6 * (4 * 64 * 64 * 4 + (2 * 128 + 256) * 3 * 4)  # 6 layers: fp32 state, conv's last 3 inputs
     assert per_token == 2 * (2 * 2 * 64 * 4)  # 2 full-attention layers, 2 K/V heads
     rows = report["results"]
@@ -83,7 +83,7 @@ def test_hybrid_floor_counts_states_and_context_kv_at_each_prompt_length(tmp_pat
     for row, d, prompt_len in zip(rows, (None, drafter) * 2, (16, 16, 48, 48)):
         # 1 warmup step, then 2 timed ones of at most 16 rows each
         assert prompt_len < row["context"] < prompt_len + 3 * 16
-        kv_per_token = per_token + (cache_bytes(d.layers, 4)[0] if d is not None else 0)
+        kv_per_token = per_token + (sum(kv_token_bytes(d.layers, 4).values()) if d is not None else 0)
         read = bench.weight_bytes(target.model, d) + 2 * 2 * per_slot + 2 * row["context"] * kv_per_token
         assert row["floor_ms"] == pytest.approx(read / report["meta"]["bandwidth_Bps"] * 1e3, rel=1e-9)
         assert "rollback" in row["phases_ms"]

@@ -16,7 +16,8 @@ from test_sampling import CASES, VOCAB, N, chi_square_pvalue, exact_distribution
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.kv_cache import allocate_kv_cache
+from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.loading.drafters import load_drafter
@@ -98,12 +99,12 @@ def runner_of(t, drafter, page: int = 4) -> ModelRunner:
 
 
 def prefilled(runner: ModelRunner, prompts: list[list[int]]) -> list[Sequence]:
-    alloc, seqs = (
-        PageAllocator(32, runner.page_size),
+    pages, seqs = (
+        KVCacheManager((None,), [32], runner.page_size, False),
         [Sequence(None, p, SamplingParams(temperature=0), 0) for p in prompts],
     )
     for s in seqs:
-        alloc.allocate(s.block_table, len(s.token_ids) + 6)
+        pages.allocate(s, len(s.token_ids) + 6)
     runner.prefill(seqs)
     return seqs
 

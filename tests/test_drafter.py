@@ -9,7 +9,8 @@ from conftest import make_drafter, make_target
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.kv_cache import allocate_kv_cache
+from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.loading.drafters import load_drafter, save_drafter
@@ -109,14 +110,14 @@ def test_block_forward_matches_dense_reference(tmp_path, window, layer_ids):
     dc = allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu")
     proposer = DFlashProposer(drafter, window)
     runner = ModelRunner(target, proposer, tc, dc, page)
-    alloc = PageAllocator(32, page)
+    pages = KVCacheManager((None,), [32], page, False)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in (13, 6)]
     widths = [4, 2]  # different context lengths and widths in one batch, both narrower than the block
     # Each is drafted as the whole block (6 rows, as trained), cut to its first drafts.
     seqs = [Sequence(None, p, SamplingParams(), 0) for p in prompts]
     for s, g in zip(seqs, widths):
-        alloc.allocate(s.block_table, len(s.token_ids) + drafter.block_size)
+        pages.allocate(s, len(s.token_ids) + drafter.block_size)
     runner.prefill(seqs)
     with torch.inference_mode():
         logits = drafter.compute_logits(
@@ -166,11 +167,11 @@ def test_layer_kinds_attend_as_the_reference_masks(tmp_path, causal):
         allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu"),
         page,
     )
-    alloc = PageAllocator(32, page)
+    pages = KVCacheManager((None,), [32], page, False)
     prompts = [[(i * 37) % 120 + 1 for i in range(n)] for n in (4, 14)]  # 3 and 13 context positions
     seqs = [Sequence(None, p, SamplingParams(), 0) for p in prompts]
     for s in seqs:
-        alloc.allocate(s.block_table, len(s.token_ids) + 6)
+        pages.allocate(s, len(s.token_ids) + 6)
     runner.prefill(seqs)
     with torch.inference_mode():
         hidden = proposer.draft_hidden(runner, runner.step_inputs(seqs, [6, 6], None, None))

@@ -16,7 +16,8 @@ from test_sampling import CASES, VOCAB, N, chi_square_pvalue, exact_distribution
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.kv_cache import PageAllocator, allocate_kv_cache
+from blockspec.engine.kv_cache import allocate_kv_cache
+from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.loading.drafters import load_drafter
@@ -61,13 +62,13 @@ def test_block_chain_and_confidence_match_dense_reference(tmp_path, head, draft_
         allocate_kv_cache(2, 32, page, 2, 16, torch.float32, "cpu"),
         page,
     )
-    alloc = PageAllocator(32, page)
+    pages = KVCacheManager((None,), [32], page, False)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in (11, 5)]
     widths = [6, 3]  # shifted: the 5 rows make 5 drafts, a step verifies up to 6 rows
     seqs = [Sequence(None, p, SamplingParams(temperature=0), 0) for p in prompts]
     for s in seqs:
-        alloc.allocate(s.block_table, len(s.token_ids) + 6)
+        pages.allocate(s, len(s.token_ids) + 6)
     runner.prefill(seqs)
     proposer = runner.proposer
     with torch.inference_mode():

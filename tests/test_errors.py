@@ -256,7 +256,7 @@ def test_bad_prompts(pair):
         break  # a consumer that stops early frees its request
     assert (
         not llm.engine.has_unfinished()
-        and llm.engine.scheduler.allocator.num_free == llm.engine.scheduler.allocator.num_usable
+        and llm.engine.scheduler.kv_cache_manager.num_free == llm.engine.scheduler.kv_cache_manager.num_usable
     )
     # a rejected request leaves the engine clean: the next one runs
     assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3

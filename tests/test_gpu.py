@@ -281,7 +281,7 @@ def test_fp32_serving_paths_equal_cpu_reference(tmp_path, family):
         llm = LLM(str(t), {"model": str(d)}, device=device, dtype="float32", fold_norms=True, max_num_batched_tokens=7)
         outs = [llm.generate([p], params)[0].outputs[0] for p in prompts]  # one at a time: the repeats hit
         results.append(([o.token_ids for o in outs], [lp.logprob for o in outs for lp in o.logprobs]))
-        hits = llm.engine.scheduler.allocator.hits
+        hits = llm.engine.scheduler.kv_cache_manager.hits
         assert (hits > 0) == (family == "qwen3")
     (cpu_tokens, cpu_lps), (gpu_tokens, gpu_lps) = results
     assert gpu_tokens == cpu_tokens

@@ -383,8 +383,8 @@ def test_qk_norm_rope_kernel_writes_the_cache(
 def test_layers_kv_write_kernel_matches_reference(dtype: torch.dtype) -> None:
     """The drafter's context commit in one launch (`layers_kv_write_triton`): every layer's k heads,
     normed with its own weight row and rotated, and its v heads, read from one GEMM's output rows,
-    into that layer's caches; against the reference (`layers_k`, then `write_kv` a layer).
-    Padding rows go to the trash slot 0, which is not compared."""
+    into that layer's caches at its cache group's slots; against the reference (`layers_k`, then
+    `write_kv` a layer). Padding rows go to the trash slot 0, which is not compared."""
     gen = torch.Generator().manual_seed(3)
     layers, hkv, d = 3, 2, 32
     rows = torch.randn(2, 4, layers * 2 * hkv * d, generator=gen).to(DEVICE, dtype)
@@ -392,16 +392,17 @@ def test_layers_kv_write_kernel_matches_reference(dtype: torch.dtype) -> None:
     weight = (torch.rand(layers, d, generator=gen) + 0.5).to(DEVICE, dtype)
     angles = torch.rand(2, 4, 1, generator=gen) * 9 / (1 + torch.arange(d // 2))
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
-    slot_mapping = torch.tensor([[7, 8, 9, 0], [33, 1, 2, 0]], device=DEVICE)
+    slot_mapping = torch.tensor([[[7, 8, 9, 0], [33, 1, 2, 0]], [[20, 21, 22, 0], [34, 5, 6, 0]]], device=DEVICE)
+    groups = [0, 1, 0]
     caches = [tuple(torch.zeros(40, hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)) for _ in range(layers)]
     expected = [tuple(c.clone() for c in pair) for pair in caches]
     with torch.no_grad(), reference_ops():
-        layers_kv_write(expected, kv, weight, 1e-6, cos, sin, slot_mapping)
-    layers_kv_write_triton(caches, kv, weight, 1e-6, cos, sin, slot_mapping)
+        layers_kv_write(expected, kv, weight, 1e-6, cos, sin, slot_mapping, groups)
+    layers_kv_write_triton(caches, kv, weight, 1e-6, cos, sin, [slot_mapping[g] for g in groups])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for pair, want in zip(caches, expected, strict=True):
+    for pair, want, g in zip(caches, expected, groups, strict=True):
         for c, e in zip(pair, want, strict=True):
-            assert e[33].abs().sum() > 0  # the reference wrote the rows compared
+            assert e[33 + g].abs().sum() > 0  # the reference wrote the rows compared, at its group's slots
             torch.testing.assert_close(c[1:].float(), e[1:].float(), rtol=tol, atol=tol)
 
 

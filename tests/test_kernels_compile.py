@@ -195,14 +195,15 @@ def test_qkv_attention_compiles(rows, split, arrive, norm, fp32, sinks):
 def test_graph_inputs_compiles():
     """Five int64 inputs (a fused step's): tuples of pointers, and of sizes and strides as floats."""
     pointers = dict.fromkeys(("bufs", "xs"), ("*i64",) * 5)
-    sizes = dict.fromkeys(("widths", "cols", "pads"), ("fp32",) * 5) | {"x_strides": ("fp32",) * 10}
+    sizes = dict.fromkeys(("groups", "widths", "cols", "pads"), ("fp32",) * 5) | {"x_strides": ("fp32",) * 15}
     compile_for_hopper(graph_inputs._fill_kernel, {"BLOCK": graph_inputs.BLOCK}, **pointers, **sizes)
 
 
 def test_layers_kv_write_compiles():
     flags = {"NUM_KV_HEADS": 8, "HALF": 64, "BLOCK": 64}
     caches = dict.fromkeys(("k_caches", "v_caches"), ("*bf16",) * 5)  # the drafter's 5 layers
-    compile_for_hopper(qk_norm_rope._layers_kv_write_kernel, flags, slot_ptr="*i64", **caches)
+    caches["slot_ptrs"] = ("*i64",) * 5  # each layer's cache group's slots
+    compile_for_hopper(qk_norm_rope._layers_kv_write_kernel, flags, **caches)
 
 
 def registers(compiled) -> tuple[int, int]:

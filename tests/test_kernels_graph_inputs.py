@@ -24,11 +24,11 @@ PAD = list(StepInputs.PAD.values())  # in StepInputs' field order, as step_input
 def step_inputs(batch: int, width: int, pages: int) -> tuple[torch.Tensor, ...]:
     """A step's inputs (`StepInputs`' tensors, in order) as a step launched ahead passes them: anchors
     expanded over the width (stride 0) and starts, both read from the step before's packed outcome
-    (strided: columns 0 and 2), block tables narrower than their buffer and not contiguous, and a
-    sampled step's parameters (two int64 columns)."""
+    (strided: columns 0 and 2), block tables of two cache groups, narrower than their buffer and
+    not contiguous, and a sampled step's parameters (two int64 columns)."""
     gen = torch.Generator().manual_seed(batch)
     packed = torch.randint(0, 1000, (batch, 3 + width), generator=gen).to(DEVICE)
-    tables = torch.randint(1, 99, (batch, 2 * pages), generator=gen).to(DEVICE)[:, ::2]
+    tables = torch.randint(1, 99, (batch, 2, 2 * pages), generator=gen).to(DEVICE)[..., ::2]
     lengths, seeds = (torch.randint(1, width + 1, (batch,), generator=gen).to(DEVICE) for _ in range(2))
     sampling = torch.randint(0, 2**40, (batch, 2), generator=gen).to(DEVICE)
     return packed[:, :1].expand(-1, width), packed[:, 2], lengths, tables, seeds, sampling
@@ -41,7 +41,7 @@ def test_fill_buffers_kernel_matches_copies(batch: int, bucket: int) -> None:
     negative value, as min_tokens' stop ids pad), the columns past an input left as they were."""
     xs = step_inputs(batch, width=5, pages=3)
     pads = [*PAD[:5], -1]
-    shapes = [(bucket, 8), (bucket,), (bucket,), (bucket, 6), (bucket,), (bucket, 2)]
+    shapes = [(bucket, 8), (bucket,), (bucket,), (bucket, 2, 6), (bucket,), (bucket, 2)]
     bufs = [torch.full(s, -7, dtype=torch.int64, device=DEVICE) for s in shapes]
     expected = [b.clone() for b in bufs]
     with reference_ops():
@@ -50,5 +50,7 @@ def test_fill_buffers_kernel_matches_copies(batch: int, bucket: int) -> None:
     for got, want in zip(bufs, expected, strict=True):
         assert torch.equal(got, want)
     assert torch.equal(bufs[0][:batch, 5:], torch.full((batch, 3), -7, device=DEVICE))  # past the width: as it was
-    assert torch.equal(bufs[3][batch:], torch.zeros(bucket - batch, 6, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(bufs[3][:batch, :, :3], xs[3])  # each group's row in its own columns
+    assert torch.equal(bufs[3][:batch, :, 3:], torch.full((batch, 2, 3), -7, device=DEVICE))
+    assert torch.equal(bufs[3][batch:], torch.zeros(bucket - batch, 2, 6, dtype=torch.int64, device=DEVICE))
     assert torch.equal(bufs[5][batch:], torch.full((bucket - batch, 2), -1, device=DEVICE))

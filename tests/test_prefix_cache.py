@@ -8,7 +8,7 @@ from conftest import make_drafter, make_target
 from test_hybrid_targets import hybrid_target
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.kv_cache import PageAllocator
+from blockspec.engine.kv_cache_manager import BlockTable, KVCacheManager
 from blockspec.engine.sequence import Sequence
 
 PAGE = 4
@@ -57,7 +57,7 @@ def test_outputs_and_drafts_equal_a_run_without_the_cache(pair, one_at_a_time):
     without the cache."""
     cached = load(pair, prefix_caching=True)
     assert run(cached, one_at_a_time) == run(load(pair, prefix_caching=False), one_at_a_time)
-    allocator = cached.engine.scheduler.allocator
+    allocator = cached.engine.scheduler.kv_cache_manager
     prompts, _ = requests()
     assert allocator.queries == sum(len(p) - 1 for p in prompts)
     assert allocator.hits == 5 * 10 * PAGE
@@ -82,24 +82,25 @@ def test_freed_pages_are_reused_then_evicted_tail_first():
     """A finished sequence's registered pages stay cached; a pool short of free pages evicts the
     one freed longest ago, and a sequence's last page before its first, so the prefix's head
     still hits."""
-    alloc = PageAllocator(num_pages=5, page_size=2, prefix_caching=True)
+    pages = KVCacheManager((None,), [5], page_size=2, prefix_caching=True)
+    (pool,) = pages.groups
     seq = Sequence(None, [1, 2, 3, 4, 5, 6, 7], SamplingParams(), seed=0)
-    alloc.allocate(seq.block_table, 7)  # pages 1-4
+    pages.allocate(seq, 7)  # pages 1-4
     seq.num_cached = 6
-    alloc.register(seq)  # the first 3 pages are computed
-    alloc.free(seq.block_table)
-    assert alloc.num_free == 4 and list(alloc.evictable) == [3, 2, 1]
-    other = []
-    alloc.allocate(other, 4)  # the free page 4, then the cache's oldest: page 3
-    assert other == [4, 3] and list(alloc.evictable) == [2, 1]
+    pages.register(seq)  # the first 3 pages are computed
+    pages.free(seq)
+    assert pool.num_free == 4 and list(pool.evictable) == [3, 2, 1]
+    other = BlockTable()
+    pool.allocate(other, 4)  # the free page 4, then the cache's oldest: page 3
+    assert other.pages == [4, 3] and list(pool.evictable) == [2, 1]
     again = Sequence(None, [1, 2, 3, 4, 5, 6, 9], SamplingParams(), seed=0)
-    assert alloc.match_prefix(again) == 4 and again.block_table == [1, 2]
-    assert alloc.num_free == 0
+    assert pages.match_prefix(again) == 4 and again.block_tables[0].pages == [1, 2]
+    assert pool.num_free == 0
 
 
 def test_hybrid_targets_keep_prefix_caching_off(tmp_path):
     """A linear-attention state is no page: the cache cannot skip those layers."""
     path = hybrid_target(tmp_path, "qwen3_5")
-    assert not LLM(str(path), device="cpu").engine.scheduler.allocator.prefix_caching
+    assert not LLM(str(path), device="cpu").engine.scheduler.kv_cache_manager.prefix_caching
     with pytest.raises(ValueError, match="prefix_caching: this target's linear-attention layers"):
         LLM(str(path), device="cpu", prefix_caching=True)

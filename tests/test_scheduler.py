@@ -4,7 +4,8 @@ lone request is admitted as soon as a slot is free."""
 import torch
 
 from blockspec.config import EngineConfig
-from blockspec.engine.kv_cache import PageAllocator, SlotAllocator
+from blockspec.engine.kv_cache import SlotAllocator
+from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.sampling import SamplingParams
@@ -16,7 +17,10 @@ def sequences(n: int) -> list[Sequence]:
 
 def scheduler(max_num_seqs: int) -> Scheduler:
     return Scheduler(
-        EngineConfig(max_num_seqs=max_num_seqs), PageAllocator(1000, 4), SlotAllocator(max_num_seqs + 1), lambda s: 1
+        EngineConfig(max_num_seqs=max_num_seqs),
+        KVCacheManager((None,), [1000], 4, False),
+        SlotAllocator(max_num_seqs + 1),
+        lambda s: 1,
     )
 
 

@@ -7,7 +7,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM
-from blockspec.engine.kv_cache import PageAllocator, allocate_caches
+from blockspec.engine.kv_cache import allocate_caches
+from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.norm import RMSNorm, fold_norm_weight
@@ -33,7 +34,7 @@ def paged_logits(model, ids: list[int], split: int, page_size: int = 4) -> torch
     cache = allocate_caches(model.layers, 64, page_size, 2, torch.float32, "cpu")
     runner = ModelRunner(model, None, cache, None, page_size)
     seq = Sequence(None, ids, SamplingParams(), 0)
-    PageAllocator(64, page_size).allocate(seq.block_table, len(ids))
+    KVCacheManager((None,), [64], page_size, False).allocate(seq, len(ids))
     seq.state_slot = 1
     seq.token_ids = ids[: split + 1]  # prefill processes all but the last ("anchor")
     runner.prefill([seq])

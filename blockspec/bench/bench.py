@@ -22,8 +22,7 @@ from blockspec.bench.presets import is_preset, random_drafter, random_target
 from blockspec.config import ROW_INVARIANT_WORDS, EngineConfig, KernelConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
-from blockspec.engine.kv_cache import cache_bytes
-from blockspec.layers.decoder import PAGED_KV
+from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.moe import SparseMoE
 from blockspec.llm import free_device_memory, resolve_device, resolve_dtype
@@ -122,13 +121,9 @@ def weight_bytes(target, drafter) -> int:
 def kv_bytes(model, context: float, element_size: int) -> float:
     """Bytes of context K/V one sequence's step reads from `model`'s paged layers (a sliding layer
     reads its window)."""
-    total = 0.0
-    for layer in model.layers:
-        if layer.cache_kind == PAGED_KV:
-            mixer = layer.mixer
-            keys = min(context, model.sliding_window) if mixer.layer_type == "sliding_attention" else context
-            total += keys * 2 * mixer.num_kv_heads * mixer.head_dim * element_size
-    return total
+    sizes = kv_token_bytes(model.layers, element_size)
+    window = min(context, model.sliding_window) if model.sliding_window is not None else context
+    return sum(n * (window if t == "sliding_attention" else context) for t, n in sizes.items())
 
 
 def moe_layers(target) -> list[SparseMoE]:
@@ -253,7 +248,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
     all_experts = sum(expert_bytes(moe) * moe.spec.num_experts for moe in layers)
     # Linear attention: each sequence's recurrent state is read and written once a step too
     element_size = target.model.lm_head.weight.element_size()
-    states = 2 * batch * cache_bytes(target.model.layers, element_size)[1]
+    states = 2 * batch * state_bytes(target.model.layers, element_size)
     # Attention reads each sequence's context K/V, the target's and the drafter's
     models = [target.model] + ([drafter] if drafter is not None else [])
     kv = batch * sum(kv_bytes(model, m["context"], element_size) for model in models)

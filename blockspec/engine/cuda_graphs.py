@@ -4,8 +4,8 @@ A step is captured on static input buffers (a `StepInputs` of them) and replayed
 copied in. Batches are padded up to the bucket with sequences of one padding row that write only
 to the trash page, so a replay never touches a real sequence's cache outside its own rows.
 Attention reads its lengths from device tensors, so one capture serves every context length up to
-`max_pages` pages (a step's block tables are as wide as its longest sequence's; the columns past
-them are never read); rows are padded up to the next row class (the widths adaptive steps run at;
+`max_pages` pages (a step's block tables, one per cache group, are as wide as its longest
+sequence's; the columns past them are never read); rows are padded up to the next row class (the widths adaptive steps run at;
 padding rows, past a sequence's length, write to the trash page too), so captures stay few
 whatever the widths of a step."""
 
@@ -32,7 +32,7 @@ def fill_buffers(bufs: tuple[torch.Tensor, ...], xs: tuple[torch.Tensor, ...], p
     buffer's rows past `batch` (padding sequences) set to the padding value; on CUDA the integer
     inputs in one launch (`kernels.graph_inputs`)."""
     kernels = fast_kernels(xs[0], "graph_inputs")
-    fused = [kernels is not None and x.is_cuda and x.dtype == torch.int64 and x.dim() <= 2 for x in xs]
+    fused = [kernels is not None and x.is_cuda and x.dtype == torch.int64 and x.dim() <= 3 for x in xs]
     for buf, x, pad, f in zip(bufs, xs, pads, fused):
         if not f:
             buf[tuple(slice(n) for n in x.shape)].copy_(x, non_blocking=True)
@@ -76,7 +76,7 @@ class GraphCache:
         widths = {"tokens": width, "block_tables": self.max_pages}
 
         def buffer(name: str, x: torch.Tensor) -> torch.Tensor:
-            shape = (bucket, *([widths[name]] if name in widths else x.shape[1:]))
+            shape = (bucket, *x.shape[1:-1], widths[name]) if name in widths else (bucket, *x.shape[1:])
             return torch.full(shape, StepInputs.PAD[name], dtype=x.dtype, device=x.device)
 
         return dataclasses.replace(inputs, **{n: buffer(n, x) for n, x in tensor_fields(inputs).items()})

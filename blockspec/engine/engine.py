@@ -11,7 +11,8 @@ from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.detokenizer import append_text, find_stop
-from blockspec.engine.kv_cache import PageAllocator, SlotAllocator, allocate_caches, cache_bytes
+from blockspec.engine.kv_cache import SlotAllocator, allocate_caches, kv_token_bytes, state_bytes
+from blockspec.engine.kv_cache_manager import CacheLayout, KVCacheManager, layer_reaches, window_pool_pages
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, fresh_request_id
@@ -80,14 +81,17 @@ class LLMEngine:
         if self.device.type == "cuda" and any(layer.cache_kind == RECURRENT_STATE for layer in model.layers):
             fla_kernels()  # now, not at the first request: what to install, if they are missing
         self.max_width, self.proposer = self.speculation(spec)
-        num_pages = config.num_pages or self.default_num_pages()
+        drafter_reaches = self.proposer.cache_reaches() if self.proposer is not None else {}
+        self.layout = CacheLayout.of(layer_reaches(model.layers, model.sliding_window), drafter_reaches)
+        num_pages = self.group_pages()
         pages_per_seq = -(-self.max_model_len // config.page_size)  # a step writes positions < max_model_len
-        if num_pages - 1 < pages_per_seq:
+        full = [n for n, r in zip(num_pages, self.layout.reaches) if r is None]
+        if full and full[0] - 1 < pages_per_seq:
             raise ValueError(
-                f"{num_pages} KV pages of {config.page_size} tokens cannot hold one sequence of "
+                f"{full[0]} KV pages of {config.page_size} tokens cannot hold one sequence of "
                 f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len"
             )
-        caches = [self.caches(m, num_pages) if m is not None else None for m in (model, drafter)]
+        caches = [self.caches(m, num_pages, groups) for m, groups in self.cached_models()]
         adaptive = spec is not None and spec.adaptive_width and self.max_width > 1
         self.adaptive = AdaptiveWidth(self.max_width) if adaptive else None
         row_classes = self.adaptive.classes if adaptive else (self.max_width,)
@@ -96,10 +100,13 @@ class LLMEngine:
             if self.device.type == "cuda" and config.cuda_graphs
             else None
         )
-        self.runner = ModelRunner(model, self.proposer, *caches, config.page_size, graphs, self.max_model_len)
-        pages = PageAllocator(num_pages, config.page_size, self.prefix_caching(config.prefix_caching))
-        slots = SlotAllocator(self.num_slots)
-        self.scheduler = Scheduler(config, pages, slots, self.span)
+        self.runner = ModelRunner(
+            model, self.proposer, caches[0], caches[1] if len(caches) > 1 else None, config.page_size, graphs,
+            self.max_model_len, self.layout,
+        )  # fmt: skip
+        prefix_caching = self.prefix_caching(config.prefix_caching)
+        pages = KVCacheManager(self.layout.reaches, num_pages, config.page_size, prefix_caching)
+        self.scheduler = Scheduler(config, pages, SlotAllocator(self.num_slots), self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the
         # device: true of the drafter and plain decoding, not of the n-gram proposer (host tokens).
@@ -147,28 +154,56 @@ class LLMEngine:
         """A recurrent-state slot per running sequence, and the trash slot 0."""
         return self.config.max_num_seqs + 1
 
-    def caches(self, model, num_pages: int) -> list:
-        return allocate_caches(model.layers, num_pages, self.config.page_size, self.num_slots, self.dtype, self.device)
+    def caches(self, model, num_pages: list[int], groups: dict[str, int]) -> list:
+        pages = {layer_type: num_pages[g] for layer_type, g in groups.items()}
+        return allocate_caches(model.layers, pages, self.config.page_size, self.num_slots, self.dtype, self.device)
 
-    def page_and_state_bytes(self) -> tuple[int, int]:
-        """(bytes of a KV page, bytes of the states of every slot), target and drafter together."""
-        models = [m for m in (self.target.model, self.drafter) if m is not None]
-        per_token, per_slot = map(sum, zip(*(cache_bytes(m.layers, self.dtype.itemsize) for m in models)))
-        return per_token * self.config.page_size, per_slot * self.num_slots
+    def cached_models(self) -> list[tuple[torch.nn.Module, dict[str, int]]]:
+        """The target, and the drafter where its proposer keeps its context K/V, each with the
+        cache group of each of its layer types."""
+        models = [(self.target.model, self.layout.target)]
+        return models + ([(self.drafter, self.layout.drafter)] if self.layout.drafter else [])
 
-    def default_num_pages(self) -> int:
+    def page_bytes(self) -> list[int]:
+        """Bytes of a KV page of each cache group, the target's and the drafter's layers together."""
+        sizes = [0] * len(self.layout.reaches)
+        for model, groups in self.cached_models():
+            for layer_type, n in kv_token_bytes(model.layers, self.dtype.itemsize).items():
+                sizes[groups[layer_type]] += n * self.config.page_size
+        return sizes
+
+    def group_pages(self) -> list[int]:
+        """Pages of each cache group's pool: a windowed group's bound (`window_pool_pages`); the
+        full groups' `num_pages`, by default what the cache budget holds beside the windowed pools
+        and the recurrent states."""
+        c = self.config
+        span = max(self.drafter.block_size, self.max_width) if self.drafter is not None else self.max_width
+        windowed = [
+            window_pool_pages(r, c.page_size, c.max_num_seqs, span, c.max_num_batched_tokens) if r is not None else 0
+            for r in self.layout.reaches
+        ]
+        full = c.num_pages or self.default_num_pages(windowed)
+        return [n if r is not None else full for n, r in zip(windowed, self.layout.reaches)]
+
+    def default_num_pages(self, windowed: list[int]) -> int:
+        """Pages of the full groups that the cache budget holds (at most max_num_seqs contexts)."""
         wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.page_size) + 1
         if self.device.type == "cuda":
             budget = torch.cuda.mem_get_info(self.device)[0] * GPU_KV_FRACTION
         else:
             budget = CPU_KV_BUDGET
-        page, states = self.page_and_state_bytes()
-        if states >= budget:
+        states = sum(state_bytes(m.layers, self.dtype.itemsize) for m, _ in self.cached_models()) * self.num_slots
+        sizes = self.page_bytes()
+        windows = sum(n * size for n, size in zip(windowed, sizes))
+        if states + windows >= budget:
+            parts = [f"the recurrent states of max_num_seqs {self.config.max_num_seqs} sequences"] * bool(states)
+            parts += ["the windows of its windowed cache groups"] * bool(windows)
             raise ValueError(
-                f"the recurrent states of max_num_seqs {self.config.max_num_seqs} sequences take "
-                f"{states / 2**30:.1f} GiB, more than the cache budget ({budget / 2**30:.1f} GiB): lower max_num_seqs"
+                f"{' and '.join(parts)} take {(states + windows) / 2**30:.1f} GiB, more than the cache budget "
+                f"({budget / 2**30:.1f} GiB): lower max_num_seqs"
             )
-        return max(2, min(wanted, int((budget - states) // page)))
+        full_page = sum(size for size, r in zip(sizes, self.layout.reaches) if r is None)
+        return max(2, min(wanted, int((budget - states - windows) // full_page))) if full_page else 2
 
     def width(self, seq: Sequence, ahead: int = 0) -> int:
         """Most rows the next step may verify: anchor + drafts, never past max_tokens or the
@@ -284,7 +319,7 @@ class LLMEngine:
             seqs, counts = zip(*chunks)
             self.runner.prefill(list(seqs), list(counts))
             for s in seqs:
-                self.scheduler.allocator.register(s)
+                self.scheduler.kv_cache_manager.register(s)
         seqs = [s for s in self.scheduler.schedule_step() if not s.needs_prefill]
         if not seqs:
             return None
@@ -345,7 +380,7 @@ class LLMEngine:
                 break
         seq.num_cached += committed
         if not seq.finished:  # a finished one gave its pages back
-            self.scheduler.allocator.register(seq)
+            self.scheduler.kv_cache_manager.register(seq)
         seq.acceptance_lengths.append(committed)
         if seq.params.return_drafts:
             seq.draft_token_ids.append(out.draft_token_ids)

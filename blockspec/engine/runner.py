@@ -9,6 +9,7 @@ import torch
 from blockspec.engine.batch import causal_range, key_ranges, make_batch
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.kv_cache import KVCache
+from blockspec.engine.kv_cache_manager import CacheLayout
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step import StepInputs, step_forward
 from blockspec.layers.attention import AttentionMetadata
@@ -28,10 +29,12 @@ class ModelRunner:
         page_size: int,
         graphs: GraphCache | None = None,
         max_model_len: int = 2**62,
+        layout: CacheLayout | None = None,
     ) -> None:
         self.target, self.proposer = target, proposer
         self.target_cache, self.drafter_cache = target_cache, drafter_cache
         self.page_size = page_size
+        self.layout = layout or CacheLayout.single()  # which cache group each layer type's K/V are in
         self.graphs = graphs
         self.max_model_len = max_model_len  # positions a drafter block may write stay below it
         self.device = target.lm_head.weight.device
@@ -75,13 +78,15 @@ class ModelRunner:
         parts = flat.split([p.size for p in padded])
         return [part[: h.size].view(np.shape(a)) for part, h, a in zip(parts, host, arrays)]
 
-    @staticmethod
-    def host_block_tables(seqs: list[Sequence]) -> np.ndarray:
-        """[B, M] page ids padded with the trash page, M the most pages a sequence holds: the
-        host cost and the copy follow the pages in use, not the context limit."""
-        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int64)
-        for row, s in zip(tables, seqs):
-            row[: len(s.block_table)] = s.block_table
+    def host_block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        """[B, G, M] page ids per cache group, the trash page where a sequence holds none (released
+        or past its pages), M the most columns a sequence covers: the host cost and the copy follow
+        the pages in use, not the context limit."""
+        width = max(t.end for s in seqs for t in s.block_tables)
+        tables = np.zeros((len(seqs), len(self.layout.reaches), width), dtype=np.int64)
+        for rows, s in zip(tables, seqs):
+            for row, t in zip(rows, s.block_tables):
+                row[t.first : t.end] = t.pages
         return tables
 
     def num_graphs(self) -> int:
@@ -105,7 +110,9 @@ class ModelRunner:
         `states`: where its linear-attention layers' states are, and when they are written."""
         b = make_batch(starts, lengths, block_tables, input_ids.shape[1], self.page_size)
         ranges = key_ranges(b, causal_range(b.positions), self.target.sliding_window)
-        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, self.page_size, b.starts, states)
+        attn = AttentionMetadata(
+            b.block_tables, b.slot_mapping, self.layout.target, ranges, self.page_size, b.starts, states
+        )
         return self.target(input_ids, b.positions, attn, self.target_cache, self.capture)
 
     @torch.inference_mode()

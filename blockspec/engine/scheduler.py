@@ -1,22 +1,29 @@
 """Continuous batching: admit waiting sequences while KV pages (and state slots) last, give every
 running sequence the pages its next step needs, and preempt (free and recompute later) the newest
 sequences when pages run out. A preempted sequence keeps its tokens, so recomputing its KV
-changes nothing in its output."""
+changes nothing in its output. A newcomer takes the full cache groups' pages of its whole prompt
+at once; a windowed group's pages are taken chunk by chunk and step by step, as its window moves
+(`kv_cache_manager`)."""
 
 from collections import deque
 from collections.abc import Callable
 
 from blockspec.config import EngineConfig
-from blockspec.engine.kv_cache import PageAllocator, SlotAllocator
+from blockspec.engine.kv_cache import SlotAllocator
+from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.engine.sequence import Sequence, Status
 
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, allocator: PageAllocator, slots: SlotAllocator, span: Callable[[Sequence], int]
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        slots: SlotAllocator,
+        span: Callable[[Sequence], int],
     ) -> None:
         self.config = config
-        self.allocator = allocator
+        self.kv_cache_manager = kv_cache_manager
         self.slots = slots  # recurrent state slots, one per running sequence
         self.span = span  # positions the sequence's next step writes, from its anchor on
         self.waiting: deque[Sequence] = deque()
@@ -41,20 +48,21 @@ class Scheduler:
         reserved = self.reserved_pages()
         # Prompts being computed: one that starts as they do, with nothing cached yet, waits for
         # their pages instead of computing them again (a request's n choices, a shared system prompt).
-        computing = {self.allocator.first_page_hash(s) for s in self.running if s.needs_prefill}
+        pages = self.kv_cache_manager
+        computing = {pages.first_page_hash(s) for s in self.running if s.needs_prefill}
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            seq.num_cached = self.allocator.match_prefix(seq)
+            seq.num_cached = pages.match_prefix(seq)
             num_prefill = seq.num_pending_prefill
             over_budget = admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens
-            first_page = self.allocator.first_page_hash(seq)
+            first_page = pages.first_page_hash(seq)
             recomputes = seq.num_cached == 0 and first_page is not None and first_page in computing
             if over_budget or recomputes or not self.fits(seq, reserved):
                 self.release(seq)  # the cached pages it would have held
                 seq.num_cached = 0
                 break
-            self.allocator.allocate(seq.block_table, self.first_step_tokens(seq))
-            self.allocator.count_lookup(seq)
+            pages.allocate(seq, self.first_step_tokens(seq), seq.num_cached)
+            pages.count_lookup(seq)
             seq.state_slot = self.slots.allocate()
             seq.status = Status.RUNNING
             admitted.append(self.waiting.popleft())
@@ -69,15 +77,18 @@ class Scheduler:
         sequence to the longest chunk): chunked prefill, where a long prompt takes several steps and
         the running sequences decode between its chunks. Every sequence with unprocessed tokens
         counts, not only the newly admitted: after a failed prefill (e.g. out of memory) the next
-        step redoes it."""
+        step redoes it. A chunk's windowed-group pages are taken here."""
         chunks, limit, longest = [], self.config.max_num_batched_tokens, 0
         for seq in self.running:
             if not seq.needs_prefill:
                 continue
             n = min(seq.num_pending_prefill, limit)
-            longest = max(longest, n)
-            if chunks and (len(chunks) + 1) * longest > limit:
+            if chunks and (len(chunks) + 1) * max(longest, n) > limit:
                 break
+            if not self.kv_cache_manager.can_allocate(seq, seq.num_cached + n):
+                break  # not while windowed pools are sized to their bound (`window_pool_pages`)
+            self.kv_cache_manager.allocate(seq, seq.num_cached + n)
+            longest = max(longest, n)
             chunks.append((seq, n))
         return chunks
 
@@ -90,29 +101,33 @@ class Scheduler:
         free_slots = self.config.max_num_seqs - len(self.running)
         return bool(self.waiting) and free_slots >= min(len(self.waiting), max(1, self.config.max_num_seqs // 8))
 
-    def reserved_pages(self) -> int:
-        """Pages the running sequences need for their next step: not free for newcomers."""
-        return sum(self.allocator.pages_needed(s.block_table, s.num_cached + self.span(s)) for s in self.running)
+    def reserved_pages(self) -> list[int]:
+        """Pages of each group the running sequences need for their next step: not free for newcomers."""
+        needed = [self.kv_cache_manager.pages_needed(s, s.num_cached + self.span(s)) for s in self.running]
+        return [sum(n) for n in zip(*needed)] or [0] * len(self.kv_cache_manager.groups)
 
     def first_step_tokens(self, seq: Sequence) -> int:
         """Positions a newcomer's prefill and first step write."""
         return len(seq.token_ids) - 1 + self.span(seq)
 
-    def fits(self, seq: Sequence, reserved: int) -> bool:
-        """Whether the pool holds a newcomer's prefill and first step beside the reserved pages, and
-        a state slot is free."""
-        pages = self.allocator.pages_needed(seq.block_table, self.first_step_tokens(seq))
-        return pages <= self.allocator.num_free - reserved and self.slots.num_free > 0
+    def fits(self, seq: Sequence, reserved: list[int]) -> bool:
+        """Whether the pools hold a newcomer's prefill and first step beside the reserved pages
+        (windowed groups: the pages it holds from the cache), and a state slot is free."""
+        pages = self.kv_cache_manager
+        needed = pages.pages_needed(seq, self.first_step_tokens(seq), seq.num_cached)
+        free = pages.free_pages()
+        return all(n <= f - r for n, f, r in zip(needed, free, reserved)) and self.slots.num_free > 0
 
     def allocate_ahead(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
         """Pages for a step launched before the one in flight is committed, or False (nothing
         allocated, nobody preempted) when the pool is short: the engine then completes the step in
         flight first and schedules as usual."""
-        needed = sum(self.allocator.pages_needed(s.block_table, n) for s, n in zip(seqs, num_tokens))
-        if needed > self.allocator.num_free:
+        pages = self.kv_cache_manager
+        needed = [sum(n) for n in zip(*(pages.pages_needed(s, n) for s, n in zip(seqs, num_tokens)))]
+        if any(n > f for n, f in zip(needed, pages.free_pages())):
             return False
         for s, n in zip(seqs, num_tokens):
-            self.allocator.allocate(s.block_table, n)
+            pages.allocate(s, n)
         return True
 
     def schedule_step(self) -> list[Sequence]:
@@ -122,10 +137,10 @@ class Scheduler:
         while pending:
             seq = pending.pop(0)
             needed = seq.num_cached + self.span(seq)
-            while not self.allocator.can_allocate(seq.block_table, needed) and pending:
+            while not self.kv_cache_manager.can_allocate(seq, needed) and pending:
                 self.preempt(pending.pop())
-            if self.allocator.can_allocate(seq.block_table, needed):
-                self.allocator.allocate(seq.block_table, needed)
+            if self.kv_cache_manager.can_allocate(seq, needed):
+                self.kv_cache_manager.allocate(seq, needed)
                 scheduled.append(seq)
             else:
                 self.preempt(seq)
@@ -134,8 +149,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Its pages and its state slot back to the pools."""
-        self.allocator.free(seq.block_table)
-        seq.page_hashes.clear()
+        self.kv_cache_manager.free(seq)
         if seq.state_slot:
             self.slots.free(seq.state_slot)
             seq.state_slot = 0

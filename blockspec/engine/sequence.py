@@ -1,4 +1,4 @@
-"""One request: its tokens, status, block table and decoding statistics.
+"""One request: its tokens, status, block tables and decoding statistics.
 
 Invariant while running: the target has processed (and the drafter holds context K/V for)
 positions 0 .. num_cached-1, and token_ids has exactly one token more: the anchor, the
@@ -7,9 +7,13 @@ newest token, which the next step verifies at position num_cached."""
 import enum
 import itertools
 from collections.abc import Container
+from typing import TYPE_CHECKING
 
 from blockspec.outputs import TokenLogprob
 from blockspec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from blockspec.engine.kv_cache_manager import BlockTable
 
 _ids = itertools.count()
 
@@ -43,8 +47,8 @@ class Sequence:
         self.seed = seed  # int64: keys the counter-based draws of its sampled tokens
         self.status = Status.WAITING
         self.num_cached = 0
-        self.block_table: list[int] = []
-        self.page_hashes: list[bytes] = []  # prefix hashes of its leading pages (`PageAllocator.register`)
+        self.block_tables: list[BlockTable] = []  # one per cache group (`KVCacheManager.tables`)
+        self.page_hashes: list[bytes] = []  # prefix hashes of its leading pages (`KVCacheManager.register`)
         self.state_slot = 0  # its linear-attention layers' state slot while it runs (0: none held)
         self.finish_reason: str | None = None
         # by eos or a stop token id: its text is left out, as vLLM does (unless include_stop_str_in_output)

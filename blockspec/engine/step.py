@@ -41,7 +41,7 @@ class StepInputs:
     tokens: torch.Tensor  # [B, w]: column 0 the anchors; then the host's drafts, or the anchors repeated
     starts: torch.Tensor  # [B] position of each anchor
     lengths: torch.Tensor  # [B] rows to verify: the anchor and the drafts (at most w)
-    block_tables: torch.Tensor  # [B, M] page ids, padded with the trash page 0
+    block_tables: torch.Tensor  # [B, G, M] page ids per cache group, padded with the trash page 0
     seeds: torch.Tensor  # [B] request seeds (int64)
     state_slots: torch.Tensor  # [B] each sequence's recurrent state slot (`layers.recurrent_state`)
     # [B, 2] int64 holding float32 [B, 4] bitwise (`sampling_params`); None: every row is greedy

@@ -1,7 +1,8 @@
 """Attention over a paged KV cache.
 
 A cache is `[num_slots, kv_heads, head_dim]` per layer for K and for V, where slot =
-page * page_size + offset; a sequence's pages are listed in its row of `block_tables`.
+page * page_size + offset; a sequence's pages are listed in its row of its layer's cache group's
+`block_tables` (a group of sliding layers releases the pages before their window: trash there).
 Every forward first writes its new K/V to their slots (`kv_write`: with the rotary embedding,
 `blockspec.layers.kv_write` lists where), then each query row attends to the keys of its
 sequence at positions k_start <= k < k_end:
@@ -33,12 +34,18 @@ KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
 
 @dataclass
 class AttentionMetadata:
-    block_tables: torch.Tensor  # [B, M] page ids, padded with the trash page 0
-    slot_mapping: torch.Tensor  # [B, S] slots of the new K/V (padding rows: trash slot 0)
+    block_tables: torch.Tensor  # [B, G, M] page ids per cache group, padded with the trash page 0
+    slot_mapping: torch.Tensor  # [G, B, S] slots of the new K/V per group (padding rows: trash slot 0)
+    groups: dict[str, int]  # layer type -> its cache group (`engine.kv_cache_manager.CacheLayout`)
     key_ranges: dict[str, KeyRange]  # layer type -> visible key positions per query row
     page_size: int
     starts: torch.Tensor  # [B] position of each sequence's first row (the rest follow it)
     states: RecurrentStates | None = None  # the linear-attention layers' state slots (targets only)
+
+    def tables(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer type's block tables [B, M] and new K/V slots [B, S]."""
+        group = self.groups[layer_type]
+        return self.block_tables[:, group], self.slot_mapping[group]
 
     def attend_qkv(
         self,
@@ -59,14 +66,15 @@ class AttentionMetadata:
         if kernels is None or partial_rotary or not kernels.fuses_qkv(qkv, cache[0]):
             return rope_then_attend(self, qkv, norms, eps, rope, heads, cache, layer_type, scale, sinks)
         k_start, k_end = self.key_ranges[layer_type]
+        block_tables, slot_mapping = self.tables(layer_type)
         return kernels.qkv_attention_triton(
-            qkv, *norms, eps, *rope, self.starts, self.slot_mapping, *cache, self.block_tables, k_start, k_end,
+            qkv, *norms, eps, *rope, self.starts, slot_mapping, *cache, block_tables, k_start, k_end,
             self.page_size, scale, sinks=sinks,
         )  # fmt: skip
 
-    def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor]) -> KVWrite:
+    def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor], layer_type: str) -> KVWrite:
         """Where a layer's new K/V go: its caches and this step's slots (`qk_norm_rope` writes them)."""
-        return (*cache, self.slot_mapping)
+        return (*cache, self.tables(layer_type)[1])
 
     def attend(
         self,
@@ -80,7 +88,8 @@ class AttentionMetadata:
     ) -> torch.Tensor:
         """q: [B, S, Hq, D], the new K/V already in the cache (`kv_write`); returns [B, S, Hq, D]."""
         k_start, k_end = self.key_ranges[layer_type]
-        return paged_attention(q, *cache, self.block_tables, k_start, k_end, self.page_size, scale, sinks)
+        block_tables = self.tables(layer_type)[0]
+        return paged_attention(q, *cache, block_tables, k_start, k_end, self.page_size, scale, sinks)
 
 
 def rope_then_attend(
@@ -97,7 +106,7 @@ def rope_then_attend(
 ) -> torch.Tensor:
     """qkv [B, S, Hq + 2 Hkv, D]: the q and k heads normed and rotated in place, the new K/V written
     to the cache (`attn.kv_write`), then q attends (`attn.attend`) -> [B, S, Hq, D]."""
-    qkv = qk_norm_rope(qkv, *norms, eps, *rope, *heads, kv_write=attn.kv_write(cache))
+    qkv = qk_norm_rope(qkv, *norms, eps, *rope, *heads, kv_write=attn.kv_write(cache, layer_type))
     q, k, v = qkv.split([heads[0], heads[1], heads[1]], dim=-2)
     return attn.attend(q, k, v, cache, layer_type, scale, sinks)
 
@@ -194,7 +203,7 @@ class DenseAttention:
     masks: dict[str, torch.Tensor]  # layer type -> [B, 1, S, T+S] (or [B, 1, S, S] without context)
     states = None  # linear-attention layers start from the zero state and write none
 
-    def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def kv_write(self, cache: tuple[torch.Tensor, torch.Tensor] | None, layer_type: str) -> None:
         """None: the new K/V are read where they are, never written to a cache."""
 
     attend_qkv = rope_then_attend

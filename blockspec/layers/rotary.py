@@ -126,17 +126,20 @@ def layers_kv_write(
     cos: torch.Tensor,
     sin: torch.Tensor,
     slot_mapping: torch.Tensor,
+    groups: list[int],
 ) -> None:
-    """Every layer's K and V from kv [L, ..., 2, Hkv, D] into its caches at slot_mapping [...]: the
-    k heads RMS-normed with the layer's row of k_weight [L, D] and rotated (`layers_k`), the v heads
-    as they are (the DFlash drafter's context commit); on CUDA without grad one Triton launch for
-    all layers instead of a norm + rope launch and a write per layer."""
+    """Every layer's K and V from kv [L, ..., 2, Hkv, D] into its caches at its slots,
+    slot_mapping[groups[i]] for layer i (slot_mapping [G, ...]: each cache group's): the k heads
+    RMS-normed with the layer's row of k_weight [L, D] and rotated (`layers_k`), the v heads as they
+    are (the DFlash drafter's context commit); on CUDA without grad one Triton launch for all layers
+    instead of a norm + rope launch and a write per layer."""
     kernels = fast_kernels(kv, "qk_norm_rope")
+    slots = [slot_mapping[g] for g in groups]
     if kernels is not None:
-        return kernels.layers_kv_write_triton(caches, kv, k_weight, eps, cos, sin, slot_mapping)
+        return kernels.layers_kv_write_triton(caches, kv, k_weight, eps, cos, sin, slots)
     k = layers_k(kv, k_weight, eps, cos, sin)
     for i, (k_cache, v_cache) in enumerate(caches):
-        write_kv(k_cache, v_cache, k[i], kv[i, ..., 1, :, :], slot_mapping)
+        write_kv(k_cache, v_cache, k[i], kv[i, ..., 1, :, :], slots[i])
 
 
 def layers_k(

@@ -159,12 +159,18 @@ class DFlashDrafter(nn.Module):
         return k, kv[..., 1, :, :]
 
     def write_context(
-        self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv_caches: list[KVCache]
+        self,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        groups: list[int],
+        kv_caches: list[KVCache],
     ) -> None:
-        """Append context K/V for committed positions. features: [N, n*H_t]; positions, slots: [N]."""
+        """Append context K/V for committed positions. features: [..., n*H_t]; positions [...];
+        slot_mapping [G, ...], its row groups[i] layer i's slots."""
         kv = self.context_rows(features)
         rope = self.rotary(positions, kv.dtype)
-        layers_kv_write(kv_caches, kv, self.k_norm_weight, self.spec.eps, *rope, slot_mapping)
+        layers_kv_write(kv_caches, kv, self.k_norm_weight, self.spec.eps, *rope, slot_mapping, groups)
 
     def embed(self, tokens: torch.Tensor, target: CausalLM) -> torch.Tensor:
         """The block rows' embeddings: its own copy's, or the target's."""

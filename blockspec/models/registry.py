@@ -84,7 +84,12 @@ class Drafter(Protocol):
     def compute_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor: ...
 
     def write_context(
-        self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv_caches: list[KVCache]
+        self,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        groups: list[int],
+        kv_caches: list[KVCache],
     ) -> None: ...
 
     def fuse_kv(self) -> None:

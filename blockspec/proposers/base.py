@@ -35,6 +35,11 @@ class Proposer:
     on_device = True
     capture_layers: tuple[int, ...] = ()  # target layers whose outputs `commit` reads (features)
 
+    def cache_reaches(self) -> dict[str, int | None]:
+        """Layer type -> positions before a step's first row its layers read (None: all), for each
+        attention layer type of the proposer's own K/V cache (none: no cache)."""
+        return {}
+
     def host_drafts(self, token_ids: list[list[int]], widths: list[int]) -> list[list[int]]:
         """Drafts of each sequence from its tokens, at most widths[i] - 1 (host proposers only)."""
         raise NotImplementedError

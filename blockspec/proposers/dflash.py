@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.engine.batch import Batch, make_batch, window_range
+from blockspec.engine.kv_cache_manager import layer_reaches
 from blockspec.layers.attention import AttentionMetadata, KeyRange
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.proposers.base import Proposal, Proposer, draft_from_logits
@@ -61,11 +62,20 @@ class DFlashProposer(Proposer):
         b = make_batch(inputs.starts, lengths, inputs.block_tables, d.block_size, runner.page_size)
         ctx_start = (b.starts - self.window).clamp_min(0) if self.window is not None else torch.zeros_like(b.starts)
         ranges = block_ranges(d, b, ctx_start)
-        attn = AttentionMetadata(b.block_tables, b.slot_mapping, ranges, runner.page_size, b.starts)
+        attn = AttentionMetadata(
+            b.block_tables, b.slot_mapping, runner.layout.drafter, ranges, runner.page_size, b.starts
+        )
         hidden = d(d.embed(block, runner.target), b.positions, attn, runner.drafter_cache)
         return hidden[:, d.first_draft_row : d.first_draft_row + width - 1]
+
+    def cache_reaches(self) -> dict[str, int | None]:
+        """The drafter's attention layer types and the context before the block each reads: a
+        sliding layer's window, and the whole context (None) or the last `window` positions."""
+        d = self.drafter
+        return layer_reaches(d.layers, d.sliding_window, self.window)
 
     def commit(self, runner, features, starts, counts, block_tables) -> None:
         """Drafter context K/V for the first counts[b] rows (the committed ones)."""
         b = make_batch(starts, counts, block_tables, features.shape[1], runner.page_size)
-        self.drafter.write_context(features, b.positions, b.slot_mapping, runner.drafter_cache)
+        groups = [runner.layout.drafter[layer.mixer.layer_type] for layer in self.drafter.layers]
+        self.drafter.write_context(features, b.positions, b.slot_mapping, groups, runner.drafter_cache)

@@ -67,5 +67,8 @@ class SimulatedProposer(Proposer):
             return num_drafts
         return geometric_counts(seeds, starts, num_drafts, self.log_p)
 
+    def cache_reaches(self) -> dict[str, int | None]:
+        return self.inner.cache_reaches()
+
     def commit(self, runner, features, starts, counts, block_tables) -> None:
         self.inner.commit(runner, features, starts, counts, block_tables)

@@ -11,18 +11,18 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from blockspec.engine.engine import LLMEngine
-from blockspec.engine.kv_cache import PageAllocator
+from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.outputs import RequestOutput
 
 
 class PrefixCacheCounters(Collector):
-    """The page allocator's prefix-cache counts, read when scraped (vLLM's prefix_cache_* names)."""
+    """The KV cache manager's prefix-cache counts, read when scraped (vLLM's prefix_cache_* names)."""
 
-    def __init__(self, allocator: PageAllocator) -> None:
-        self.allocator = allocator
+    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
+        self.kv_cache_manager = kv_cache_manager
 
     def collect(self):
-        a = self.allocator
+        a = self.kv_cache_manager
         yield CounterMetricFamily(
             "blockspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", a.queries
         )
@@ -70,12 +70,12 @@ class ServerMetrics:
             lambda: len(scheduler.waiting)
         )
         Gauge("blockspec_kv_pages_free", "Free KV cache pages", registry=r).set_function(
-            lambda: scheduler.allocator.num_free
+            lambda: scheduler.kv_cache_manager.num_free
         )
         Gauge("blockspec_kv_pages_total", "KV cache pages that requests can use", registry=r).set(
-            scheduler.allocator.num_usable
+            scheduler.kv_cache_manager.num_usable
         )
-        r.register(PrefixCacheCounters(scheduler.allocator))
+        r.register(PrefixCacheCounters(scheduler.kv_cache_manager))
         self.num_steps = self.num_committed = 0  # the mean's terms (a gauge cannot read counters)
 
     def request_added(self, num_prompt_tokens: int) -> None:

@@ -128,7 +128,7 @@ def qk_norm_rope_triton(
 
 @triton.jit
 def _layers_kv_write_kernel(
-    kv_ptr, weight_ptr, cos_ptr, sin_ptr, slot_ptr, k_caches, v_caches, stride_l, stride_t, stride_cos, eps,
+    kv_ptr, weight_ptr, cos_ptr, sin_ptr, slot_ptrs, k_caches, v_caches, stride_l, stride_t, stride_cos, eps,
     NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (token t, layer, head h): layer's k head h (h < Hkv; normed with the layer's weight
@@ -146,9 +146,9 @@ def _layers_kv_write_kernel(
         x1, x2 = _norm_rope(x1, x2, h, t, w, w, cos_ptr, sin_ptr, offs, mask, stride_cos, eps,
                             kv_ptr.dtype.element_ty, 0, True, HALF)  # fmt: skip
     y1, y2 = x1.to(kv_ptr.dtype.element_ty), x2.to(kv_ptr.dtype.element_ty)  # as the reference rounds them
-    at = (tl.load(slot_ptr + t).to(tl.int64) * NUM_KV_HEADS + h % NUM_KV_HEADS) * (2 * HALF) + offs
     for i in tl.static_range(len(k_caches)):  # the caches are separate tensors: one branch a layer
         if layer == i:
+            at = (tl.load(slot_ptrs[i] + t).to(tl.int64) * NUM_KV_HEADS + h % NUM_KV_HEADS) * (2 * HALF) + offs
             _store_halves(k_caches[i] + at, y1, y2, mask & is_k, HALF)
             _store_halves(v_caches[i] + at, y1, y2, mask & ~is_k, HALF)
 
@@ -160,20 +160,22 @@ def layers_kv_write_triton(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mappings: list[torch.Tensor],
 ) -> None:
     """kv [L, ..., 2, Hkv, D] (rows of 2 * Hkv * D contiguous elements), k_weight [L, D], cos/sin
-    [..., D], slot_mapping [...]: every layer's K and V into its caches [slots, Hkv, D] (contiguous)."""
+    [..., D], slot_mappings[i] [...] layer i's slots: every layer's K and V into its caches [slots,
+    Hkv, D] (contiguous)."""
     L, d, hkv = kv.shape[0], kv.shape[-1], kv.shape[-2]
     rows = kv.reshape(L, -1, 2 * hkv * d)  # a view: the GEMM's output rows
-    cos2, sin2, slots = cos.reshape(-1, d), sin.reshape(-1, d), slot_mapping.reshape(-1)
-    assert len(caches) == L and k_weight.shape == (L, d) and k_weight.is_contiguous() and d % 2 == 0
-    assert slots.stride(0) == 1, "slot_mapping's rows read as one contiguous run"
-    assert rows.data_ptr() == kv.data_ptr() and rows.stride(2) == 1 and rows.shape[1] == slots.numel()
-    assert cos2.shape[0] == slots.numel() and cos2.stride() == sin2.stride() and cos2.stride(1) == 1
+    cos2, sin2 = cos.reshape(-1, d), sin.reshape(-1, d)
+    slots = tuple(s.reshape(-1) for s in slot_mappings)
+    assert len(caches) == L == len(slots) and k_weight.shape == (L, d) and k_weight.is_contiguous() and d % 2 == 0
+    assert all(s.stride(0) == 1 for s in slots), "slot_mapping's rows read as one contiguous run"
+    assert rows.data_ptr() == kv.data_ptr() and rows.stride(2) == 1 and all(rows.shape[1] == s.numel() for s in slots)
+    assert cos2.shape[0] == rows.shape[1] and cos2.stride() == sin2.stride() and cos2.stride(1) == 1
     assert all(c.is_contiguous() and c.shape[1:] == (hkv, d) for pair in caches for c in pair)
-    if slots.numel():
-        _layers_kv_write_kernel[(slots.numel(), L, 2 * hkv)](
+    if rows.shape[1]:
+        _layers_kv_write_kernel[(rows.shape[1], L, 2 * hkv)](
             rows, k_weight, cos2, sin2, slots, tuple(k for k, _ in caches), tuple(v for _, v in caches),
             rows.stride(0), rows.stride(1), cos2.stride(0), eps, NUM_KV_HEADS=hkv, HALF=d // 2,
             BLOCK=triton.next_power_of_2(d // 2),
