@@ -190,14 +190,14 @@ def test_fused_elementwise_ops_match_their_eager_reference():
 def test_fused_step_bookkeeping_equals_its_eager_reference():
     """The compiled index ops of a step (rows and slots, key ranges, the embedding) give eager's
     results exactly, padding rows included, at a verify's shapes and at a decode step's sizes of
-    one (batch 1, one row, a one-page table: compiled apart)."""
+    one (batch 1, one row, a one-page table: compiled apart), with two cache groups' tables."""
     torch.manual_seed(0)
     dev = "cuda"
     weight = torch.randn(151936, 4096, device=dev, dtype=torch.bfloat16)
     verify = (torch.tensor([0, 37, 600], device=dev), torch.tensor([16, 1, 9], device=dev), 64, 16)
     decode = (torch.tensor([9], device=dev), torch.tensor([1], device=dev), 1, 1)
     for starts, lengths, pages, width in (verify, decode):
-        tables = torch.randint(1, 500, (len(starts), pages), device=dev)
+        tables = torch.randint(1, 500, (len(starts), 2, pages), device=dev)
         positions = batch_rows.eager(starts, lengths, tables, width, 16)[0]
         cases = [
             (batch_rows, (starts, lengths, tables, width, 16)),
