@@ -146,7 +146,8 @@ def engine(target, drafter, graphs: bool) -> LLMEngine:
 def teacher_forced_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Target logits at every position of ids, one eager forward through the engine's runner."""
     dev, n = eng.device, len(ids)
-    tables = torch.arange(1, 1 + -(-n // 16), device=dev)[None]  # the engine is idle: any pages will do
+    groups = len(eng.layout.reaches)  # the engine is idle: any pages will do, in every cache group
+    tables = torch.arange(1, 1 + -(-n // 16), device=dev).expand(1, groups, -1)
     with torch.inference_mode():
         hidden, _ = eng.runner.target_forward(
             torch.tensor([ids], device=dev),
