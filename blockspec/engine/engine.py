@@ -92,6 +92,7 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len}: raise num_pages or lower max_model_len"
             )
         caches = [self.caches(m, num_pages, groups) for m, groups in self.cached_models()]
+        target_cache, drafter_cache = caches if len(caches) == 2 else (caches[0], None)
         adaptive = spec is not None and spec.adaptive_width and self.max_width > 1
         self.adaptive = AdaptiveWidth(self.max_width) if adaptive else None
         row_classes = self.adaptive.classes if adaptive else (self.max_width,)
@@ -101,9 +102,8 @@ class LLMEngine:
             else None
         )
         self.runner = ModelRunner(
-            model, self.proposer, caches[0], caches[1] if len(caches) > 1 else None, config.page_size, graphs,
-            self.max_model_len, self.layout,
-        )  # fmt: skip
+            model, self.proposer, target_cache, drafter_cache, config.page_size, graphs, self.max_model_len, self.layout
+        )
         prefix_caching = self.prefix_caching(config.prefix_caching)
         pages = KVCacheManager(self.layout.reaches, num_pages, config.page_size, prefix_caching)
         self.scheduler = Scheduler(config, pages, SlotAllocator(self.num_slots), self.span)
@@ -177,9 +177,10 @@ class LLMEngine:
         full groups' `num_pages`, by default what the cache budget holds beside the windowed pools
         and the recurrent states."""
         c = self.config
-        span = max(self.drafter.block_size, self.max_width) if self.drafter is not None else self.max_width
         windowed = [
-            window_pool_pages(r, c.page_size, c.max_num_seqs, span, c.max_num_batched_tokens) if r is not None else 0
+            window_pool_pages(r, c.page_size, c.max_num_seqs, self.step_rows, c.max_num_batched_tokens)
+            if r is not None
+            else 0
             for r in self.layout.reaches
         ]
         full = c.num_pages or self.default_num_pages(windowed)
@@ -218,8 +219,14 @@ class LLMEngine:
         drafter its whole block (`DFlashProposer.draft_hidden`), up to the end of the context."""
         if self.drafter is None:
             return self.width(seq, ahead)
-        rows = max(self.drafter.block_size, self.max_width)  # a shifted block verifies one row more than it has
-        return min(rows, self.max_model_len - len(seq.token_ids) - ahead + 1)
+        return min(self.step_rows, self.max_model_len - len(seq.token_ids) - ahead + 1)
+
+    @property
+    def step_rows(self) -> int:
+        """Most positions a step writes from its anchor on (`span`)."""
+        if self.drafter is None:
+            return self.max_width
+        return max(self.drafter.block_size, self.max_width)  # a shifted block verifies one row more than it has
 
     def step_widths(self, seqs: list[Sequence], full: list[int]) -> tuple[list[int], int | None]:
         """Each sequence's rows this step (at most `full`), and the width the adaptive policy chose
