@@ -116,10 +116,14 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
          str(tmp_path / "mtbench.jsonl"), "--max-tokens", "8", "--temperatures", "0", "--out", str(out)]
     )  # fmt: skip
     acceptance.run(args)
-    rows = json.loads(out.read_text())
+    written = json.loads(out.read_text())
+    rows = written["results"]
     assert [(r["set"], r["prompts"]) for r in rows] == [("humaneval", 1), ("mtbench", 1)]
     engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dspark", "dspark_adaptive")
     assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 for e in engines) for r in rows)
+    assert all(r[e]["first_pass_tok_per_s"] > 0 for r in rows for e in engines)  # two passes, both timed
+    assert list(written["meta"]["engine_start_s"]) == list(engines)
+    assert "First pass over second pass" in "\n".join(report.section(out))
 
 
 def test_determinism_bench_counts_equal_outputs_per_row_invariance_setting(tmp_path):

@@ -8,6 +8,7 @@ from conftest import count_launches_ahead, make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
 from blockspec.engine.cuda_graphs import GraphCache
+from blockspec.engine.warm_up import step_kinds, warm_up
 
 
 class ReplayByCall:
@@ -111,3 +112,35 @@ def test_host_arrays_cross_in_one_copy_as_aligned_views(tmp_path):
         assert view.tolist() == np.asarray(a).tolist() and view.shape == np.shape(a)
         assert view.storage_offset() % 2 == 0
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family):
+    """`engine.warm_up` captures a graph of every step kind at every bucket and row class, writing only
+    where padding does: requests of every kind then capture nothing, and their outputs equal an
+    eager engine's."""
+    t = make_target(tmp_path / "t", family, vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    spec = {"model": str(d)}
+    eager = LLM(str(t), spec, device="cpu", page_size=4, max_num_seqs=4)
+    graphed = LLM(str(t), spec, device="cpu", page_size=4, max_num_seqs=4)
+    engine = graphed.engine
+    runner = engine.runner
+    runner.graphs = CpuGraphCache(4, -(-engine.max_model_len // 4), engine.adaptive.classes)
+    warm_up(runner, 4, engine.step_rows)
+    modes = {k[0] for k in runner.graphs.graphs}
+    assert len(modes) == len(step_kinds()) == 12
+    assert set(runner.graphs.graphs) == {(m, b, w) for m in modes for b in (1, 2, 4) for w in engine.adaptive.classes}
+    captured = len(runner.graphs.graphs)
+    prompts = [[5, 9], list(range(20, 45)), [7] * 3, [(i * 37) % 120 for i in range(40)]]
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=4, logprobs=1),
+    ]
+    for params in kinds:
+        a = [o.outputs[0] for o in eager.generate(prompts, params)]
+        b = [o.outputs[0] for o in graphed.generate(prompts, params)]
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert len(runner.graphs.graphs) == captured  # nothing captured at request time

@@ -54,7 +54,10 @@ between chunks; `whole prompt` prefills it in one step.
 turns), chat template applied, a real target and drafter. Per prompt set and temperature: plain
 decoding's tok/s, and for each proposer its tau, tok/s and speed over plain decoding on the same
 engine and prompts (*x plain*). `dflash` and `ngram` verify the full block every step;
-`dflash_adaptive` lets the engine choose the width; `dflash_fp8` runs the drafter in FP8.
+`dflash_adaptive` lets the engine choose the width; `dflash_fp8` runs the drafter in FP8. Each
+configuration runs the same requests twice from a freshly started engine; the figures are the
+second pass's, and a table gives the first pass's tok/s over the second's (1.00: nothing was
+captured, compiled or explored while the first requests ran).
 
 **Determinism** (`python -m blockspec.bench.determinism`, in the acceptance shape). Real prompts at
 T=0, per *row invariant* setting (`EngineConfig.row_invariant`): *spec equals plain*, the prompts
@@ -199,8 +202,23 @@ def acceptance_tables(rows: list[dict]) -> list[str]:
             if v.get("histogram"):
                 hists.append([fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["histogram"])])
         body.append(row + [fmt(r.get(k)) for k in extra])
-    lines = table(header, body)
+    lines = table(header, body) + first_pass_table(rows, ["plain", *engines])
     return lines + histograms(["set", "T", "proposer"], hists)
+
+
+def first_pass_table(rows: list[dict], engines: list[str]) -> list[str]:
+    """Where the rows time two passes of the same requests: each engine's first pass tok/s over its
+    second's (below 1: the first requests ran slower)."""
+    if not any("first_pass_tok_per_s" in (r.get(e) or {}) for r in rows for e in engines):
+        return []
+    body = [
+        [fmt(r["set"]), temperature(r["temperature"])]
+        + [fmt(ratio((r.get(e) or {}).get("first_pass_tok_per_s"), (r.get(e) or {}).get("tok_per_s"))) for e in engines]
+        for r in rows
+    ]
+    return ["", "First pass over second pass, tok/s (the same requests, from a fresh engine):", ""] + table(
+        ["set", "T", *engines], body
+    )
 
 
 def histograms(keys: list[str], rows: list[list[str]]) -> list[str]:

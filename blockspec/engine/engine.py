@@ -17,6 +17,7 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, fresh_request_id
 from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_step
+from blockspec.engine.warm_up import warm_up
 from blockspec.layers.decoder import RECURRENT_STATE
 from blockspec.layers.fast_path import restore_kernels, use_kernels
 from blockspec.layers.gated_deltanet import fla_kernels
@@ -114,6 +115,8 @@ class LLMEngine:
         self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
         self.in_flight: Flight | None = None
         self.last_completion = 0.0
+        if graphs is not None and config.warm_up:
+            warm_up(self.runner, config.max_num_seqs, self.step_rows)
 
     def prefix_caching(self, asked: bool | None) -> bool:
         """Whether prompts share cached pages: only where every target layer keeps K/V pages."""
