@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from blockspec.config import ROW_INVARIANT_WORDS
+from blockspec.config import SWITCH_WORDS
 from blockspec.llm import AUTO, LLM, free_device_memory, resolve_speculative_config
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import SamplingParams
@@ -33,10 +33,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
         "--row-invariant",
-        choices=ROW_INVARIANT_WORDS,
+        choices=SWITCH_WORDS,
         default="off",
         help="on: each row's numbers independent of the batch, so a greedy request's output is the same alone or in "
         "any batch and equals plain decoding (slower: docs/benchmarks.md)",
+    )
+    p.add_argument(
+        "--warm-up",
+        choices=SWITCH_WORDS,
+        default="on",
+        help="on: capture every CUDA graph and compile the prefill's kernels at start, so that no request waits on "
+        "them (off: a quicker start, the first requests slower)",
     )
 
 
@@ -61,7 +68,8 @@ def build_llm(args: argparse.Namespace) -> LLM:
         args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        row_invariant=ROW_INVARIANT_WORDS[args.row_invariant],
+        row_invariant=SWITCH_WORDS[args.row_invariant],
+        warm_up=SWITCH_WORDS[args.warm_up],
     )
 
 

@@ -69,8 +69,8 @@ class KernelConfig:
     row_invariant: bool = False
 
 
-# The command lines' --row-invariant words -> EngineConfig.row_invariant
-ROW_INVARIANT_WORDS = {"off": False, "on": True}
+# The command lines' words for a switch (--row-invariant, --warm-up) -> EngineConfig's bool
+SWITCH_WORDS = {"off": False, "on": True}
 
 
 @dataclass

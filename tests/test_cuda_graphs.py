@@ -2,11 +2,15 @@
 of outputs), run on the CPU with a stand-in graph that replays by calling the captured
 function on its static buffers: outputs must equal the eager engine's."""
 
+import argparse
+
 import numpy as np
 import pytest
-from conftest import count_launches_ahead, make_drafter, make_target
+from conftest import count_launches_ahead, make_dflash2, make_drafter, make_dspark, make_target
+from test_hybrid_targets import hybrid_target
 
 from blockspec import LLM, SamplingParams
+from blockspec.cli import add_engine_args, build_llm
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.warm_up import step_kinds, warm_up
 
@@ -114,13 +118,17 @@ def test_host_arrays_cross_in_one_copy_as_aligned_views(tmp_path):
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
-def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family):
+@pytest.mark.parametrize(
+    "family,drafter",
+    [("qwen3", make_drafter), ("gpt_oss", make_drafter), ("qwen3_5", make_drafter), ("qwen3", make_dspark),
+     ("qwen3", make_dflash2)],
+)  # fmt: skip
+def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, drafter):
     """`engine.warm_up` captures a graph of every step kind at every bucket and row class, writing only
-    where padding does: requests of every kind then capture nothing, and their outputs equal an
-    eager engine's."""
-    t = make_target(tmp_path / "t", family, vocab=128)
-    d = make_drafter(tmp_path / "d", t, block_size=8)
+    where padding does (the trash page, the trash state slot): requests of every kind then capture
+    nothing, and their outputs equal an eager engine's."""
+    t = hybrid_target(tmp_path, family) if family == "qwen3_5" else make_target(tmp_path / "t", family, vocab=128)
+    d = drafter(tmp_path / "d", t)
     spec = {"model": str(d)}
     eager = LLM(str(t), spec, device="cpu", page_size=4, max_num_seqs=4)
     graphed = LLM(str(t), spec, device="cpu", page_size=4, max_num_seqs=4)
@@ -144,3 +152,13 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family):
         b = [o.outputs[0] for o in graphed.generate(prompts, params)]
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert len(runner.graphs.graphs) == captured  # nothing captured at request time
+
+
+def test_the_command_line_switches_warm_up(tmp_path):
+    """`--warm-up on|off` (on by default) sets EngineConfig.warm_up."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags, expected in (([], True), (["--warm-up", "off"], False)):
+        args = parser.parse_args(["--model", str(t), "--draft", "none", "--device", "cpu", *flags])
+        assert build_llm(args).engine.config.warm_up is expected

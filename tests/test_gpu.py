@@ -131,7 +131,7 @@ def test_dflash2_fast_path_equals_cpu_reference(tmp_path):
 def test_fast_attention_matches_reference_in_the_model(tmp_path):
     t = make_target(tmp_path / "t", "llama", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
-    llm = LLM(str(t), {"model": str(d)}, device="cuda", dtype="float32")
+    llm = LLM(str(t), {"model": str(d)}, device="cuda", dtype="float32", warm_up=False)
     fast = outputs(llm)
     with reference_ops():
         ref = outputs(LLM(str(t), {"model": str(d)}, device="cuda", dtype="float32", cuda_graphs=False))
@@ -140,7 +140,9 @@ def test_fast_attention_matches_reference_in_the_model(tmp_path):
 
 def engine(target, drafter, graphs: bool) -> LLMEngine:
     spec = SpeculativeConfig(num_speculative_tokens=15) if drafter is not None else None
-    return LLMEngine(target, drafter, spec, EngineConfig(max_num_seqs=8, max_model_len=1024, cuda_graphs=graphs))
+    return LLMEngine(
+        target, drafter, spec, EngineConfig(max_num_seqs=8, max_model_len=1024, cuda_graphs=graphs, warm_up=False)
+    )
 
 
 def teacher_forced_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -279,7 +281,10 @@ def test_fp32_serving_paths_equal_cpu_reference(tmp_path, family):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     results = []
     for device in ("cpu", "cuda"):
-        llm = LLM(str(t), {"model": str(d)}, device=device, dtype="float32", fold_norms=True, max_num_batched_tokens=7)
+        llm = LLM(
+            str(t), {"model": str(d)}, device=device, dtype="float32", fold_norms=True, max_num_batched_tokens=7,
+            warm_up=False,
+        )  # fmt: skip
         outs = [llm.generate([p], params)[0].outputs[0] for p in prompts]  # one at a time: the repeats hit
         results.append(([o.token_ids for o in outs], [lp.logprob for o in outs for lp in o.logprobs]))
         hits = llm.engine.scheduler.kv_cache_manager.hits

@@ -19,7 +19,7 @@ import torch
 
 from blockspec.bench.meta import run_meta
 from blockspec.bench.presets import is_preset, random_drafter, random_target
-from blockspec.config import ROW_INVARIANT_WORDS, EngineConfig, KernelConfig, SpeculativeConfig
+from blockspec.config import SWITCH_WORDS, EngineConfig, KernelConfig, SpeculativeConfig
 from blockspec.engine.adaptive import width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
@@ -233,7 +233,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
         cuda_graphs=not args.no_cuda_graphs,
         async_steps=False if args.lock_step else None,
         num_pages=batch * (-(-max_len // 16) + 2) + 1,
-        row_invariant=ROW_INVARIANT_WORDS[args.row_invariant],
+        row_invariant=SWITCH_WORDS[args.row_invariant],
     )
     engine = LLMEngine(target, drafter, spec, config)
     marks = engine.runner.phase_marks = PhaseMarks(cuda)  # before any step: graphs capture the marks
@@ -358,7 +358,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--row-invariant",
-        choices=ROW_INVARIANT_WORDS,
+        choices=SWITCH_WORDS,
         default="off",
         help="EngineConfig.row_invariant",
     )

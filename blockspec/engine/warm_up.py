@@ -1,6 +1,8 @@
 """Everything a GPU engine would otherwise build while it serves, built when it starts: the CUDA
 graph of every step kind (greedy, sampled, filtered; with logprobs and min_tokens or without) at
-every batch bucket and row class, and the prefill's kernels at chunk shapes of both alignments.
+every batch bucket and row class, and the prefill's kernels over a grid of chunk shapes (the
+attention kernels' variants follow the rows, their alignment, and the context: a chunk after a
+cached prefix splits its keys).
 A capture or a compile in the middle of serving stalls every running request (it synchronizes the
 device, and a compile takes seconds), so the first requests would run slower than the same
 requests later. Warm-up sequences hold only the trash page and the trash state slot: everything
@@ -18,7 +20,9 @@ if TYPE_CHECKING:
 
 # one request of each step kind (`StepInputs.mode`): greedy, sampled, filtered (top-k)
 KINDS = (SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2))
-PREFILL_LENGTHS = (1, 17, 64)  # chunk lengths: a decode-sized one, and rows off and on multiples of 16
+PREFILL_BATCHES = (1, 2, 4)
+PREFILL_ROWS = (1, 7, 16, 17, 33, 64, 100)  # chunk lengths: each query tile class, off and on multiples of 16
+PREFILL_STARTS = (0, 300, 3000)  # positions a chunk starts at: no split of its keys, a few, many
 
 
 def step_kinds() -> list[SamplingParams]:
@@ -31,23 +35,24 @@ def step_kinds() -> list[SamplingParams]:
     ]
 
 
-def trash_sequence(num_tokens: int, params: SamplingParams, columns: int, num_groups: int) -> Sequence:
-    """A sequence of `num_tokens` tokens whose every table column is the trash page."""
-    seq = Sequence(None, [0] * num_tokens, params, seed=0)
-    seq.block_tables = [BlockTable([0] * columns) for _ in range(num_groups)]
+def trash_sequence(runner: "ModelRunner", start: int, rows: int, params: SamplingParams, step_rows: int) -> Sequence:
+    """A sequence with `start` positions computed and `rows` more to prefill before its anchor, whose
+    every table column is the trash page."""
+    seq = Sequence(None, [0] * (start + rows + 1), params, seed=0)
+    columns = -(-(start + rows + step_rows) // runner.page_size)
+    seq.block_tables = [BlockTable([0] * columns) for _ in runner.layout.reaches]
+    seq.num_cached = start
     seq.stop_ids = [0]
     return seq
 
 
 def warm_up(runner: "ModelRunner", max_num_seqs: int, step_rows: int) -> None:
-    """Run a prefill at each of `PREFILL_LENGTHS` (one sequence, and two), then a step of every
-    kind, batch bucket and row class of the runner's graphs (captured there)."""
-    groups, page = len(runner.layout.reaches), runner.page_size
-    for length, batch in product(PREFILL_LENGTHS, (1, 2)):
-        columns = -(-(length + step_rows) // page)
-        runner.prefill([trash_sequence(length + 1, KINDS[0], columns, groups) for _ in range(min(batch, max_num_seqs))])
+    """Run a prefill of each shape of the grid (batch, rows, start) that fits the context, then a
+    step of every kind, batch bucket and row class of the runner's graphs (captured there)."""
+    for batch, rows, start in product(PREFILL_BATCHES, PREFILL_ROWS, PREFILL_STARTS):
+        if batch <= max_num_seqs and start + rows + step_rows <= runner.max_model_len:
+            runner.prefill([trash_sequence(runner, start, rows, KINDS[0], step_rows) for _ in range(batch)])
     graphs = runner.graphs
-    columns = -(-(step_rows + 1) // page)
     for params, bucket, width in product(step_kinds(), graphs.buckets, graphs.row_classes):
-        seqs = [trash_sequence(1, params, columns, groups) for _ in range(bucket)]
+        seqs = [trash_sequence(runner, 0, 0, params, step_rows) for _ in range(bucket)]
         runner.step(runner.step_inputs(seqs, [width] * bucket, None, None))
