@@ -57,6 +57,11 @@ class SamplingParams:
     # Each output token's log-probability under the target's distribution (its raw logits' log
     # softmax, before temperature and filters), and the `logprobs` most likely tokens'; None: none.
     logprobs: int | None = None
+    # vLLM's penalties (`blockspec.penalties`): of output tokens, per occurrence and once; of prompt
+    # and output tokens, a divisor of positive logits (1: off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     return_drafts: bool = False
 
     def __post_init__(self) -> None:
@@ -90,6 +95,18 @@ class SamplingParams:
                 self.logprobs is None or is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
             ),
+            "presence_penalty": (
+                is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                f"must be in [-2, 2], got {self.presence_penalty!r}",
+            ),
+            "frequency_penalty": (
+                is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                f"must be in [-2, 2], got {self.frequency_penalty!r}",
+            ),
+            "repetition_penalty": (
+                is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+                f"must be in (0, 100], got {self.repetition_penalty!r}",
+            ),
             "seed": (
                 self.seed is None or is_int(self.seed) and -(2**63) <= self.seed < 2**63,
                 f"must be a 64-bit int, got {self.seed!r}",
@@ -102,6 +119,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0, 0, 1)
 
 
 SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p")  # a row's parameters, as `sampling_row` packs them

@@ -117,6 +117,19 @@ def test_completion_matches_engine(live: Live) -> None:
     assert sum(lengths) == r.usage.completion_tokens
 
 
+def test_penalties_match_engine(live: Live) -> None:
+    """presence_penalty and frequency_penalty (OpenAI's) and repetition_penalty (vLLM's) reach the
+    engine: the text is the engine's under the same penalties."""
+    r = live.client().completions.create(
+        model=NAME, prompt="w7 w8 w9", max_tokens=20, temperature=0, presence_penalty=0.5, frequency_penalty=0.4,
+        extra_body={"repetition_penalty": 1.3},
+    )  # fmt: skip
+    params = SamplingParams(
+        temperature=0, max_tokens=20, presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3
+    )
+    assert r.choices[0].text == live.reference.generate("w7 w8 w9", params)[0].outputs[0].text
+
+
 def test_token_id_prompt(live: Live) -> None:
     r = live.client().completions.create(model=NAME, prompt=[7, 8, 9], max_tokens=20, temperature=0)
     assert r.choices[0].text == live.reference.generate([7, 8, 9], greedy(20))[0].outputs[0].text
@@ -229,7 +242,8 @@ BAD_COMPLETIONS = [
     ),  # SamplingParams' own checks name their field too
     ({"extra_body": {"max_token": 5}}, 400, "max_token"),  # unknown fields are named, not ignored
     ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens"),  # more than max_tokens
-    ({"extra_body": {"repetition_penalty": 1.2}}, 400, "repetition_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, 400, "repetition_penalty"),  # SamplingParams' range
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),
     ({"extra_body": {"guided_regex": "w[0-9]"}}, 400, "guided_regex"),
     ({"extra_body": {"tool_choice": "auto"}}, 400, "tool_choice"),

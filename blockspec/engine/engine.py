@@ -323,7 +323,9 @@ class LLMEngine:
     def launch(self) -> Flight | None:
         """Admit what fits, prefill a chunk of the pending prompts, then launch a step of every
         running sequence whose prompt is done."""
-        self.scheduler.admit()
+        for seq in self.scheduler.admit():
+            if seq.params.penalized:
+                self.runner.reset_penalties(seq, self.num_slots)
         chunks = self.scheduler.prefill_chunks()
         if chunks:
             seqs, counts = zip(*chunks)

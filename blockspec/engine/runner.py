@@ -15,6 +15,7 @@ from blockspec.engine.step import StepInputs, step_forward
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.models.causal_lm import CausalLM
+from blockspec.penalties import PenaltyState, penalty_row
 from blockspec.proposers.base import Proposer
 from blockspec.sampling import MAX_STOP_IDS, sampling_row
 
@@ -41,6 +42,13 @@ class ModelRunner:
         self.capture = proposer.capture_layers if proposer is not None else ()
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.phase_marks = None  # benchmarks: an object whose record(name) marks a step's phases
+        self.penalty_state: PenaltyState | None = None  # allocated with the first penalized request
+
+    def reset_penalties(self, seq: Sequence, num_slots: int) -> None:
+        """A penalized sequence's row of the penalty state, from its tokens (at admission)."""
+        if self.penalty_state is None:
+            self.penalty_state = PenaltyState.allocate(num_slots, self.target.lm_head.weight.shape[0], self.device)
+        self.penalty_state.reset(seq.state_slot, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids)
 
     def tensor(self, data: list | np.ndarray) -> torch.Tensor:
         """Host integers on the device. On CUDA copied on a stream of its own, which the current one
@@ -161,12 +169,17 @@ class ModelRunner:
         if sampled:  # float32 parameters crossing bitwise, two to an int64
             rows = np.asarray([sampling_row(s.params) for s in seqs], dtype=np.float32)
             arrays.append(rows.view(np.int64))
+        penalized = any(s.params.penalized for s in seqs)
+        if penalized:  # float32 penalties crossing bitwise, as the sampling parameters
+            rows = np.asarray([penalty_row(s.params) for s in seqs], dtype=np.float32)
+            arrays.append(rows.view(np.int64))
         min_tokens = any(s.num_generated < s.params.min_tokens for s in seqs)  # a step launched ahead: or fewer
         if min_tokens:
             arrays.append([s.num_prompt_tokens + s.params.min_tokens for s in seqs])
             arrays.append([s.stop_ids + [-1] * (MAX_STOP_IDS - len(s.stop_ids)) for s in seqs])
         lengths, tables, seeds, slots, *rest = self.tensors(*arrays)
         min_positions, stop_ids = (rest.pop(-2), rest.pop()) if min_tokens else (None, None)
+        penalty_rows = rest.pop() if penalized else None
         sampling = rest.pop() if sampled else None
         tokens = rest.pop() if anchors is None else anchors
         tokens = tokens.expand(-1, width)  # a device proposer reads column 0; the width sets the rows
@@ -174,8 +187,9 @@ class ModelRunner:
         filters = sampled and any(s.params.top_k > 0 or s.params.top_p < 1 for s in seqs if not s.params.greedy)
         logprobs = any(s.params.logprobs is not None for s in seqs)
         return StepInputs(
-            tokens, starts, lengths, tables, seeds, slots, sampling, filters, logprobs, min_positions, stop_ids
-        )
+            tokens, starts, lengths, tables, seeds, slots, sampling, filters, logprobs, min_positions, stop_ids,
+            penalty_rows,
+        )  # fmt: skip
 
     @torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,6 +17,7 @@ import torch
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.outputs import TokenLogprob
+from blockspec.penalties import penalize_rows
 from blockspec.proposers.base import Proposal
 from blockspec.sampling import (
     MAX_LOGPROBS,
@@ -52,6 +53,8 @@ class StepInputs:
     # [B, MAX_STOP_IDS] (padded with -1) are banned (`sampling.ban_early_stops`)
     min_positions: torch.Tensor | None = None
     stop_ids: torch.Tensor | None = None
+    # [B, 2] int64 holding float32 [B, 4] bitwise (`penalties.penalty_row`); None: no row has penalties
+    penalties: torch.Tensor | None = None
 
     # A CUDA graph's rows past the batch: sequences of one greedy row at position 0, writing to the
     # trash page (0.0 is all zero bits).
@@ -65,18 +68,25 @@ class StepInputs:
         "sampling": 0,
         "min_positions": 0,
         "stop_ids": -1,
+        "penalties": 0,
     }
 
     @property
     def mode(self) -> str:
         """The step's kind (its CUDA graphs' name): what its rows need computed."""
         kind = "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
-        return kind + "+logprobs" * self.logprobs + "+min_tokens" * (self.min_positions is not None)
+        mode = kind + "+logprobs" * self.logprobs + "+min_tokens" * (self.min_positions is not None)
+        return mode + "+penalties" * (self.penalties is not None)
 
     @property
     def sampling_params(self) -> torch.Tensor:
         """[B, 4] float32 (`blockspec.sampling.SAMPLING_COLUMNS`)."""
         return self.sampling.view(torch.float32)
+
+    @property
+    def penalty_params(self) -> torch.Tensor:
+        """[B, 4] float32 (`penalties.PENALTY_COLUMNS`)."""
+        return self.penalties.view(torch.float32)
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -138,13 +148,18 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     hidden, features = runner.target_forward(block, inputs.starts, inputs.lengths, inputs.block_tables, states)
     logits = runner.target.compute_logits(hidden)
     runner.mark("verify")
-    rule_logits = logits  # logprobs report the raw distribution; the acceptance rule, min_tokens' bans
+    rule_logits = logits  # logprobs report the raw distribution; the acceptance rule, penalties and bans
+    if inputs.penalties is not None:
+        counts, prompt = runner.penalty_state.rows(inputs.state_slots)
+        rule_logits = penalize_rows(rule_logits, proposal.drafts, counts, prompt, inputs.penalty_params)
     if inputs.min_positions is not None:
         rule_logits = ban_early_stops(logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
     accepted, bonus = accept(proposal, rule_logits, inputs)
     committed = accepted + 1
     runner.mark("accept")
     states.commit(committed)
+    if inputs.penalties is not None:
+        runner.penalty_state.commit(inputs.state_slots, committed_tokens(proposal.drafts, accepted, bonus), committed)
     runner.mark("rollback")
     if proposer is not None:
         proposer.commit(runner, features, inputs.starts, committed, inputs.block_tables)

@@ -15,9 +15,6 @@ from blockspec.sampling import MAX_LOGPROBS
 UNSUPPORTED = (
     "suffix",
     "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
     "tools",
     "tool_choice",
     "functions",
@@ -118,7 +115,10 @@ class SamplingRequest(OpenAIModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # int64
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # vLLM's extensions
+    repetition_penalty: float = 1.0
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
@@ -127,7 +127,10 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
-    @field_validator("max_tokens", "temperature", "top_p", "n", "seed", "top_k", "min_p", mode="before")
+    @field_validator(
+        "max_tokens", "temperature", "top_p", "n", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", mode="before",
+    )  # fmt: skip
     @classmethod
     def no_booleans(cls, value):  # pydantic's lax mode would read true as 1 (3.0 as 3 may pass)
         if isinstance(value, bool):
