@@ -16,22 +16,20 @@ import torch
 
 from blockspec.sampling import SamplingParams
 
-PENALTY_COLUMNS = ("presence", "frequency", "repetition - 1")  # a row's, as `penalty_row` packs them
-
 
 def penalty_row(params: SamplingParams) -> list[float]:
-    """A request's penalties as one row of a step's float32 [B, 4] penalty tensor (all zeros: none,
-    as padding rows are)."""
+    """A request's penalties as one row of a step's float32 [B, 4] penalty tensor: presence,
+    frequency, repetition - 1, and 0 (all zeros: none, as padding rows are)."""
     return [params.presence_penalty, params.frequency_penalty, params.repetition_penalty - 1.0, 0.0]
 
 
-def penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] penalized given each token's output count [..., V], whether the prompt or the
-    output holds it (seen [..., V]) and the penalties [..., 4] (`penalty_row`)."""
+def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] penalized given each token's output count [..., V], whether the prompt holds
+    it (prompt [..., V]) and the penalties [..., 4] (`penalty_row`)."""
     presence, frequency, repetition = (penalties[..., i, None] for i in range(3))
     repetition = repetition + 1
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen | (counts > 0), repeated, logits)
+    logits = torch.where(prompt | (counts > 0), repeated, logits)
     return logits - frequency * counts - presence * (counts > 0)
 
 
@@ -52,8 +50,8 @@ def penalize_rows(
     same = (drafts[:, :, None] == drafts[:, None, :]).float()  # [B, w-1, w-1]: drafts j and i
     count = counts.gather(1, drafts)[:, None].float() + torch.einsum("bji,ri->brj", same, before)
     tokens = drafts[:, None, :].expand(-1, w, -1)  # [B, w, w-1]: row r, draft j
-    seen = prompt.gather(1, drafts)[:, None].expand(-1, w, -1)
-    return rows.scatter(2, tokens, penalize(logits.gather(2, tokens), count, seen, penalties[:, None]))
+    in_prompt = prompt.gather(1, drafts)[:, None].expand(-1, w, -1)
+    return rows.scatter(2, tokens, penalize(logits.gather(2, tokens), count, in_prompt, penalties[:, None]))
 
 
 @dataclass

@@ -85,7 +85,7 @@ class StepInputs:
 
     @property
     def penalty_params(self) -> torch.Tensor:
-        """[B, 4] float32 (`penalties.PENALTY_COLUMNS`)."""
+        """[B, 4] float32 (`penalties.penalty_row`)."""
         return self.penalties.view(torch.float32)
 
     @property
