@@ -39,3 +39,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then one per token
+    prompt_logprobs: list[TokenLogprob | None] | None = None

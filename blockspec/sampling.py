@@ -57,6 +57,10 @@ class SamplingParams:
     # Each output token's log-probability under the target's distribution (its raw logits' log
     # softmax, before temperature and filters), and the `logprobs` most likely tokens'; None: none.
     logprobs: int | None = None
+    # Each prompt token's log-probability given the tokens before it (the first has none), and the
+    # `prompt_logprobs` most likely tokens'; None: none. Such a prompt is prefilled whole (no
+    # prefix-cache hit: a cached page holds no logits).
+    prompt_logprobs: int | None = None
     # vLLM's penalties (`blockspec.penalties`): of output tokens, per occurrence and once; of prompt
     # and output tokens, a divisor of positive logits (1: off)
     presence_penalty: float = 0.0
@@ -94,6 +98,12 @@ class SamplingParams:
             "logprobs": (
                 self.logprobs is None or is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            ),
+            "prompt_logprobs": (
+                self.prompt_logprobs is None
+                or is_int(self.prompt_logprobs)
+                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"must be None or in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
             ),
             "presence_penalty": (
                 is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,

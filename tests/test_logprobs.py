@@ -88,3 +88,28 @@ def test_a_stop_cuts_the_logprobs_with_the_tokens(pair):
     sp = SamplingParams(temperature=0, max_tokens=14, stop_token_ids=[stop], logprobs=1)
     out = llm.generate(PROMPTS[:1], sp)[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids) == out.token_ids.index(stop) + 1
+
+
+def test_prompt_logprobs_equal_transformers_whatever_the_prefill(pair):
+    """prompt_logprobs: each prompt token after the first, given the tokens before it, with the top k,
+    as transformers' log softmax; the same prefilled whole, in chunks of 5 rows, after the prompt's
+    pages were cached (it is prefilled again: no hit), and with speculation."""
+    target, drafter = pair
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompt = list(range(20, 57))
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
+    expected = [
+        TokenLogprob(t, float(logp[i, t]), {int(j): float(logp[i, j]) for j in logp[i].topk(4).indices})
+        for i, t in enumerate(prompt[1:])
+    ]
+    asked = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=4)
+    for llm in (
+        LLM(str(target), None, device="cpu", page_size=4, prefix_caching=True),
+        LLM(str(target), {"model": str(drafter)}, device="cpu", page_size=4, max_num_batched_tokens=5),
+    ):
+        for _ in range(2):  # the second time, the prompt's pages are cached (where the cache is on)
+            out = llm.generate([prompt], asked)[0]
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+            assert_same(out.prompt_logprobs[1:], expected)
+        assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].prompt_logprobs is None

@@ -231,7 +231,6 @@ BAD_COMPLETIONS = [
     ({"model": "gpt-4"}, 404, "model"),
     ({"prompt": [True, False]}, 400, "prompt"),  # booleans are no token ids
     ({"logprobs": 21}, 400, "logprobs"),
-    ({"logprobs": 2, "echo": True}, 400, "echo"),  # the prompt's logprobs: not computed
     ({"best_of": 3}, 400, "best_of"),
     ({"seed": 2**70}, 400, "seed"),
     ({"seed": 2**64 - 1}, 400, "seed"),  # int64 seeds: as unsigned it would alias -1
@@ -635,6 +634,25 @@ def test_prefix_cache_hits_are_counted(live: Live) -> None:
     assert texts[0] == texts[1]
     assert after["blockspec_prefix_cache_queries_total"] - before["blockspec_prefix_cache_queries_total"] == 2 * n
     assert after["blockspec_prefix_cache_hits_total"] - before["blockspec_prefix_cache_hits_total"] == n // 16 * 16
+
+
+def test_echo_with_logprobs_carries_the_prompts(live: Live) -> None:
+    """A completion echoing its prompt with logprobs: the prompt's tokens first (the first with null
+    log-probabilities), then the output's, the engine's values; streamed, the same entries."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    expected = live.reference.generate("w7 w8 w9", sp)[0]
+    entries = expected.prompt_logprobs[1:] + expected.outputs[0].logprobs
+    request = {"model": NAME, "prompt": "w7 w8 w9", "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True}
+    r = live.client().completions.create(**request, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    text = live.served.tokenizer.decode
+    assert r.choices[0].text.startswith("w7 w8 w9")
+    assert lp.tokens == [text([t]) for t in [expected.prompt_token_ids[0]] + [e.token_id for e in entries]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in entries], abs=1e-5)
+    stream = live.client().completions.create(**request, stream=True, extra_body={"ignore_eos": True})
+    streamed = [x for chunk in stream for c in chunk.choices if c.logprobs for x in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
 def test_logprobs_in_both_shapes_streamed_and_whole(live: Live) -> None:

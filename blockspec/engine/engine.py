@@ -436,4 +436,5 @@ class LLMEngine:
             ],
             finished=seq.finished,
             metrics=RequestMetrics(list(seq.acceptance_lengths), drafts),
+            prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None,
         )

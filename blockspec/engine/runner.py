@@ -11,13 +11,15 @@ from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.kv_cache import KVCache
 from blockspec.engine.kv_cache_manager import CacheLayout
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.step import StepInputs, step_forward
+from blockspec.engine.step import StepInputs, row_logprob, step_forward
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.models.causal_lm import CausalLM
 from blockspec.penalties import PenaltyState, penalty_row
 from blockspec.proposers.base import Proposer
-from blockspec.sampling import MAX_STOP_IDS, sampling_row
+from blockspec.sampling import MAX_STOP_IDS, sampling_row, token_logprobs
+
+PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits a prefill computes at once (prompt_logprobs)
 
 
 class ModelRunner:
@@ -139,11 +141,28 @@ class ModelRunner:
             [s.state_slot for s in seqs],
         )
         states = RecurrentStates(slots, starts, lengths_t)
-        _, features = self.target_forward(ids, starts, lengths_t, tables, states)  # eager: prompt shapes vary
+        hidden, features = self.target_forward(ids, starts, lengths_t, tables, states)  # eager: prompt shapes vary
         if self.proposer is not None:
             self.proposer.commit(self, features, starts, lengths_t, tables)
+        for i, s in enumerate(seqs):
+            if s.params.prompt_logprobs is not None:
+                self.prompt_logprobs(s, hidden[i], lengths[i])
         for s, n in zip(seqs, lengths):
             s.num_cached += n
+
+    def prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, num_rows: int) -> None:
+        """Append the log-probabilities of the prompt tokens this prefill's rows (hidden [S, H], the
+        first num_rows real, from position num_cached on) predict and the sequence lacks (row p
+        predicts token p + 1; a recomputed prefix already has them), PROMPT_LOGPROB_ROWS rows at a
+        time: a long chunk's logits would not fit at once."""
+        first = max(seq.num_cached, len(seq.prompt_logprobs))
+        last = min(seq.num_cached + num_rows, seq.num_prompt_tokens - 1)
+        for lo in range(first, last, PROMPT_LOGPROB_ROWS):
+            hi = min(lo + PROMPT_LOGPROB_ROWS, last)
+            logits = self.target.compute_logits(hidden[lo - seq.num_cached : hi - seq.num_cached])
+            tokens = seq.token_ids[lo + 1 : hi + 1]
+            rows = token_logprobs(logits, self.tensor(tokens)).tolist()
+            seq.prompt_logprobs += [row_logprob(t, row, seq.params.prompt_logprobs) for t, row in zip(tokens, rows)]
 
     def step_inputs(
         self,

@@ -52,7 +52,8 @@ class Scheduler:
         computing = {pages.first_page_hash(s) for s in self.running if s.needs_prefill}
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            seq.num_cached = pages.match_prefix(seq)
+            # a prompt whose logprobs are asked is prefilled whole: a cached page holds no logits
+            seq.num_cached = pages.match_prefix(seq) if seq.params.prompt_logprobs is None else 0
             num_prefill = seq.num_pending_prefill
             over_budget = admitted and num_tokens + num_prefill > self.config.max_num_batched_tokens
             first_page = pages.first_page_hash(seq)

@@ -58,6 +58,8 @@ class Sequence:
         self.acceptance_lengths: list[int] = []
         self.draft_token_ids: list[list[int]] = []
         self.logprobs: list[TokenLogprob] = []  # of each output token, with SamplingParams(logprobs=k)
+        # of each prompt token after the first, with SamplingParams(prompt_logprobs=k), as prefilled
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def output_token_ids(self) -> list[int]:

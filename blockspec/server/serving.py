@@ -223,28 +223,45 @@ class Format:
 class CompletionFormat(Format):
     whole = streamed = CompletionResponse  # OpenAI streams the same object
 
-    def logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
-        """OpenAI's legacy shape; text offsets from `offset` on, each token's text after the last's."""
+    def logprobs(self, lps: list[TokenLogprob | int] | None, offset: int) -> CompletionLogprobs | None:
+        """OpenAI's legacy shape; text offsets from `offset` on, each token's text after the last's. A
+        bare token id (an echoed prompt's first token) has no log-probability: null."""
         if lps is None:
             return None
-        tokens = [self.token_text(lp.token_id) for lp in lps]
+        tokens = [self.token_text(lp if isinstance(lp, int) else lp.token_id) for lp in lps]
         return CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[lp.logprob for lp in lps],
-            top_logprobs=[{self.token_text(t): v for t, v in lp.top.items()} for lp in lps],
+            token_logprobs=[None if isinstance(lp, int) else lp.logprob for lp in lps],
+            top_logprobs=[
+                None if isinstance(lp, int) else {self.token_text(t): v for t, v in lp.top.items()} for lp in lps
+            ],
             text_offset=list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else [],
         )
 
+    @staticmethod
+    def echoed(choice: Choice, out: RequestOutput) -> list[TokenLogprob | int]:
+        """The echoed prompt's entries (its first token bare), where the choice echoes it with logprobs."""
+        if not choice.echo or out.prompt_logprobs is None:
+            return []
+        return [out.prompt_token_ids[0], *out.prompt_logprobs[1:]]
+
     def item(self, choice: Choice, out: RequestOutput) -> CompletionChoice:
         o = out.outputs[0]
-        text, logprobs = choice.echo + o.text, self.logprobs(o.logprobs, len(choice.echo))
-        return CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
+        prompt = self.echoed(choice, out)
+        offset = 0 if prompt else len(choice.echo)
+        logprobs = self.logprobs(prompt + o.logprobs if o.logprobs is not None else None, offset)
+        return CompletionChoice(
+            index=choice.index, text=choice.echo + o.text, logprobs=logprobs, finish_reason=o.finish_reason
+        )
 
     def chunk_item(
         self, choice: Choice, sent: int, delta: str, out: RequestOutput, new: list[TokenLogprob] | None
     ) -> CompletionChoice:
-        logprobs, reason = self.logprobs(new, sent), out.outputs[0].finish_reason
-        return CompletionChoice(index=choice.index, text=delta, logprobs=logprobs, finish_reason=reason)
+        prompt = self.echoed(choice, out) if sent == 0 else []  # the first chunk carries the echo
+        logprobs = self.logprobs(prompt + new if new is not None else None, 0 if prompt else sent)
+        return CompletionChoice(
+            index=choice.index, text=delta, logprobs=logprobs, finish_reason=out.outputs[0].finish_reason
+        )
 
 
 class ChatFormat(Format):
@@ -303,11 +320,16 @@ class OpenAIServing:
             raise bad_request(f"{len(batch)} prompts x n={req.n} choices is more than {MAX_CHOICES}", "n")
         # tokenizing a long prompt takes a while: off the event loop, which serves every connection
         prompts = await asyncio.to_thread(lambda: [self.prompt(p, req.echo) for p in batch])
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs asks for the prompt's log-probabilities: not supported", "echo")
         max_tokens = req.max_tokens or COMPLETION_MAX_TOKENS
+        prompt_logprobs = req.logprobs if req.echo else None  # echo with logprobs: the prompt's too
         choices = [
-            Choice(p * req.n + j, p, ids, self.sampling_params(req, len(ids), max_tokens, j, req.logprobs), echo)
+            Choice(
+                p * req.n + j,
+                p,
+                ids,
+                self.sampling_params(req, len(ids), max_tokens, j, req.logprobs, prompt_logprobs),
+                echo,
+            )
             for p, (echo, ids) in enumerate(prompts)
             for j in range(req.n)
         ]
@@ -377,7 +399,13 @@ class OpenAIServing:
         return self.llm.tokenizer.decode(ids), ids
 
     def sampling_params(
-        self, req: SamplingRequest, prompt_len: int, max_tokens: int, choice: int, logprobs: int | None
+        self,
+        req: SamplingRequest,
+        prompt_len: int,
+        max_tokens: int,
+        choice: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if prompt_len + max_tokens > self.max_model_len:
             raise bad_request(
@@ -404,6 +432,7 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 return_drafts=True,  # the metrics count the drafts each step verified
             )
         except InvalidSamplingParam as e:
