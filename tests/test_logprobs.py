@@ -113,3 +113,18 @@ def test_prompt_logprobs_equal_transformers_whatever_the_prefill(pair):
             assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
             assert_same(out.prompt_logprobs[1:], expected)
         assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_of_a_preempted_sequence_are_reported_once(pair):
+    """A preempted sequence's recomputed prefill adds no prompt log-probabilities: a small pool that
+    preempts reports what a large one does."""
+    target, drafter = pair
+    prompts = [list(range(3 + i, 20 + i)) for i in range(6)]
+    asked = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, prompt_logprobs=2)
+    small = LLM(str(target), {"model": str(drafter)}, device="cpu", page_size=4, num_pages=15, max_model_len=48)
+    outs = small.generate(prompts, asked)
+    assert small.engine.scheduler.num_preemptions > 0
+    large = LLM(str(target), {"model": str(drafter)}, device="cpu", page_size=4, max_model_len=48)
+    for a, b in zip(outs, large.generate(prompts, asked)):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == 17
+        assert_same(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
