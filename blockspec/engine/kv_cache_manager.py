@@ -88,7 +88,7 @@ class BlockTable:
 
 @dataclass(frozen=True)
 class PageKey:
-    prefix_hash: bytes  # of the tokens from position 0 to the page's end (`page_keys`)
+    prefix_hash: bytes  # of the tokens from position 0 to the page's end (`page_key`)
     tokens: tuple[int, ...]  # the page's own (a hash match is checked against them)
 
 
@@ -219,13 +219,20 @@ class KVCacheManager:
         releases first."""
         ends = self.targets(seq, num_tokens, window_tokens)
         return [
-            max(0, g.pages_needed(t, n) - g.releasable(t, self.first_kept(seq, reach)))
+            max(0, g.pages_needed(t, n) - g.releasable(t, self.first_read(seq.num_cached, reach)))
             for g, t, n, reach in zip(self.groups, self.tables(seq), ends, self.reaches)
         ]
 
-    def first_kept(self, seq: Sequence, reach: int | None) -> int:
-        """The first column a group's layers may still read for the sequence's rows from num_cached on."""
-        return 0 if reach is None else max(0, seq.num_cached - reach) // self.page_size
+    def total_needed(self, demands: list[tuple[Sequence, int]]) -> list[int]:
+        """`pages_needed` of each (sequence, positions), summed per group."""
+        total = [0] * len(self.groups)
+        for seq, num_tokens in demands:
+            total = [a + b for a, b in zip(total, self.pages_needed(seq, num_tokens))]
+        return total
+
+    def first_read(self, position: int, reach: int | None) -> int:
+        """The first table column a group's layers read for rows from `position` on (None: all)."""
+        return 0 if reach is None else max(0, position - reach) // self.page_size
 
     def can_allocate(self, seq: Sequence, num_tokens: int, window_tokens: int | None = None) -> bool:
         return all(n <= g.num_free for n, g in zip(self.pages_needed(seq, num_tokens, window_tokens), self.groups))
@@ -235,7 +242,7 @@ class KVCacheManager:
         num_cached on), then cover the positions (`targets`)."""
         ends = self.targets(seq, num_tokens, window_tokens)
         for g, t, n, reach in zip(self.groups, self.tables(seq), ends, self.reaches):
-            g.release_before(t, self.first_kept(seq, reach))
+            g.release_before(t, self.first_read(seq.num_cached, reach))
             g.allocate(t, n)
 
     def free(self, seq: Sequence) -> None:
@@ -247,12 +254,13 @@ class KVCacheManager:
         """The key a prompt's first page would be cached under (None: no whole page, or no cache)."""
         if not self.prefix_caching or len(seq.token_ids) - 1 < self.page_size:
             return None
-        return page_key(b"", tuple(seq.token_ids[: self.page_size])).prefix_hash
+        return next(self.page_keys(seq, 0, 1)).prefix_hash
 
-    def prompt_keys(self, seq: Sequence):
-        """The keys of the prompt's whole pages before the anchor, in order (a generator)."""
-        parent = b""
-        for i in range((len(seq.token_ids) - 1) // self.page_size):
+    def page_keys(self, seq: Sequence, first: int, stop: int):
+        """The keys of the sequence's pages first .. stop - 1, in order (a generator; the pages
+        before `first` are hashed in seq.page_hashes)."""
+        parent = seq.page_hashes[first - 1] if first else b""
+        for i in range(first, stop):
             key = page_key(parent, tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size]))
             parent = key.prefix_hash
             yield key
@@ -264,30 +272,25 @@ class KVCacheManager:
         tables = self.tables(seq)
         if not self.prefix_caching:
             return 0
-        full = [g for g, r in zip(self.groups, self.reaches) if r is None]
         keys, found = [], []  # found[i][j]: group j's page of keys[i]
-        for key in self.prompt_keys(seq):
+        for key in self.page_keys(seq, 0, (len(seq.token_ids) - 1) // self.page_size):
             pages = [g.lookup(key) for g in self.groups]
-            if any(p is None for g, p in zip(self.groups, pages) if g in full):
+            if any(p is None for p, r in zip(pages, self.reaches) if r is None):  # full groups: every page
                 break
             keys.append(key)
             found.append(pages)
         k = next(k for k in range(len(keys), -1, -1) if self.windows_hold(found, k))
         for j, (g, t, reach) in enumerate(zip(self.groups, tables, self.reaches)):
-            t.first = 0 if reach is None else self.first_read(k, reach)
+            t.first = self.first_read(k * self.page_size, reach)
             for i in range(t.first, k):
                 g.hold(t, found[i][j])
         seq.page_hashes = [key.prefix_hash for key in keys[:k]]
         return k * self.page_size
 
-    def first_read(self, num_pages: int, reach: int) -> int:
-        """The first page a windowed group's layers read for a row after `num_pages` pages."""
-        return max(0, num_pages * self.page_size - reach) // self.page_size
-
     def windows_hold(self, found: list[list[int | None]], k: int) -> bool:
         """Whether every windowed group holds the pages its rows after k pages read."""
         return all(
-            all(found[i][j] is not None for i in range(self.first_read(k, r), k))
+            all(found[i][j] is not None for i in range(self.first_read(k * self.page_size, r), k))
             for j, r in enumerate(self.reaches)
             if r is not None
         )
@@ -302,10 +305,8 @@ class KVCacheManager:
         each group that holds them."""
         if not self.prefix_caching:
             return
-        parent = seq.page_hashes[-1] if seq.page_hashes else b""
-        for i in range(len(seq.page_hashes), seq.num_cached // self.page_size):
-            key = page_key(parent, tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size]))
-            parent = key.prefix_hash
+        first = len(seq.page_hashes)
+        for i, key in enumerate(self.page_keys(seq, first, seq.num_cached // self.page_size), first):
             seq.page_hashes.append(key.prefix_hash)
             for g, t in zip(self.groups, seq.block_tables):
                 if (page := t.page(i)) is not None:

@@ -104,8 +104,7 @@ class Scheduler:
 
     def reserved_pages(self) -> list[int]:
         """Pages of each group the running sequences need for their next step: not free for newcomers."""
-        needed = [self.kv_cache_manager.pages_needed(s, s.num_cached + self.span(s)) for s in self.running]
-        return [sum(n) for n in zip(*needed)] or [0] * len(self.kv_cache_manager.groups)
+        return self.kv_cache_manager.total_needed([(s, s.num_cached + self.span(s)) for s in self.running])
 
     def first_step_tokens(self, seq: Sequence) -> int:
         """Positions a newcomer's prefill and first step write."""
@@ -124,7 +123,7 @@ class Scheduler:
         allocated, nobody preempted) when the pool is short: the engine then completes the step in
         flight first and schedules as usual."""
         pages = self.kv_cache_manager
-        needed = [sum(n) for n in zip(*(pages.pages_needed(s, n) for s, n in zip(seqs, num_tokens)))]
+        needed = pages.total_needed(list(zip(seqs, num_tokens)))
         if any(n > f for n, f in zip(needed, pages.free_pages())):
             return False
         for s, n in zip(seqs, num_tokens):

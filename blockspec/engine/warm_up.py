@@ -8,6 +8,7 @@ device, and a compile takes seconds), so the first requests would run slower tha
 requests later. Warm-up sequences hold only the trash page and the trash state slot: everything
 they write lands where padding rows write."""
 
+from dataclasses import replace
 from itertools import product
 from typing import TYPE_CHECKING
 
@@ -28,9 +29,7 @@ PREFILL_STARTS = (0, 300, 3000)  # positions a chunk starts at: no split of its 
 def step_kinds() -> list[SamplingParams]:
     """A request of every step kind: each sampling kind, with and without logprobs and min_tokens."""
     return [
-        SamplingParams(
-            temperature=kind.temperature, top_k=kind.top_k, logprobs=logprobs, min_tokens=min_tokens, max_tokens=1
-        )
+        replace(kind, logprobs=logprobs, min_tokens=min_tokens, max_tokens=1)
         for kind, logprobs, min_tokens in product(KINDS, (None, 1), (0, 1))
     ]
 
