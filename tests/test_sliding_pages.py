@@ -9,7 +9,7 @@ from conftest import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.kv_cache_manager import CacheLayout, KVCacheManager, window_pool_pages
+from blockspec.engine.kv_cache_manager import CacheLayout, KVCacheManager
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 
@@ -134,13 +134,14 @@ def test_prefix_cache_hits_with_sliding_layers(tmp_path):
 
 
 def test_windowed_pool_sizes(tmp_path):
-    """num_pages sizes the full group; each windowed group gets its bound, far below a context's
-    pages when the context is long."""
+    """num_pages sizes the full group; each windowed group gets its bound: the trash page, per
+    sequence its reach and two steps' positions (the drafter's block of 6) plus a page, and one
+    step's prefill chunks (8192 tokens)."""
     t, spec = sliding_pair(tmp_path)
     llm = LLM(str(t), spec, device="cpu", page_size=PAGE, num_pages=300, max_num_seqs=4)
-    reaches = llm.engine.layout.reaches
+    assert llm.engine.layout.reaches == (None, 4, 7)
     usable = [g.num_usable + 1 for g in llm.engine.scheduler.kv_cache_manager.groups]
-    expected = [window_pool_pages(r, PAGE, 4, 6, 8192) for r in reaches[1:]]
-    assert usable == [300, *expected]
+    chunks = 8192 // PAGE
+    assert usable == [300, 1 + 4 * (4 + 1 + 1) + chunks, 1 + 4 * (5 + 1 + 1) + chunks]  # ceil((reach + 12) / 4)
     k_cache = llm.engine.runner.target_cache[0][0]  # layer 0 slides (gpt-oss alternates, sliding first)
     assert k_cache.shape[0] == usable[llm.engine.layout.target["sliding_attention"]] * PAGE
