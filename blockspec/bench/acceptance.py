@@ -94,16 +94,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     # tau at the full block width (the drafter's quality); "_adaptive" rows: speed with adaptive width
-    start_s: dict[str, float] = {}  # each engine's construction: loading, and its warm-up
-
-    def engine(spec: dict | None) -> LLM:
+    def engine(spec: dict | None) -> tuple[LLM, float]:
+        """An engine, and the seconds it took to start (loading, and its warm-up)."""
         started = time.perf_counter()
         llm = LLM(args.model, spec, args.device, args.dtype, max_num_seqs=args.batch_size)
-        start_s[len(start_s)] = time.perf_counter() - started
-        return llm
+        return llm, round(time.perf_counter() - started, 2)
 
-    engines = {"plain": engine(None)}
-    engines["ngram"] = engine({"method": "ngram", "num_speculative_tokens": 15, "adaptive_width": False})
+    engines, start_s = {}, {}
+    engines["plain"], start_s["plain"] = engine(None)
+    ngram = {"method": "ngram", "num_speculative_tokens": 15, "adaptive_width": False}
+    engines["ngram"], start_s["ngram"] = engine(ngram)
     drafts = args.draft or ([str(DEFAULT_DRAFTER)] if (DEFAULT_DRAFTER / "config.json").is_file() else [])
     if not drafts:
         print("no drafter given and none shipped: measuring plain and n-gram decoding only")
@@ -112,13 +112,13 @@ def run(args: argparse.Namespace) -> None:
         variants["_fp8"] = {"fp8": True, "adaptive_width": False}
     for draft in drafts:
         for suffix, options in variants.items():
-            llm = engine({"model": draft, **options})
+            llm, seconds = engine({"model": draft, **options})
             name = llm.engine.drafter.proposer + suffix  # named by its kind: dflash, dspark
             if name in engines:
                 raise ValueError(
                     f"two drafters of kind {llm.engine.drafter.proposer}: compare drafters of different kinds"
                 )
-            engines[name] = llm
+            engines[name], start_s[name] = llm, seconds
     specs = list(engines)
     sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
     results, temperatures = [], [float(t) for t in args.temperatures.split(",")]
@@ -141,8 +141,7 @@ def run(args: argparse.Namespace) -> None:
                 if k != "plain":
                     print(f"          {k} tau histogram {row[k]['histogram']}", flush=True)
     plain = engines["plain"].engine
-    starts = {name: round(start_s[i], 2) for i, name in enumerate(engines)}
-    meta = run_meta("blockspec.bench.acceptance", plain.device, plain.dtype, engine_start_s=starts)
+    meta = run_meta("blockspec.bench.acceptance", plain.device, plain.dtype, engine_start_s=start_s)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
