@@ -85,6 +85,10 @@ def test_penalized_greedy_speculative_equals_plain_and_the_reference(tmp_path, o
         spec_outs = spec.generate(PROMPTS, params)
         assert [o.outputs[0].token_ids for o in spec_outs] == outs
         assert max(a for o in spec_outs for a in o.metrics.acceptance_lengths) >= 4  # long blocks verified
+        # min_tokens banning a token the outputs never hold: the penalties still apply beside the ban
+        unused = next(t for t in range(3, 128) if all(t not in o for o in outs))
+        early = SamplingParams(**{**params.__dict__, "min_tokens": 24, "stop_token_ids": [unused]})
+        assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, early)] == outs
         if p[:2] == (0.0, 0.0):
             for prompt, out in zip(PROMPTS, outs):
                 expected = hf.generate(

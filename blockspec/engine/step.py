@@ -153,7 +153,7 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
         counts, prompt = runner.penalty_state.rows(inputs.state_slots)
         rule_logits = penalize_rows(rule_logits, proposal.drafts, counts, prompt, inputs.penalty_params)
     if inputs.min_positions is not None:
-        rule_logits = ban_early_stops(logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
+        rule_logits = ban_early_stops(rule_logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
     accepted, bonus = accept(proposal, rule_logits, inputs)
     committed = accepted + 1
     runner.mark("accept")
