@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.layers.fast_path import cuda_compiled, fast_kernels
+from blockspec.structured_output import StructuredOutput
 
 
 def is_int(value) -> bool:
@@ -66,6 +67,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # the grammar the output follows (`blockspec.structured_output`); None: free text
+    structured_output: StructuredOutput | None = None
     return_drafts: bool = False
 
     def __post_init__(self) -> None:
@@ -125,6 +128,9 @@ class SamplingParams:
         for name, (ok, message) in checks.items():
             if not ok:
                 raise InvalidSamplingParam(name, f"{name} {message}")
+        if self.structured_output is not None and self.min_tokens:
+            # a complete grammar allows only stop tokens, which min_tokens bans: no token would be left
+            raise InvalidSamplingParam("min_tokens", "min_tokens cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from conftest import (
+    add_word_tokenizer,
     assert_row_invariant_pair,
     assert_shipped_pair_row_invariant,
     make_dflash2,
@@ -29,6 +30,7 @@ from blockspec.layers.norm import rms_norm_compiled
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.layers.rotary import norm_rope, rope_tables
 from blockspec.models.causal_lm import embedding
+from blockspec.structured_output import StructuredOutput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 9, 2, 11], list(range(20, 57)), [7] * 3, [(i * 37) % 120 for i in range(70)]]
@@ -292,6 +294,26 @@ def test_fp32_serving_paths_equal_cpu_reference(tmp_path, family):
     (cpu_tokens, cpu_lps), (gpu_tokens, gpu_lps) = results
     assert gpu_tokens == cpu_tokens
     assert gpu_lps == pytest.approx(cpu_lps, abs=1e-4)
+
+
+def test_fp32_structured_output_in_graphs_equals_cpu_reference(tmp_path):
+    """Structured output in CUDA graphs (the proposer's graph, then the verify's with the rows' masks,
+    and q where rows are sampled, as inputs): greedy tokens as the CPU's, plain and speculative;
+    sampled tokens follow the grammar."""
+    t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    grammar = StructuredOutput(regex="(w[3-9])+")  # tokens w3..w9, then eos (w2) or more
+    greedy = SamplingParams(temperature=0, max_tokens=24, structured_output=grammar)
+    sampled = [
+        SamplingParams(temperature=1.0, max_tokens=24, seed=i, structured_output=grammar) for i in range(len(PROMPTS))
+    ]
+    for spec in (None, {"model": str(d)}):
+        cpu = LLM(str(t), spec, device="cpu", fold_norms=True).generate(PROMPTS, greedy)
+        gpu = LLM(str(t), spec, device="cuda", dtype="float32", warm_up=False)
+        assert [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, greedy)] == [o.outputs[0].token_ids for o in cpu]
+        for o in gpu.generate(PROMPTS, sampled):
+            *body, last = o.outputs[0].token_ids
+            assert all(3 <= x < 10 for x in body) and 2 <= last < 10
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

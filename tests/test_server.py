@@ -243,7 +243,8 @@ BAD_COMPLETIONS = [
     ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens"),  # more than max_tokens
     ({"extra_body": {"repetition_penalty": 0}}, 400, "repetition_penalty"),  # SamplingParams' range
     ({"presence_penalty": 2.5}, 400, "presence_penalty"),
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),  # words make no JSON
+    ({"extra_body": {"response_format": {"type": "json_schema"}}}, 400, "response_format"),  # and no schema
     ({"extra_body": {"guided_regex": "w[0-9]"}}, 400, "guided_regex"),
     ({"extra_body": {"tool_choice": "auto"}}, 400, "tool_choice"),
     ({"prompt": [1, 2], "echo": True, "extra_body": {"skip_special_tokens": "maybe"}}, 400, "skip_special_tokens"),

@@ -17,6 +17,7 @@ import torch
 from blockspec.bench.meta import run_meta
 from blockspec.llm import DEFAULT_DRAFTER, LLM
 from blockspec.sampling import SamplingParams
+from blockspec.structured_output import StructuredOutput
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -89,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--compare-fp8", action="store_true", help="also run the drafter with FP8 weights")
+    p.add_argument(
+        "--response-format",
+        choices=("text", "json_object"),
+        default="text",
+        help="json_object: every answer held to a JSON object (structured output)",
+    )
     p.add_argument("--out", default="acceptance.json")
 
 
@@ -122,10 +129,13 @@ def run(args: argparse.Namespace) -> None:
     specs = list(engines)
     sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
     results, temperatures = [], [float(t) for t in args.temperatures.split(",")]
+    structured = StructuredOutput(json_object=True) if args.response_format == "json_object" else None
     for set_name, texts in sets.items():
         prompts = [engines["plain"].chat_prompt([{"role": "user", "content": t}]) for t in texts[: args.limit]]
         for temperature in temperatures:
-            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens)  # unseeded: adapts
+            params = SamplingParams(  # unseeded: adapts
+                temperature=temperature, max_tokens=args.max_tokens, structured_output=structured
+            )
             row = {"set": set_name, "temperature": temperature, "prompts": len(prompts)}
             for name, llm in engines.items():
                 row[name] = two_passes(llm, prompts, params)
@@ -141,7 +151,13 @@ def run(args: argparse.Namespace) -> None:
                 if k != "plain":
                     print(f"          {k} tau histogram {row[k]['histogram']}", flush=True)
     plain = engines["plain"].engine
-    meta = run_meta("blockspec.bench.acceptance", plain.device, plain.dtype, engine_start_s=start_s)
+    meta = run_meta(
+        "blockspec.bench.acceptance",
+        plain.device,
+        plain.dtype,
+        engine_start_s=start_s,
+        response_format=args.response_format,
+    )
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 

@@ -73,10 +73,13 @@ class GraphCache:
 
     def static_inputs(self, bucket: int, width: int, inputs: StepInputs) -> StepInputs:
         """The capture's input buffers: `bucket` sequences of `width` rows, filled with padding."""
-        widths = {"tokens": width, "block_tables": self.max_pages}
+        sizes = {"tokens": (1, width), "block_tables": (2, self.max_pages), "bitmask": (1, width), "q": (1, width - 1)}
 
         def buffer(name: str, x: torch.Tensor) -> torch.Tensor:
-            shape = (bucket, *x.shape[1:-1], widths[name]) if name in widths else (bucket, *x.shape[1:])
+            shape = [bucket, *x.shape[1:]]
+            if name in sizes:  # the dimension that varies from step to step, at its largest
+                dim, size = sizes[name]
+                shape[dim] = size
             return torch.full(shape, StepInputs.PAD[name], dtype=x.dtype, device=x.device)
 
         return dataclasses.replace(inputs, **{n: buffer(n, x) for n, x in tensor_fields(inputs).items()})

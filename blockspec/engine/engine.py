@@ -30,7 +30,8 @@ from blockspec.proposers import DRAFTER_PROPOSERS
 from blockspec.proposers.base import Proposer
 from blockspec.proposers.ngram import NgramProposer
 from blockspec.proposers.simulated import SimulatedProposer
-from blockspec.sampling import MAX_STOP_IDS, SamplingParams
+from blockspec.sampling import MAX_STOP_IDS, InvalidSamplingParam, SamplingParams
+from blockspec.structured_output import Grammars
 
 CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
 GPU_KV_FRACTION = 0.5  # of free device memory
@@ -114,6 +115,7 @@ class LLMEngine:
         run_ahead = config.async_steps if config.async_steps is not None else self.device.type == "cuda"
         self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
         self.in_flight: Flight | None = None
+        self.grammars: Grammars | None = None  # made at the first structured request
         self.last_completion = 0.0
         if graphs is not None and config.warm_up:
             warm_up(self.runner, config.max_num_seqs, self.step_rows)
@@ -282,9 +284,22 @@ class LLMEngine:
             )
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if params.structured_output is not None:
+            seq.grammar = self.grammar_matcher(seq)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def grammar_matcher(self, seq: Sequence):
+        """The matcher of a structured request's grammar."""
+        simulated = isinstance(self.proposer, SimulatedProposer)
+        try:
+            if simulated:
+                raise ValueError("a simulated acceptance rate would ignore the grammar's masks")
+            self.grammars = self.grammars or Grammars(self.tokenizer, self.vocab_size)
+            return self.grammars.matcher(seq.params.structured_output, seq.stop_ids)
+        except ValueError as e:
+            raise InvalidSamplingParam("structured_output", str(e)) from e
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -348,6 +363,8 @@ class LLMEngine:
         seqs, widths = prev.step.seqs, prev.step.widths
         if not self.run_ahead or self.scheduler.admission_open() or any(s.finished for s in seqs):
             return None
+        if any(s.grammar is not None for s in seqs):  # its masks follow the tokens prev commits
+            return None
         if any(s.needs_prefill for s in self.scheduler.running):  # its next chunk comes first
             return None
         bound = [self.width(s, ahead=w) for s, w in zip(seqs, widths)]
@@ -385,6 +402,12 @@ class LLMEngine:
 
     def commit(self, seq: Sequence, out: StepOutput) -> None:
         for committed, token in enumerate(out.new_token_ids, 1):
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                # A dead end: the grammar allowed no token (a vocabulary that cannot go on with the
+                # match it began), so the row drew from nothing; the request ends without the token.
+                committed -= 1
+                self.finish(seq, "abort")
+                break
             seq.token_ids.append(token)
             reason = self.stop_reason(seq, token)
             if reason is not None:

@@ -11,7 +11,7 @@ from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.kv_cache import KVCache
 from blockspec.engine.kv_cache_manager import CacheLayout
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.step import StepInputs, row_logprob, step_forward
+from blockspec.engine.step import StepInputs, propose_forward, row_logprob, step_forward
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.models.causal_lm import CausalLM
@@ -46,10 +46,15 @@ class ModelRunner:
         self.phase_marks = None  # benchmarks: an object whose record(name) marks a step's phases
         self.penalty_state: PenaltyState | None = None  # allocated with the first penalized request
 
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the target's logits."""
+        return self.target.lm_head.weight.shape[0]
+
     def reset_penalties(self, seq: Sequence, num_slots: int) -> None:
         """A penalized sequence's row of the penalty state, from its tokens (at admission)."""
         if self.penalty_state is None:
-            self.penalty_state = PenaltyState.allocate(num_slots, self.target.lm_head.weight.shape[0], self.device)
+            self.penalty_state = PenaltyState.allocate(num_slots, self.vocab_size, self.device)
         self.penalty_state.reset(seq.state_slot, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids)
 
     def tensor(self, data: list | np.ndarray) -> torch.Tensor:
@@ -171,11 +176,14 @@ class ModelRunner:
         anchors: torch.Tensor | None,
         starts: torch.Tensor | None,
         host_drafts: list[list[int]] | None = None,
+        bitmask: np.ndarray | None = None,
+        q: torch.Tensor | None = None,
     ) -> StepInputs:
         """A decoding step's inputs, the host's part in one copy. Row 0 of each block is its anchor:
         `anchors` [B, 1] on the device (a step launched ahead passes them, and `starts`, while the
-        step before still computes them), else the host's, followed by `host_drafts` where a host
-        proposer made them. `starts` None: the committed lengths."""
+        step before still computes them), else the host's, followed by `host_drafts` where they
+        were made before the step (q: their distributions). `starts` None: the committed lengths.
+        bitmask: the rows' grammar masks (`structured_output.token_bitmasks`), None: no grammar."""
         width = max(widths)
         arrays = [widths, self.host_block_tables(seqs), [s.seed for s in seqs], [s.state_slot for s in seqs]]
         if starts is None:
@@ -196,7 +204,10 @@ class ModelRunner:
         if min_tokens:
             arrays.append([s.num_prompt_tokens + s.params.min_tokens for s in seqs])
             arrays.append([s.stop_ids + [-1] * (MAX_STOP_IDS - len(s.stop_ids)) for s in seqs])
+        if bitmask is not None:  # int32 words crossing bitwise, two to an int64
+            arrays.append(bitmask.view(np.int64))
         lengths, tables, seeds, slots, *rest = self.tensors(*arrays)
+        bitmask = rest.pop().view(torch.int32) if bitmask is not None else None
         min_positions, stop_ids = (rest.pop(-2), rest.pop()) if min_tokens else (None, None)
         penalty_rows = rest.pop() if penalized else None
         sampling = rest.pop() if sampled else None
@@ -207,8 +218,19 @@ class ModelRunner:
         logprobs = any(s.params.logprobs is not None for s in seqs)
         return StepInputs(
             tokens, starts, lengths, tables, seeds, slots, sampling, filters, logprobs, min_positions, stop_ids,
-            penalty_rows,
+            penalty_rows, bitmask, q,
         )  # fmt: skip
+
+    @torch.inference_mode()
+    def propose(self, inputs: StepInputs, widths: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """The proposer's drafts for a step, made before it (`propose_forward`; a CUDA graph replay
+        when graphs are on): each sequence's on the host (at most widths[i] - 1, fewer where the
+        proposer cuts them), and their distributions q [B, w-1, V] on the device (None: no row is
+        sampled)."""
+        fn = functools.partial(propose_forward, self)
+        packed, q = fn(inputs) if self.graphs is None else self.graphs.run("propose+" + inputs.mode, fn, inputs)
+        rows = packed.tolist()
+        return [r[1 : 1 + min(r[0], w - 1)] for r, w in zip(rows, widths)], q
 
     @torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -50,6 +50,7 @@ class Sequence:
         self.block_tables: list[BlockTable] = []  # one per cache group (`KVCacheManager.tables`)
         self.page_hashes: list[bytes] = []  # prefix hashes of its leading pages (`KVCacheManager.register`)
         self.state_slot = 0  # its linear-attention layers' state slot while it runs (0: none held)
+        self.grammar = None  # structured output: its xgrammar GrammarMatcher, fed the committed tokens
         self.finish_reason: str | None = None
         # by eos or a stop token id: its text is left out, as vLLM does (unless include_stop_str_in_output)
         self.stopped_on_token = False

@@ -32,6 +32,7 @@ from blockspec.sampling import (
     token_logprobs,
     uniform,
 )
+from blockspec.structured_output import mask_logits, token_bitmasks
 
 if TYPE_CHECKING:
     from blockspec.engine.runner import ModelRunner
@@ -55,6 +56,11 @@ class StepInputs:
     stop_ids: torch.Tensor | None = None
     # [B, 2] int64 holding float32 [B, 4] bitwise (`penalties.penalty_row`); None: no row has penalties
     penalties: torch.Tensor | None = None
+    # structured output: [B, w, W] int32, each row's token bitmask (`structured_output.token_bitmasks`);
+    # the drafts in `tokens` were proposed before the step, drawn from q [B, w-1, V] where rows are
+    # sampled (`ModelRunner.propose`). None: no grammar.
+    bitmask: torch.Tensor | None = None
+    q: torch.Tensor | None = None
 
     # A CUDA graph's rows past the batch: sequences of one greedy row at position 0, writing to the
     # trash page (0.0 is all zero bits).
@@ -69,6 +75,8 @@ class StepInputs:
         "min_positions": 0,
         "stop_ids": -1,
         "penalties": 0,
+        "bitmask": -1,
+        "q": 0,
     }
 
     @property
@@ -76,7 +84,7 @@ class StepInputs:
         """The step's kind (its CUDA graphs' name): what its rows need computed."""
         kind = "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
         mode = kind + "+logprobs" * self.logprobs + "+min_tokens" * (self.min_positions is not None)
-        return mode + "+penalties" * (self.penalties is not None)
+        return mode + "+penalties" * (self.penalties is not None) + "+grammar" * (self.bitmask is not None)
 
     @property
     def sampling_params(self) -> torch.Tensor:
@@ -138,8 +146,8 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     (`sampling.token_logprobs`; rows past the committed ones hold a rejected draft's))."""
     proposer = runner.proposer
     runner.mark("start")
-    proposal = Proposal(inputs.tokens[:, 1:])
-    if inputs.tokens.shape[1] > 1:
+    proposal = Proposal(inputs.tokens[:, 1:], inputs.q)
+    if inputs.tokens.shape[1] > 1 and inputs.bitmask is None:  # with a grammar, proposed before the step
         proposal = proposer.propose(runner, inputs)
     runner.mark("drafter")
     block = torch.cat([inputs.tokens[:, :1], proposal.drafts], dim=1)
@@ -154,6 +162,8 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
         rule_logits = penalize_rows(rule_logits, proposal.drafts, counts, prompt, inputs.penalty_params)
     if inputs.min_positions is not None:
         rule_logits = ban_early_stops(rule_logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
+    if inputs.bitmask is not None:
+        rule_logits = mask_logits(rule_logits, inputs.bitmask)
     accepted, bonus = accept(proposal, rule_logits, inputs)
     committed = accepted + 1
     runner.mark("accept")
@@ -168,6 +178,16 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     if not inputs.logprobs:
         return packed, None
     return packed, token_logprobs(logits, committed_tokens(proposal.drafts, accepted, bonus))
+
+
+def propose_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The proposer alone, for a step whose verify rows need the drafts on the host first (structured
+    output) -> ([B, 1 + w-1]: the drafts to verify (the proposer's cut), then the drafts; q or None)."""
+    proposal = runner.proposer.propose(runner, inputs)
+    num_drafts = inputs.lengths - 1
+    if proposal.num_drafts is not None:
+        num_drafts = torch.minimum(num_drafts, proposal.num_drafts)
+    return torch.cat([num_drafts[:, None].long(), proposal.drafts.long()], 1), proposal.q
 
 
 def committed_tokens(drafts: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
@@ -237,12 +257,22 @@ def launch_step(
     """Queue a step for blocks anchored at `anchors` [B, 1] on the device (None: the sequences'
     anchors, from the host) at positions `starts` [B] (None: the committed lengths); a step launched
     ahead passes both while the step before is still computing them. A host proposer's drafts
-    are looked up first; they set the widths."""
-    proposer, host_drafts = runner.proposer, None
-    if proposer is not None and not proposer.on_device and max(widths) > 1:
-        host_drafts = proposer.host_drafts([s.token_ids for s in seqs], widths)
-        widths = [len(d) + 1 for d in host_drafts]
-    inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts)
+    are looked up first, and where a sequence follows a grammar a device proposer's drafts are
+    proposed first (the host masks the verify rows by them); they set the widths."""
+    proposer, host_drafts, q = runner.proposer, None, None
+    grammar = any(s.grammar is not None for s in seqs)
+    if proposer is not None and max(widths) > 1:
+        if not proposer.on_device:
+            host_drafts = proposer.host_drafts([s.token_ids for s in seqs], widths)
+        elif grammar:
+            host_drafts, q = runner.propose(runner.step_inputs(seqs, widths, None, None), widths)
+        widths = [len(d) + 1 for d in host_drafts] if host_drafts is not None else widths
+    bitmask = None
+    if grammar:  # from the committed state: the matchers have taken every token before the anchors
+        blocks = [[s.anchor, *d] for s, d in zip(seqs, host_drafts or [[]] * len(seqs))]
+        bitmask = token_bitmasks([s.grammar for s in seqs], blocks, max(widths), runner.vocab_size)
+        q = q[:, : max(widths) - 1] if q is not None else None
+    inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts, bitmask, q)
     packed, logprobs = runner.step(inputs)
     (host, host_logprobs), ready = runner.to_host(packed, logprobs)
     return LaunchedStep(seqs, widths, StepOutcome(packed), host, host_logprobs, ready)

@@ -21,9 +21,10 @@ log = logging.getLogger(__name__)
 class EngineError(Exception):
     """The engine refused a request (bad_request) or failed while decoding it."""
 
-    def __init__(self, message: str, bad_request: bool) -> None:
+    def __init__(self, message: str, bad_request: bool, param: str | None = None) -> None:
         super().__init__(message)
         self.bad_request = bad_request
+        self.param = param  # the SamplingParams field at fault, where the engine names one
 
 
 class NewestOutput:
@@ -113,7 +114,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(prompt_ids, params, request_id)
         except ValueError as e:  # the engine's way of refusing a request
-            self.push(outputs, EngineError(str(e), bad_request=True))
+            self.push(outputs, EngineError(str(e), bad_request=True, param=getattr(e, "param", None)))
             return
         self.streams[request_id] = outputs
         self.metrics.request_added(len(prompt_ids))

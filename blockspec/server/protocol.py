@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 from blockspec.sampling import MAX_LOGPROBS
+from blockspec.structured_output import StructuredOutput
 
 # OpenAI's and vLLM's request fields not implemented here: a request that asks for one is a 400
 # naming it (`feature_off`: values that ask for nothing pass, as clients send them by default).
@@ -20,7 +21,6 @@ UNSUPPORTED = (
     "functions",
     "function_call",
     "best_of",
-    "response_format",
     "guided_json",
     "guided_regex",
     "guided_choice",
@@ -103,6 +103,33 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JSONSchema(OpenAIModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the schema binds whatever it says: xgrammar's strict mode always
+
+
+class ResponseFormat(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+    @model_validator(mode="after")
+    def schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema.schema_ is None:
+            return StructuredOutput(json_object=True)
+        return StructuredOutput(json=self.json_schema.schema_)
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions (None: the OpenAI default)."""
 
@@ -126,6 +153,7 @@ class SamplingRequest(OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
 
     @field_validator(
         "max_tokens", "temperature", "top_p", "n", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",

@@ -55,7 +55,6 @@ ALSO_OFF = {
     "best_of": (1,),
     "repetition_penalty": (1,),
     "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
 }
 SEED_STEP = 0x9E3779B97F4A7C15  # choice i of a seeded request draws with seed + i * SEED_STEP (mod 2**64)
 
@@ -163,8 +162,13 @@ async def merged(
             await stream.aclose()
 
 
+def request_field(param: str | None) -> str | None:
+    """The request field a SamplingParams field comes from."""
+    return "response_format" if param == "structured_output" else param
+
+
 def as_api_error(e: EngineError) -> APIError:
-    return bad_request(str(e)) if e.bad_request else APIError(500, str(e), "server_error")
+    return bad_request(str(e), request_field(e.param)) if e.bad_request else APIError(500, str(e), "server_error")
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -433,10 +437,11 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_output=req.response_format.structured_output() if req.response_format else None,
                 return_drafts=True,  # the metrics count the drafts each step verified
             )
         except InvalidSamplingParam as e:
-            raise bad_request(str(e), e.param) from e
+            raise bad_request(str(e), request_field(e.param)) from e
 
     async def generate(self, req: SamplingRequest, raw: Request, choices: list[Choice], fmt: Format) -> Response:
         streams = [self.engine.generate(c.prompt_ids, c.params, f"{fmt.id}-{c.index}") for c in choices]
