@@ -135,7 +135,7 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
     engine = graphed.engine
     runner = engine.runner
     runner.graphs = CpuGraphCache(4, -(-engine.max_model_len // 4), engine.adaptive.classes)
-    warm_up(runner, 4, engine.step_rows)
+    warm_up(runner, 4, engine.config.max_num_batched_tokens, engine.step_rows)
     modes = {k[0] for k in runner.graphs.graphs}
     assert len(modes) == len(step_kinds()) == 12
     assert set(runner.graphs.graphs) == {(m, b, w) for m in modes for b in (1, 2, 4) for w in engine.adaptive.classes}
@@ -152,6 +152,26 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
         b = [o.outputs[0] for o in graphed.generate(prompts, params)]
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert len(runner.graphs.graphs) == captured  # nothing captured at request time
+
+
+@pytest.mark.parametrize("kv_heads,group,page_size,sms", [(2, 2, 4, 16), (3, 3, 16, 132), (8, 4, 16, 132)])
+def test_prefill_variants_reach_every_attention_variant(kv_heads, group, page_size, sms):
+    """Over every prefill of up to 6 sequences, 300 rows and 160 pages: each one's kernel variant is
+    among `prefill_variants`', whose shapes lie in that range and launch the variant they stand for."""
+    from blockspec.layers.kernels.paged_attention import launch_variant, prefill_variants
+
+    max_batch, max_rows, max_pages = 6, 300, 160
+    variants = prefill_variants(kv_heads, group, page_size, max_batch, max_rows, max_pages, sms)
+    reached = {
+        launch_variant(b, rows, pages * page_size, kv_heads, group, sms)
+        for b in range(1, max_batch + 1)
+        for rows in range(1, max_rows + 1)
+        for pages in range(-(-rows // page_size), max_pages + 1)
+    }
+    assert reached == set(variants) and len(reached) > 10
+    for key, (b, rows, pages) in variants.items():
+        assert b <= max_batch and rows <= max_rows and -(-rows // page_size) <= pages <= max_pages
+        assert launch_variant(b, rows, pages * page_size, kv_heads, group, sms) == key
 
 
 def test_the_command_line_switches_warm_up(tmp_path):

@@ -118,7 +118,7 @@ class LLMEngine:
         self.grammars: Grammars | None = None  # made at the first structured request
         self.last_completion = 0.0
         if graphs is not None and config.warm_up:
-            warm_up(self.runner, config.max_num_seqs, self.step_rows)
+            warm_up(self.runner, config.max_num_seqs, config.max_num_batched_tokens, self.step_rows)
 
     def prefix_caching(self, asked: bool | None) -> bool:
         """Whether prompts share cached pages: only where every target layer keeps K/V pages."""

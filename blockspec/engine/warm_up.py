@@ -1,8 +1,9 @@
 """Everything a GPU engine would otherwise build while it serves, built when it starts: the CUDA
 graph of every step kind (greedy, sampled, filtered; with logprobs and min_tokens or without) at
-every batch bucket and row class, and the prefill's kernels over a grid of chunk shapes (the
-attention kernels' variants follow the rows, their alignment, and the context: a chunk after a
-cached prefix splits its keys).
+every batch bucket and row class, and the prefill's kernels: over a grid of chunk shapes (the
+kernels' variants follow the rows and their alignment), then one prefill for each attention
+kernel variant the grid missed (`paged_attention.prefill_variants`: they follow the rows, the
+sequences and the context, as a chunk after a cached prefix splits its keys).
 A capture or a compile in the middle of serving stalls every running request (it synchronizes the
 device, and a compile takes seconds), so the first requests would run slower than the same
 requests later. Warm-up sequences hold only the trash page and the trash state slot: everything
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from blockspec.engine.kv_cache_manager import BlockTable
 from blockspec.engine.sequence import Sequence
+from blockspec.layers.kernels import kernel_module, num_sms
 from blockspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,24 +36,44 @@ def step_kinds() -> list[SamplingParams]:
     ]
 
 
-def trash_sequence(runner: "ModelRunner", start: int, rows: int, params: SamplingParams, step_rows: int) -> Sequence:
+def trash_sequence(runner: "ModelRunner", start: int, rows: int, params: SamplingParams, columns: int) -> Sequence:
     """A sequence with `start` positions computed and `rows` more to prefill before its anchor, whose
-    every table column is the trash page."""
+    `columns` table columns are all the trash page."""
     seq = Sequence(None, [0] * (start + rows + 1), params, seed=0)
-    columns = -(-(start + rows + step_rows) // runner.page_size)
     seq.block_tables = [BlockTable([0] * columns) for _ in runner.layout.reaches]
     seq.num_cached = start
     seq.stop_ids = [0]
     return seq
 
 
-def warm_up(runner: "ModelRunner", max_num_seqs: int, step_rows: int) -> None:
-    """Run a prefill of each shape of the grid (batch, rows, start) that fits the context, then a
+def prefill_shapes(runner: "ModelRunner", max_num_seqs: int, max_rows: int, step_rows: int) -> list[tuple]:
+    """(sequences, start, rows, table columns) of the warm-up's prefills: the grid's that fit the
+    context, then one for each attention kernel variant they miss."""
+    page = runner.page_size
+    shapes = [
+        (batch, start, rows, -(-(start + rows + step_rows) // page))
+        for batch, rows, start in product(PREFILL_BATCHES, PREFILL_ROWS, PREFILL_STARTS)
+        if batch <= max_num_seqs and start + rows + step_rows <= runner.max_model_len
+    ]
+    kernels = kernel_module("paged_attention")
+    if kernels is None:
+        return shapes
+    config = runner.target.config
+    kv_heads, group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    sms = num_sms(runner.device, interpreted=132)
+    covered = {kernels.launch_variant(b, rows, cols * page, kv_heads, group, sms) for b, _, rows, cols in shapes}
+    max_pages = -(-runner.max_model_len // page)
+    variants = kernels.prefill_variants(kv_heads, group, page, max_num_seqs, max_rows, max_pages, sms)
+    return shapes + [(b, 0, rows, cols) for key, (b, rows, cols) in variants.items() if key not in covered]
+
+
+def warm_up(runner: "ModelRunner", max_num_seqs: int, max_rows: int, step_rows: int) -> None:
+    """Run each prefill of `prefill_shapes` (max_rows: the most prompt rows a prefill takes), then a
     step of every kind, batch bucket and row class of the runner's graphs (captured there)."""
-    for batch, rows, start in product(PREFILL_BATCHES, PREFILL_ROWS, PREFILL_STARTS):
-        if batch <= max_num_seqs and start + rows + step_rows <= runner.max_model_len:
-            runner.prefill([trash_sequence(runner, start, rows, KINDS[0], step_rows) for _ in range(batch)])
+    for batch, start, rows, columns in prefill_shapes(runner, max_num_seqs, max_rows, step_rows):
+        runner.prefill([trash_sequence(runner, start, rows, KINDS[0], columns) for _ in range(batch)])
     graphs = runner.graphs
+    columns = -(-step_rows // runner.page_size)
     for params, bucket, width in product(step_kinds(), graphs.buckets, graphs.row_classes):
-        seqs = [trash_sequence(runner, 0, 0, params, step_rows) for _ in range(bucket)]
+        seqs = [trash_sequence(runner, 0, 0, params, columns) for _ in range(bucket)]
         runner.step(runner.step_inputs(seqs, [width] * bucket, None, None))

@@ -151,7 +151,13 @@ def _finish(
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+# Arguments that change from call to call with the request (rows, batch, and the strides that
+# follow them or the block tables' width): unspecialized, or Triton compiles a variant for each
+# pattern of ones and multiples of 16 among them, in the middle of serving (eager prefills).
+VARYING = ["B", "S", "stride_tb", "stride_sb", "stride_eb"]
+
+
+@triton.jit(do_not_specialize=VARYING + ["stride_qb", "stride_ob"])
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -262,7 +268,7 @@ def _norm_rope_rows(rows, w_ptr, cos_rows, sin_rows, eps, HAS_NORM: tl.constexpr
     return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (y1.shape[0], 2 * HALF))  # [y1 | y2]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING + ["stride_pb", "stride_mb"])
 def _qkv_attention_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, table_ptr, k_start_ptr,
     k_end_ptr, sinks_ptr, out_ptr, part_ptr, lse_ptr, arrivals_ptr, B, S, Hkv, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -334,7 +340,7 @@ def _qkv_attention_kernel(
             split_rows, o_ptrs, row_ok, d, d_ok, D, SPLIT, ARRIVE, UNROLL, HAS_SINKS)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "num_rows", "stride_ob", "num_splits"])
 def _combine_kernel(
     part_ptr,
     lse_ptr,
@@ -346,7 +352,7 @@ def _combine_kernel(
     stride_ob,
     stride_os,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -356,7 +362,7 @@ def _combine_kernel(
     await_previous_kernel(PDL)
     row = tl.program_id(0)  # flat (b, s, h)
     sp = tl.arange(0, SPLITS_PAD)
-    sp_ok = sp < NUM_SPLITS
+    sp_ok = sp < num_splits
     d = tl.arange(0, D_PAD)
     lse = tl.load(lse_ptr + sp * num_rows + row, mask=sp_ok, other=float("-inf"))
     m = tl.max(lse, 0)  # without sinks every row has a key, so some split's lse is finite
@@ -406,6 +412,52 @@ def step_grid(batch: int, kv_heads: int, rows: int, max_keys: int, sms: int) -> 
     if small_tiles > tiles and 2 * small_splits >= splits:
         return small_m, small_tiles, small_splits
     return block_m, tiles, splits
+
+
+def launch_variant(batch: int, rows: int, max_keys: int, kv_heads: int, group: int, sms: int) -> tuple:
+    """What selects the attention kernels' compiled variant (their constexprs) at a launch for
+    `batch` sequences of `rows` rows (query rows rows * group a kv head) over tables of `max_keys`
+    keys: the fused step kernel where one tile holds the rows (`fuses_qkv`), else the prefill
+    kernel, each with its split flags; and the combine kernel's split padding, where it runs."""
+    q_rows = rows * group
+    if q_rows <= MAX_ROWS:
+        block_m, tiles, splits = step_grid(batch, kv_heads, q_rows, max_keys, sms)
+        kernel = ("qkv", block_m, tiles, max(16, triton.next_power_of_2(rows)))
+    else:
+        block_m, tiles = query_tiles(q_rows)
+        splits = choose_splits(batch * kv_heads * tiles, max_keys, sms)
+        kernel = ("attention", block_m)
+    flags = split_flags(splits, block_m)
+    combine = triton.next_power_of_2(splits) if flags["SPLIT"] and not flags["ARRIVE"] else None
+    return (*kernel, flags["SPLIT"], flags["ARRIVE"], combine)
+
+
+def prefill_variants(
+    kv_heads: int, group: int, page_size: int, max_batch: int, max_rows: int, max_pages: int, sms: int
+) -> dict[tuple, tuple[int, int, int]]:
+    """A prefill shape (sequences, rows, table pages) of each variant `launch_variant` reaches with
+    at most max_batch sequences, max_rows rows and max_pages pages. Rows matter through their query
+    tiles, pages through the splits (none past MAX_SPLITS full splits), sequences until the grid
+    fills the SMs (no split after that)."""
+    row_classes: dict[tuple, int] = {}
+    for rows in range(1, max_rows + 1):
+        q_rows = rows * group
+        tiles = (query_tiles(q_rows), query_tiles(q_rows, 16), max(16, triton.next_power_of_2(rows)))
+        row_classes.setdefault((q_rows <= MAX_ROWS, *tiles), rows)
+        if kv_heads * query_tiles(q_rows)[1] >= sms:  # one sequence fills the SMs: more rows split nothing
+            break
+    # the splits change where the keys pass a multiple of MIN_KEYS_PER_SPLIT, up to MAX_SPLITS of them
+    steps = [-(-k * MIN_KEYS_PER_SPLIT // page_size) for k in range(1, MAX_SPLITS + 2)]
+    shapes: dict[tuple, tuple[int, int, int]] = {}
+    for rows in row_classes.values():
+        least = -(-rows // page_size)
+        pages = sorted({least, *(p for p in steps if least < p <= max_pages)})
+        for batch in range(1, max_batch + 1):
+            for p in pages:
+                shapes.setdefault(launch_variant(batch, rows, p * page_size, kv_heads, group, sms), (batch, rows, p))
+            if batch * kv_heads >= 3 * sms:  # past three programs an SM no launch splits its keys
+                break
+    return shapes
 
 
 def default_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> int:
@@ -495,7 +547,7 @@ def _combine(outputs: list[torch.Tensor], flags: dict, sinks: torch.Tensor, has_
     out, part, lse, _ = outputs
     num_splits, (B, S, Hq, D), d_pad = part.shape[0], out.shape, part.shape[-1]
     _combine_kernel[(B * S * Hq,)](
-        part, lse, sinks, out, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2), NUM_SPLITS=num_splits,
+        part, lse, sinks, out, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2), num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits), D=D, D_PAD=d_pad, num_warps=1 if d_pad <= 64 else 2,
         **has_sinks, **pdl_launch(out.device),
     )  # fmt: skip
