@@ -159,7 +159,7 @@ def test_rms_norm_compiles(weight):
 
 @pytest.mark.parametrize("sinks", [False, True])
 def test_attention_combine_compiles(sinks):
-    flags = {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128, "D_PAD": 128, "PDL": True, "HAS_SINKS": sinks}
+    flags = {"SPLITS_PAD": 32, "D": 128, "D_PAD": 128, "PDL": True, "HAS_SINKS": sinks}
     compile_for_hopper(paged_attention._combine_kernel, flags, part_ptr="*fp32", lse_ptr="*fp32")
 
 
@@ -258,7 +258,7 @@ PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programm
     "attention": (paged_attention._qkv_attention_kernel, qkv_attention_flags,
                   dict.fromkeys(("pos_ptr", "slot_ptr", "table_ptr", "k_start_ptr", "k_end_ptr"), "*i64")
                   | SPLIT_POINTERS),
-    "combine": (paged_attention._combine_kernel, lambda pdl: {"NUM_SPLITS": 20, "SPLITS_PAD": 32, "D": 128,
+    "combine": (paged_attention._combine_kernel, lambda pdl: {"SPLITS_PAD": 32, "D": 128,
                 "D_PAD": 128, "PDL": pdl, "HAS_SINKS": False}, {"part_ptr": "*fp32", "lse_ptr": "*fp32"}),
     "quantize": (quantize_rows._quantize_rows_kernel, lambda pdl: {"K": 4096, "NORM": True, "NORM_WEIGHT": False,
                  "BLOCK": quantize_rows.MAX_BLOCK, "PDL": pdl}, {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
