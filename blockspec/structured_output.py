@@ -1,5 +1,5 @@
-"""Structured output: a request's grammar (a JSON schema, any JSON object, a regular expression or
-an EBNF grammar), compiled by xgrammar, and the token masks that hold each verify row to it.
+"""Structured output: a request's grammar (a JSON schema, any JSON object, a regular expression, one
+of a list of strings or an EBNF grammar), compiled by xgrammar, and the token masks that hold each verify row to it.
 
 Row j of a step decides the token after the anchor and drafts d_1..d_j, so its mask is the
 grammar's state after them: the host walks each block's drafts through the sequence's matcher,
@@ -29,12 +29,15 @@ class StructuredOutput:
     json: str | dict | None = None  # a JSON schema, as a dict or its JSON text
     json_object: bool = False  # any JSON object
     regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
     grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
 
     def __post_init__(self) -> None:
-        chosen = [self.json is not None, self.json_object, self.regex is not None, self.grammar is not None]
-        if sum(chosen) != 1:
-            raise ValueError("a StructuredOutput sets exactly one of json, json_object, regex and grammar")
+        chosen = [self.json is not None, self.json_object, self.regex, self.choice, self.grammar]
+        if sum(x is not None and x is not False for x in chosen) != 1:
+            raise ValueError("a StructuredOutput sets exactly one of json, json_object, regex, choice and grammar")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("choice is a list of non-empty strings")
 
     def compile(self, compiler):
         """The xgrammar CompiledGrammar (the compiler caches it); ValueError where it does not compile."""
@@ -46,6 +49,8 @@ class StructuredOutput:
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if self.regex is not None:
                 return compiler.compile_regex(self.regex)
+            if self.choice is not None:  # EBNF string literals escape as JSON strings do
+                return compiler.compile_grammar("root ::= " + " | ".join(map(json.dumps, self.choice)))
             return compiler.compile_grammar(self.grammar)
         except RuntimeError as e:  # xgrammar's errors on a bad schema, regex or grammar
             raise ValueError(f"the grammar does not compile: {e}") from e

@@ -28,6 +28,7 @@ from blockspec.server.api import build_app
 from blockspec.server.async_engine import NewestOutput
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.protocol import ChatMessage
+from blockspec.structured_output import StructuredOutput
 
 KEY = "test-key"
 NAME = "tiny"
@@ -128,6 +129,20 @@ def test_penalties_match_engine(live: Live) -> None:
         temperature=0, max_tokens=20, presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3
     )
     assert r.choices[0].text == live.reference.generate("w7 w8 w9", params)[0].outputs[0].text
+
+
+def test_guided_decoding_matches_engine(live: Live) -> None:
+    """vLLM's guided_regex and guided_choice (over the word tokenizer's tokens, which the grammar
+    sees joined: "w7w8") give the engine's output under the same grammar."""
+    cases = {"guided_regex": ("(w[3-9])+", "regex"), "guided_choice": (["w7w8", "w9"], "choice")}
+    for field, (value, name) in cases.items():
+        r = live.client().completions.create(
+            model=NAME, prompt="w7 w8 w9", max_tokens=6, temperature=0, extra_body={field: value}
+        )
+        params = SamplingParams(temperature=0, max_tokens=6, structured_output=StructuredOutput(**{name: value}))
+        expected = live.reference.generate("w7 w8 w9", params)[0].outputs[0]
+        assert r.choices[0].text == expected.text and r.choices[0].finish_reason == expected.finish_reason
+        assert all(3 <= t <= 9 for t in expected.token_ids[:-1])  # the grammar's tokens, then eos or more
 
 
 def test_token_id_prompt(live: Live) -> None:
@@ -245,7 +260,9 @@ BAD_COMPLETIONS = [
     ({"presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),  # words make no JSON
     ({"extra_body": {"response_format": {"type": "json_schema"}}}, 400, "response_format"),  # and no schema
-    ({"extra_body": {"guided_regex": "w[0-9]"}}, 400, "guided_regex"),
+    ({"extra_body": {"guided_choice": []}}, 400, "guided_choice"),
+    ({"extra_body": {"guided_regex": "w[3-9]", "guided_choice": ["w3"]}}, 400, "guided_choice"),  # one at most
+    ({"extra_body": {"guided_json": {"type": "nonsense"}}}, 400, "guided_json"),  # the engine's refusal, named
     ({"extra_body": {"tool_choice": "auto"}}, 400, "tool_choice"),
     ({"prompt": [1, 2], "echo": True, "extra_body": {"skip_special_tokens": "maybe"}}, 400, "skip_special_tokens"),
     ({"extra_body": {"top_k": True}}, 400, "top_k"),  # a boolean is no count (lax pydantic: top_k 1)

@@ -21,10 +21,6 @@ UNSUPPORTED = (
     "functions",
     "function_call",
     "best_of",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
 )
 IGNORED = ("user",)  # an end-user id for the provider's records: it changes no output
 
@@ -154,6 +150,31 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    # vLLM's guided decoding: one of these, or response_format
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asks for structured output (None: none does); a 400 where two do."""
+        fields = ["guided_json", "guided_regex", "guided_choice", "guided_grammar"]
+        asked = [name for name in fields if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.insert(0, "response_format")
+        if len(asked) > 1:
+            raise bad_request(f"{asked[0]} and {asked[1]} both constrain the output: give one", asked[1])
+        return asked[0] if asked else None
+
+    def structured_output(self) -> StructuredOutput | None:
+        field = self.structured_field
+        if field == "response_format":
+            return self.response_format.structured_output()
+        try:
+            return StructuredOutput(**{field.removeprefix("guided_"): getattr(self, field)}) if field else None
+        except ValueError as e:  # an empty choice list
+            raise bad_request(f"{field}: {e}", field) from e
 
     @field_validator(
         "max_tokens", "temperature", "top_p", "n", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",

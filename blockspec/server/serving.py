@@ -162,13 +162,8 @@ async def merged(
             await stream.aclose()
 
 
-def request_field(param: str | None) -> str | None:
-    """The request field a SamplingParams field comes from."""
-    return "response_format" if param == "structured_output" else param
-
-
 def as_api_error(e: EngineError) -> APIError:
-    return bad_request(str(e), request_field(e.param)) if e.bad_request else APIError(500, str(e), "server_error")
+    return bad_request(str(e), e.param) if e.bad_request else APIError(500, str(e), "server_error")
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -437,16 +432,21 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                structured_output=req.response_format.structured_output() if req.response_format else None,
+                structured_output=req.structured_output(),
                 return_drafts=True,  # the metrics count the drafts each step verified
             )
         except InvalidSamplingParam as e:
-            raise bad_request(str(e), request_field(e.param)) from e
+            raise bad_request(str(e), req.structured_field if e.param == "structured_output" else e.param) from e
 
     async def generate(self, req: SamplingRequest, raw: Request, choices: list[Choice], fmt: Format) -> Response:
         streams = [self.engine.generate(c.prompt_ids, c.params, f"{fmt.id}-{c.index}") for c in choices]
         # Wait for the first outputs before answering, so a request the engine refuses gets a 400.
-        firsts = await unless_disconnected(raw, first_outputs(streams))
+        try:
+            firsts = await unless_disconnected(raw, first_outputs(streams))
+        except EngineError as e:
+            if e.param == "structured_output":  # the engine's name for it: the request's is one of several
+                e.param = req.structured_field
+            raise
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             events = self.events(fmt, choices, merged(firsts, streams), include_usage)
