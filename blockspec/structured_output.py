@@ -72,12 +72,16 @@ class Grammars:
         self.compiler = xgrammar.GrammarCompiler(info)
         self.vocab_size = vocab_size
 
+    def compile(self, spec: StructuredOutput):
+        """The spec's CompiledGrammar, from the compiler's cache after the first time (any thread)."""
+        return spec.compile(self.compiler)
+
     def matcher(self, spec: StructuredOutput, stop_ids: list[int]):
         """A fresh GrammarMatcher of the spec whose end is any of stop_ids (the request's eos and
         stop tokens: the only tokens allowed once the grammar is complete)."""
         if not stop_ids:
             raise ValueError("structured output ends at a stop token, and this request has none (ignore_eos)")
-        matcher = self.xgrammar.GrammarMatcher(spec.compile(self.compiler), override_stop_tokens=stop_ids)
+        matcher = self.xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=stop_ids)
         first = self.xgrammar.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(first)
         if not first.any():

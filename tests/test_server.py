@@ -131,9 +131,15 @@ def test_penalties_match_engine(live: Live) -> None:
     assert r.choices[0].text == live.reference.generate("w7 w8 w9", params)[0].outputs[0].text
 
 
-def test_guided_decoding_matches_engine(live: Live) -> None:
+def test_guided_decoding_matches_engine(live: Live, monkeypatch) -> None:
     """vLLM's guided_regex and guided_choice (over the word tokenizer's tokens, which the grammar
-    sees joined: "w7w8") give the engine's output under the same grammar."""
+    sees joined: "w7w8") give the engine's output under the same grammar; the server compiles each
+    grammar off the engine's thread."""
+    engine, threads = live.served.engine, []
+    compile_grammar = engine.compile_grammar
+    monkeypatch.setattr(
+        engine, "compile_grammar", lambda spec: threads.append(threading.current_thread().name) or compile_grammar(spec)
+    )
     cases = {"guided_regex": ("(w[3-9])+", "regex"), "guided_choice": (["w7w8", "w9"], "choice")}
     for field, (value, name) in cases.items():
         r = live.client().completions.create(
@@ -143,6 +149,7 @@ def test_guided_decoding_matches_engine(live: Live) -> None:
         expected = live.reference.generate("w7 w8 w9", params)[0].outputs[0]
         assert r.choices[0].text == expected.text and r.choices[0].finish_reason == expected.finish_reason
         assert all(3 <= t <= 9 for t in expected.token_ids[:-1])  # the grammar's tokens, then eos or more
+    assert len(threads) == 2 and "blockspec-engine" not in threads
 
 
 def test_token_id_prompt(live: Live) -> None:

@@ -2,6 +2,7 @@
 facade and the HTTP server both drive it through add_request / step / abort."""
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -31,7 +32,7 @@ from blockspec.proposers.base import Proposer
 from blockspec.proposers.ngram import NgramProposer
 from blockspec.proposers.simulated import SimulatedProposer
 from blockspec.sampling import MAX_STOP_IDS, InvalidSamplingParam, SamplingParams
-from blockspec.structured_output import Grammars
+from blockspec.structured_output import Grammars, StructuredOutput
 
 CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
 GPU_KV_FRACTION = 0.5  # of free device memory
@@ -116,6 +117,7 @@ class LLMEngine:
         self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
         self.in_flight: Flight | None = None
         self.grammars: Grammars | None = None  # made at the first structured request
+        self.grammars_made = threading.Lock()  # `structured_outputs` runs on any thread
         self.last_completion = 0.0
         if graphs is not None and config.warm_up:
             warm_up(self.runner, config.max_num_seqs, config.max_num_batched_tokens, self.step_rows)
@@ -290,14 +292,27 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def structured_outputs(self) -> Grammars:
+        with self.grammars_made:
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self.grammars
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile a grammar ahead of its request, on any thread: a long compile there does not stall
+        the engine's steps (`add_request` then finds it compiled)."""
+        try:
+            self.structured_outputs().compile(spec)
+        except ValueError as e:
+            raise InvalidSamplingParam("structured_output", str(e)) from e
+
     def grammar_matcher(self, seq: Sequence):
         """The matcher of a structured request's grammar."""
         simulated = isinstance(self.proposer, SimulatedProposer)
         try:
             if simulated:
                 raise ValueError("a simulated acceptance rate would ignore the grammar's masks")
-            self.grammars = self.grammars or Grammars(self.tokenizer, self.vocab_size)
-            return self.grammars.matcher(seq.params.structured_output, seq.stop_ids)
+            return self.structured_outputs().matcher(seq.params.structured_output, seq.stop_ids)
         except ValueError as e:
             raise InvalidSamplingParam("structured_output", str(e)) from e
 

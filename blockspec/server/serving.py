@@ -439,6 +439,12 @@ class OpenAIServing:
             raise bad_request(str(e), req.structured_field if e.param == "structured_output" else e.param) from e
 
     async def generate(self, req: SamplingRequest, raw: Request, choices: list[Choice], fmt: Format) -> Response:
+        grammar = choices[0].params.structured_output
+        if grammar is not None:  # compiled here, off the engine's thread, which then finds it compiled
+            try:
+                await asyncio.to_thread(self.llm.engine.compile_grammar, grammar)
+            except InvalidSamplingParam as e:
+                raise bad_request(str(e), req.structured_field) from e
         streams = [self.engine.generate(c.prompt_ids, c.params, f"{fmt.id}-{c.index}") for c in choices]
         # Wait for the first outputs before answering, so a request the engine refuses gets a 400.
         try:
