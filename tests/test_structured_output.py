@@ -10,7 +10,7 @@ import re
 import openai
 import pytest
 import torch
-from conftest import add_word_tokenizer, make_drafter, make_target
+from conftest import add_word_tokenizer, make_dflash2, make_drafter, make_dspark, make_target
 from test_sampling import PROMPT, VOCAB, N, chi_square_pvalue
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -234,3 +234,26 @@ def test_a_dead_end_ends_the_request_and_spares_the_batch(word_pair):
     outs = llm.generate([PROMPT, PROMPT], [dead, free])
     assert outs[0].outputs[0].token_ids == [1] and outs[0].outputs[0].finish_reason == "abort"
     assert len(outs[1].outputs[0].token_ids) == 8 and outs[1].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dspark_confidence", "dflash2"])
+def test_every_drafter_kind_under_a_grammar(tmp_path, kind):
+    """Each proposer's drafts (DSpark's Markov chain and confidence cut, DFlash2's candidate walk)
+    proposed before the verify: greedy tokens equal plain decoding's under the grammar, and
+    sampled ones follow it."""
+    t = add_word_tokenizer(make_target(tmp_path / "t", "llama", vocab=32, seed=1), 32)
+    makers = {"dflash": make_drafter, "dspark": make_dspark, "dspark_confidence": make_dspark, "dflash2": make_dflash2}
+    d = makers[kind](tmp_path / "d", t)
+    spec = {"model": str(d), "adaptive_width": False}
+    if kind == "dspark_confidence":
+        spec["confidence_threshold"] = 0.3
+    grammar = StructuredOutput(regex="(w[3-9])+")  # tokens w3..w9, then eos (w2) or more
+    prompts = [[5, 9, 2, 11], [7, 3, 8], [(i * 7) % 30 for i in range(20)]]
+    greedy = SamplingParams(temperature=0, max_tokens=16, structured_output=grammar)
+    plain = LLM(str(t), None, device="cpu").generate(prompts, greedy)
+    llm = LLM(str(t), spec, device="cpu")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == [o.outputs[0].token_ids for o in plain]
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, structured_output=grammar) for i in range(3)]
+    for o in llm.generate(prompts, sampled):
+        *body, last = o.outputs[0].token_ids
+        assert all(3 <= x <= 9 for x in body) and 2 <= last <= 9
