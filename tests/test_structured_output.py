@@ -6,6 +6,7 @@ a wrong rule fails), and the refusals."""
 import itertools
 import json
 import re
+import sys
 
 import openai
 import pytest
@@ -257,3 +258,11 @@ def test_every_drafter_kind_under_a_grammar(tmp_path, kind):
     for o in llm.generate(prompts, sampled):
         *body, last = o.outputs[0].token_ids
         assert all(3 <= x <= 9 for x in body) and 2 <= last <= 9
+
+
+def test_without_xgrammar_a_structured_request_names_the_install(word_pair, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    llm = LLM(str(word_pair[0]), None, device="cpu")
+    with pytest.raises(InvalidSamplingParam, match="pip install xgrammar"):
+        llm.engine.add_request([1, 2, 3], SamplingParams(structured_output=StructuredOutput(regex="w3")))
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the rest serves on
