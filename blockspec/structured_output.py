@@ -49,8 +49,10 @@ class StructuredOutput:
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if self.regex is not None:
                 return compiler.compile_regex(self.regex)
-            if self.choice is not None:  # EBNF string literals escape as JSON strings do
-                return compiler.compile_grammar("root ::= " + " | ".join(map(json.dumps, self.choice)))
+            if self.choice is not None:  # EBNF string literals escape as JSON strings do (non-ASCII as it is:
+                # xgrammar reads the \u escapes of a surrogate pair as two lone surrogates)
+                literals = (json.dumps(c, ensure_ascii=False) for c in self.choice)
+                return compiler.compile_grammar("root ::= " + " | ".join(literals))
             return compiler.compile_grammar(self.grammar)
         except RuntimeError as e:  # xgrammar's errors on a bad schema, regex or grammar
             raise ValueError(f"the grammar does not compile: {e}") from e
@@ -82,11 +84,15 @@ class Grammars:
         if not stop_ids:
             raise ValueError("structured output ends at a stop token, and this request has none (ignore_eos)")
         matcher = self.xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=stop_ids)
-        first = self.xgrammar.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(first)
-        if not first.any():
+        if self.allows_nothing(matcher):
             raise ValueError("the grammar allows none of the vocabulary's tokens to begin with")
         return matcher
+
+    def allows_nothing(self, matcher) -> bool:
+        """Whether the matcher is at a dead end: no token of the vocabulary goes on from its state."""
+        mask = self.xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        return not mask.any()
 
 
 def token_bitmasks(matchers: list, blocks: list[list[int]], width: int, vocab_size: int) -> np.ndarray:
@@ -117,8 +123,8 @@ def fill_rows(matcher, block: list[int], masks: torch.Tensor) -> None:
 
 @cuda_compiled  # on CUDA one pass over the logits
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] with the tokens each row's bitmask [..., W] (int32, `Grammars.bitmasks`)
-    leaves out at -inf."""
+    """logits [..., V] with the tokens each row's bitmask [..., W] (int32, `token_bitmasks`) leaves
+    out at -inf."""
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     allowed = (bitmask[..., vocab // 32] >> (vocab % 32)) & 1
     return logits.masked_fill(allowed == 0, float("-inf"))

@@ -154,16 +154,20 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
     assert len(runner.graphs.graphs) == captured  # nothing captured at request time
 
 
-@pytest.mark.parametrize("kv_heads,group,page_size,sms", [(2, 2, 4, 16), (3, 3, 16, 132), (8, 4, 16, 132)])
-def test_prefill_variants_reach_every_attention_variant(kv_heads, group, page_size, sms):
+@pytest.mark.parametrize(
+    "kv_heads,group,fused,page_size,sms",
+    [(2, 2, True, 4, 16), (3, 3, True, 16, 132), (8, 4, True, 16, 132), (2, 8, False, 16, 132)],
+)
+def test_prefill_variants_reach_every_attention_variant(kv_heads, group, fused, page_size, sms):
     """Over every prefill of up to 6 sequences, 300 rows and 160 pages: each one's kernel variant is
     among `prefill_variants`', whose shapes lie in that range and launch the variant they stand for."""
-    from blockspec.layers.kernels.paged_attention import launch_variant, prefill_variants
+    from blockspec.layers.kernels.paged_attention import AttentionHeads, launch_variant, prefill_variants
 
     max_batch, max_rows, max_pages = 6, 300, 160
-    variants = prefill_variants(kv_heads, group, page_size, max_batch, max_rows, max_pages, sms)
+    heads = AttentionHeads(kv_heads, group, fused, sms)
+    variants = prefill_variants(heads, page_size, max_batch, max_rows, max_pages)
     reached = {
-        launch_variant(b, rows, pages * page_size, kv_heads, group, sms)
+        launch_variant(b, rows, pages * page_size, heads)
         for b in range(1, max_batch + 1)
         for rows in range(1, max_rows + 1)
         for pages in range(-(-rows // page_size), max_pages + 1)
@@ -171,7 +175,25 @@ def test_prefill_variants_reach_every_attention_variant(kv_heads, group, page_si
     assert reached == set(variants) and len(reached) > 10
     for key, (b, rows, pages) in variants.items():
         assert b <= max_batch and rows <= max_rows and -(-rows // page_size) <= pages <= max_pages
-        assert launch_variant(b, rows, pages * page_size, kv_heads, group, sms) == key
+        assert launch_variant(b, rows, pages * page_size, heads) == key
+    assert any(key[0] == "qkv" for key in variants) == fused  # without the fused kernel, no variant of it
+
+
+def test_warm_up_sees_which_targets_take_the_fused_step_kernel(tmp_path):
+    """Whole-head rotary of a power-of-two head dim takes the fused step kernel; Qwen3.5's partial
+    rotary does not (its small prefills run the prefill kernel, whose variants warm-up then reaches)."""
+    from blockspec.engine.warm_up import attention_heads
+    from blockspec.layers.kernels import kernel_module
+
+    kernels = kernel_module("paged_attention")
+    if kernels is None:
+        pytest.skip("needs triton")
+    for target, fused in (
+        (make_target(tmp_path / "qwen3", "qwen3", vocab=128), True),
+        (hybrid_target(tmp_path, "qwen3_5"), False),  # in tmp_path / "t"
+    ):
+        runner = LLM(str(target), None, device="cpu").engine.runner
+        assert attention_heads(runner, kernels).fused == fused
 
 
 def test_the_command_line_switches_warm_up(tmp_path):

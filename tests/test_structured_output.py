@@ -266,3 +266,24 @@ def test_without_xgrammar_a_structured_request_names_the_install(word_pair, monk
     with pytest.raises(InvalidSamplingParam, match="pip install xgrammar"):
         llm.engine.add_request([1, 2, 3], SamplingParams(structured_output=StructuredOutput(regex="w3")))
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the rest serves on
+
+
+def test_grammar_steps_in_graphs_equal_eager(word_pair):
+    """Structured steps through the graph cache (replayed by call on the CPU): a width-1 sampled
+    step (no drafts, so no q) first, then seeded sampled requests whose steps carry q: the same
+    tokens as an eager engine's (q crosses into the graphs of its own mode)."""
+    from test_cuda_graphs import CpuGraphCache
+
+    t, d = word_pair
+    spec = {"model": str(d), "num_speculative_tokens": 2, "adaptive_width": False}
+    eager, graphed = (LLM(str(t), spec, device="cpu", max_num_seqs=8) for _ in range(2))
+    engine = graphed.engine
+    engine.runner.graphs = CpuGraphCache(8, -(-engine.max_model_len // engine.config.page_size), (engine.max_width,))
+    grammar = StructuredOutput(regex=REGEX)
+    first = SamplingParams(temperature=1.0, seed=0, max_tokens=1, structured_output=grammar)
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, structured_output=grammar) for i in range(16)]
+    for llm in (eager, graphed):
+        llm.generate([PROMPT], first)
+    outs = [[o.outputs[0].token_ids for o in llm.generate([PROMPT] * 16, sampled)] for llm in (eager, graphed)]
+    assert outs[0] == outs[1]
+    assert any("+q" in key[0] for key in engine.runner.graphs.graphs)

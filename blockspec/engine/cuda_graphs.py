@@ -64,6 +64,7 @@ class GraphCache:
         graph, static, out = self.graphs[key]
         xs = tensor_fields(inputs)
         bufs = tensor_fields(static)
+        assert xs.keys() == bufs.keys(), f"step mode {name!r} names inputs {list(xs)}, captured with {list(bufs)}"
         fill_buffers(tuple(bufs.values()), tuple(xs.values()), tuple(StepInputs.PAD[n] for n in xs), batch)
         graph.replay()
         packed, per_row = out

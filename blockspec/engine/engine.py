@@ -418,6 +418,8 @@ class LLMEngine:
     def commit(self, seq: Sequence, out: StepOutput) -> None:
         for committed, token in enumerate(out.new_token_ids, 1):
             if seq.grammar is not None and not seq.grammar.accept_token(token):
+                if not self.grammars.allows_nothing(seq.grammar):
+                    raise RuntimeError(f"request {seq.request_id}: token {token} breaks the grammar that masked it")
                 # A dead end: the grammar allowed no token (a vocabulary that cannot go on with the
                 # match it began), so the row drew from nothing; the request ends without the token.
                 committed -= 1
@@ -431,7 +433,7 @@ class LLMEngine:
         seq.num_cached += committed
         if not seq.finished:  # a finished one gave its pages back
             self.scheduler.kv_cache_manager.register(seq)
-        seq.acceptance_lengths.append(committed)
+        seq.acceptance_lengths.append(committed)  # 0 at a grammar's dead end
         if seq.params.return_drafts:
             seq.draft_token_ids.append(out.draft_token_ids)
         if out.logprobs is not None:

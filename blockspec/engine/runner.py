@@ -2,6 +2,7 @@
 prefill, and the decoding step (`engine.step.step_forward`), eagerly or as CUDA graph replays."""
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -225,12 +226,13 @@ class ModelRunner:
     def propose(self, inputs: StepInputs, widths: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """The proposer's drafts for a step, made before it (`propose_forward`; a CUDA graph replay
         when graphs are on): each sequence's on the host (at most widths[i] - 1, fewer where the
-        proposer cuts them), and their distributions q [B, w-1, V] on the device (None: no row is
-        sampled)."""
+        proposer cuts them), and their distributions q [B, >= w-1, V] on the device (None: no row
+        is sampled; a graph's may have a row more: the caller cuts it). The proposer reads none of
+        the step's logprobs, min_tokens and penalties inputs: its graphs go without them."""
+        inputs = replace(inputs, logprobs=False, min_positions=None, stop_ids=None, penalties=None)
         fn = functools.partial(propose_forward, self)
         packed, q = fn(inputs) if self.graphs is None else self.graphs.run("propose+" + inputs.mode, fn, inputs)
-        rows = packed.tolist()
-        return [r[1 : 1 + min(r[0], w - 1)] for r, w in zip(rows, widths)], q
+        return [r[1 : 1 + r[0]] for r in packed.tolist()], q
 
     @torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

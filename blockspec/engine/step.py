@@ -84,7 +84,8 @@ class StepInputs:
         """The step's kind (its CUDA graphs' name): what its rows need computed."""
         kind = "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
         mode = kind + "+logprobs" * self.logprobs + "+min_tokens" * (self.min_positions is not None)
-        return mode + "+penalties" * (self.penalties is not None) + "+grammar" * (self.bitmask is not None)
+        mode += "+penalties" * (self.penalties is not None) + "+grammar" * (self.bitmask is not None)
+        return mode + "+q" * (self.q is not None)  # a width-1 step of sampled rows has no q
 
     @property
     def sampling_params(self) -> torch.Tensor:

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 from blockspec.engine.kv_cache_manager import BlockTable
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.kernels import kernel_module, num_sms
+from blockspec.layers.rotary import rotary_dim
+from blockspec.layers.row_invariant import row_invariant
+from blockspec.models.hf_config import num_kv_heads
 from blockspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,20 +59,30 @@ def prefill_shapes(runner: "ModelRunner", max_num_seqs: int, max_rows: int, step
         if batch <= max_num_seqs and start + rows + step_rows <= runner.max_model_len
     ]
     kernels = kernel_module("paged_attention")
-    if kernels is None:
+    if kernels is None or row_invariant():  # row invariance: one variant, whatever the shape
         return shapes
-    config = runner.target.config
-    kv_heads, group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
-    sms = num_sms(runner.device, interpreted=132)
-    covered = {kernels.launch_variant(b, rows, cols * page, kv_heads, group, sms) for b, _, rows, cols in shapes}
+    heads = attention_heads(runner, kernels)
+    covered = {kernels.launch_variant(b, rows, cols * page, heads) for b, _, rows, cols in shapes}
     max_pages = -(-runner.max_model_len // page)
-    variants = kernels.prefill_variants(kv_heads, group, page, max_num_seqs, max_rows, max_pages, sms)
+    variants = kernels.prefill_variants(heads, page, max_num_seqs, max_rows, max_pages)
     return shapes + [(b, 0, rows, cols) for key, (b, rows, cols) in variants.items() if key not in covered]
+
+
+def attention_heads(runner: "ModelRunner", kernels):
+    """The target's `paged_attention.AttentionHeads`: the fused step kernel rotates whole heads of a
+    power-of-two size (`fuses_qkv`; the cache holds the model's dtype)."""
+    config = runner.target.config
+    kv_heads = num_kv_heads(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    whole = rotary_dim(config, head_dim) == head_dim and head_dim >= 16 and (head_dim & (head_dim - 1)) == 0
+    sms = num_sms(runner.device, interpreted=132)
+    return kernels.AttentionHeads(kv_heads, config.num_attention_heads // kv_heads, whole, sms)
 
 
 def warm_up(runner: "ModelRunner", max_num_seqs: int, max_rows: int, step_rows: int) -> None:
     """Run each prefill of `prefill_shapes` (max_rows: the most prompt rows a prefill takes), then a
-    step of every kind, batch bucket and row class of the runner's graphs (captured there)."""
+    step of every kind, batch bucket and row class of the runner's graphs (captured there). Not
+    captured here: the graphs of penalties and structured output, at their first use."""
     for batch, start, rows, columns in prefill_shapes(runner, max_num_seqs, max_rows, step_rows):
         runner.prefill([trash_sequence(runner, start, rows, KINDS[0], columns) for _ in range(batch)])
     graphs = runner.graphs

@@ -29,6 +29,8 @@ made: unsplit in `_finish`; split, never to a partial (a partial's lse must stay
 for the combine's weights) but in the combine, as one more term of its max and denominator.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -414,13 +416,26 @@ def step_grid(batch: int, kv_heads: int, rows: int, max_keys: int, sms: int) -> 
     return block_m, tiles, splits
 
 
-def launch_variant(batch: int, rows: int, max_keys: int, kv_heads: int, group: int, sms: int) -> tuple:
+@dataclass(frozen=True)
+class AttentionHeads:
+    """A model's attention as its kernel launches see it: kv heads, query heads a kv head, whether
+    its layers take the fused step kernel (`fuses_qkv`: whole-head rotary, a power-of-two head dim,
+    the cache in the model's dtype), and the SMs the grid fills."""
+
+    kv_heads: int
+    group: int
+    fused: bool
+    sms: int
+
+
+def launch_variant(batch: int, rows: int, max_keys: int, heads: AttentionHeads) -> tuple:
     """What selects the attention kernels' compiled variant (their constexprs) at a launch for
-    `batch` sequences of `rows` rows (query rows rows * group a kv head) over tables of `max_keys`
-    keys: the fused step kernel where one tile holds the rows (`fuses_qkv`), else the prefill
-    kernel, each with its split flags; and the combine kernel's split padding, where it runs."""
-    q_rows = rows * group
-    if q_rows <= MAX_ROWS:
+    `batch` sequences of `rows` rows over tables of `max_keys` keys: the fused step kernel where one
+    tile holds the rows and the model takes it, else the prefill kernel, each with its split
+    flags; and the combine kernel's split padding, where it runs."""
+    kv_heads, sms = heads.kv_heads, heads.sms
+    q_rows = rows * heads.group
+    if heads.fused and q_rows <= MAX_ROWS:
         block_m, tiles, splits = step_grid(batch, kv_heads, q_rows, max_keys, sms)
         kernel = ("qkv", block_m, tiles, max(16, triton.next_power_of_2(rows)))
     else:
@@ -433,7 +448,7 @@ def launch_variant(batch: int, rows: int, max_keys: int, kv_heads: int, group: i
 
 
 def prefill_variants(
-    kv_heads: int, group: int, page_size: int, max_batch: int, max_rows: int, max_pages: int, sms: int
+    heads: AttentionHeads, page_size: int, max_batch: int, max_rows: int, max_pages: int
 ) -> dict[tuple, tuple[int, int, int]]:
     """A prefill shape (sequences, rows, table pages) of each variant `launch_variant` reaches with
     at most max_batch sequences, max_rows rows and max_pages pages. Rows matter through their query
@@ -441,10 +456,10 @@ def prefill_variants(
     fills the SMs (no split after that)."""
     row_classes: dict[tuple, int] = {}
     for rows in range(1, max_rows + 1):
-        q_rows = rows * group
+        q_rows = rows * heads.group
         tiles = (query_tiles(q_rows), query_tiles(q_rows, 16), max(16, triton.next_power_of_2(rows)))
         row_classes.setdefault((q_rows <= MAX_ROWS, *tiles), rows)
-        if kv_heads * query_tiles(q_rows)[1] >= sms:  # one sequence fills the SMs: more rows split nothing
+        if heads.kv_heads * query_tiles(q_rows)[1] >= heads.sms:  # one sequence fills the SMs: no split past it
             break
     # the splits change where the keys pass a multiple of MIN_KEYS_PER_SPLIT, up to MAX_SPLITS of them
     steps = [-(-k * MIN_KEYS_PER_SPLIT // page_size) for k in range(1, MAX_SPLITS + 2)]
@@ -454,8 +469,8 @@ def prefill_variants(
         pages = sorted({least, *(p for p in steps if least < p <= max_pages)})
         for batch in range(1, max_batch + 1):
             for p in pages:
-                shapes.setdefault(launch_variant(batch, rows, p * page_size, kv_heads, group, sms), (batch, rows, p))
-            if batch * kv_heads >= 3 * sms:  # past three programs an SM no launch splits its keys
+                shapes.setdefault(launch_variant(batch, rows, p * page_size, heads), (batch, rows, p))
+            if batch * heads.kv_heads >= 3 * heads.sms:  # past three programs an SM no launch splits its keys
                 break
     return shapes
 
