@@ -33,8 +33,8 @@ class StructuredOutput:
     grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
 
     def __post_init__(self) -> None:
-        chosen = [self.json is not None, self.json_object, self.regex, self.choice, self.grammar]
-        if sum(x is not None and x is not False for x in chosen) != 1:
+        given = [self.json, self.regex, self.choice, self.grammar]
+        if sum(x is not None for x in given) + self.json_object != 1:
             raise ValueError("a StructuredOutput sets exactly one of json, json_object, regex, choice and grammar")
         if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("choice is a list of non-empty strings")

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 
 from blockspec.engine.kv_cache_manager import BlockTable
 from blockspec.engine.sequence import Sequence
+from blockspec.layers.decoder import Attention
 from blockspec.layers.kernels import kernel_module, num_sms
-from blockspec.layers.rotary import rotary_dim
 from blockspec.layers.row_invariant import row_invariant
-from blockspec.models.hf_config import num_kv_heads
 from blockspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -69,14 +68,15 @@ def prefill_shapes(runner: "ModelRunner", max_num_seqs: int, max_rows: int, step
 
 
 def attention_heads(runner: "ModelRunner", kernels):
-    """The target's `paged_attention.AttentionHeads`: the fused step kernel rotates whole heads of a
-    power-of-two size (`fuses_qkv`; the cache holds the model's dtype)."""
-    config = runner.target.config
-    kv_heads = num_kv_heads(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    whole = rotary_dim(config, head_dim) == head_dim and head_dim >= 16 and (head_dim & (head_dim - 1)) == 0
+    """The target's `paged_attention.AttentionHeads`, read from its attention layers as built: the
+    fused step kernel rotates whole heads (its rope tables as wide as a head) of a power-of-two
+    size (`fuses_qkv`; the cache holds the model's dtype)."""
+    model = runner.target
+    attn = next(layer.mixer for layer in model.layers if isinstance(layer.mixer, Attention))
+    d = attn.head_dim
+    whole = 2 * model.rotary.inv_freq.numel() == d and d >= 16 and (d & (d - 1)) == 0
     sms = num_sms(runner.device, interpreted=132)
-    return kernels.AttentionHeads(kv_heads, config.num_attention_heads // kv_heads, whole, sms)
+    return kernels.AttentionHeads(attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, whole, sms)
 
 
 def warm_up(runner: "ModelRunner", max_num_seqs: int, max_rows: int, step_rows: int) -> None:
