@@ -1,5 +1,6 @@
 """Structured output: a request's grammar (a JSON schema, any JSON object, a regular expression, one
-of a list of strings or an EBNF grammar), compiled by xgrammar, and the token masks that hold each verify row to it.
+of a list of strings or an EBNF grammar), compiled by xgrammar, and the token masks that hold each
+verify row to it.
 
 Row j of a step decides the token after the anchor and drafts d_1..d_j, so its mask is the
 grammar's state after them: the host walks each block's drafts through the sequence's matcher,
@@ -104,7 +105,10 @@ def token_bitmasks(matchers: list, blocks: list[list[int]], width: int, vocab_si
     for b, (matcher, block) in enumerate(zip(matchers, blocks)):
         if matcher is not None:
             fill_rows(matcher, block, masks[b * width : (b + 1) * width])
-    return np.pad(masks.numpy(), ((0, 0), (0, words % 2)), constant_values=-1).reshape(len(blocks), width, -1)
+    masks = masks.numpy()
+    if words % 2:  # a copy only where the width is odd
+        masks = np.pad(masks, ((0, 0), (0, 1)), constant_values=-1)
+    return masks.reshape(len(blocks), width, -1)
 
 
 def fill_rows(matcher, block: list[int], masks: torch.Tensor) -> None:

@@ -436,7 +436,7 @@ class OpenAIServing:
                 return_drafts=True,  # the metrics count the drafts each step verified
             )
         except InvalidSamplingParam as e:
-            raise bad_request(str(e), req.structured_field if e.param == "structured_output" else e.param) from e
+            raise bad_request(str(e), e.param) from e
 
     async def generate(self, req: SamplingRequest, raw: Request, choices: list[Choice], fmt: Format) -> Response:
         grammar = choices[0].params.structured_output
