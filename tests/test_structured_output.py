@@ -287,3 +287,14 @@ def test_grammar_steps_in_graphs_equal_eager(word_pair):
     outs = [[o.outputs[0].token_ids for o in llm.generate([PROMPT] * 16, sampled)] for llm in (eager, graphed)]
     assert outs[0] == outs[1]
     assert any("+q" in key[0] for key in engine.runner.graphs.graphs)
+
+
+def test_choices_match_their_text_as_written(shipped):
+    """Each choice, quotes, backslashes and characters past the BMP included, is accepted token by
+    token to completion, and nothing else: `choice` literals keep non-ASCII as it is."""
+    engine = shipped[0].engine
+    choices = ['yes "sir" \\o/', "naïve 😀"]
+    for text in [*choices, "yes"]:
+        matcher = engine.structured_outputs().matcher(StructuredOutput(choice=choices), engine.target.eos_token_ids)
+        accepted = all(matcher.accept_token(t) for t in engine.tokenizer.encode(text))
+        assert (accepted and matcher.is_completed()) == (text in choices)
