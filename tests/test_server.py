@@ -26,6 +26,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.outputs import RequestMetrics, RequestOutput
 from blockspec.server.api import build_app
 from blockspec.server.async_engine import NewestOutput
+from blockspec.server.http import HeadTimeoutProtocol
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.protocol import ChatMessage
 from blockspec.structured_output import StructuredOutput
@@ -75,10 +76,10 @@ def serve(llm: LLM):
 
 
 @contextmanager
-def serve_app(app) -> Iterator[str]:
+def serve_app(app, http: type = HeadTimeoutProtocol) -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no race for the port
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -460,7 +461,7 @@ def test_cli_serve_binds_loopback(checkpoints, monkeypatch) -> None:
             "3",
         ]
     )
-    assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8000 and seen["http"] is HeadTimeoutProtocol
 
 
 def completion_texts(live: Live, **kwargs) -> list[str]:
@@ -603,6 +604,30 @@ def test_gate_refuses_before_reading_the_body(checkpoints) -> None:
         assert reply.startswith(b"HTTP/1.1 413")
         reply, took = raw_request(url, head + f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n", b"{")
         assert reply.startswith(b"HTTP/1.1 408") and took < 10
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+class QuickHeadTimeout(HeadTimeoutProtocol):
+    head_timeout_s = 0.5
+
+
+def test_a_slow_request_head_is_a_408(checkpoints) -> None:
+    """A client that sends half a head and stalls gets a 408 and a closed connection; one that sends
+    nothing is closed; the deadline starts again after each response on a kept-alive connection,
+    and a head that arrives in time is served."""
+    with serve_app(build_app(load(checkpoints), NAME, KEY), http=QuickHeadTimeout) as url:
+        reply, took = raw_request(url, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply and took < 10
+        reply, took = raw_request(url, "")
+        assert reply == b"" and took < 10
+        with socket.create_connection(tuple(url.removeprefix("http://").split(":")), timeout=30) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while not reply.endswith(b'{"status":"ok"}'):
+                reply += sock.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 408")
         assert httpx.get(f"{url}/health").status_code == 200
 
 

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.llm import LLM
 from blockspec.server.async_engine import AsyncEngine, EngineError
+from blockspec.server.http import HeadTimeoutProtocol
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.protocol import (
     APIError,
@@ -176,4 +177,4 @@ def serve(
     llm: LLM, model_name: str, host: str, port: int, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
 ) -> None:
     """Serve `llm` as `model_name` on host:port until interrupted."""
-    uvicorn.run(build_app(llm, model_name, api_key, max_body_bytes), host=host, port=port)
+    uvicorn.run(build_app(llm, model_name, api_key, max_body_bytes), host=host, port=port, http=HeadTimeoutProtocol)
