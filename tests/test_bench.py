@@ -157,15 +157,19 @@ def test_determinism_bench_counts_equal_outputs_per_row_invariance_setting(tmp_p
 def test_arrival_bench_times_a_long_prompt_chunked_and_whole(tmp_path):
     """A 40-token prompt arriving at 2 decoding sequences: with a budget of 8 its 39 tokens before
     the anchor take 5 steps, each giving the batch a token a sequence (the last one the prompt's
-    first token too); whole, one step."""
+    first token too); whole, one step. With a 32-token system prompt, its second arrival finds
+    those tokens cached."""
     out = tmp_path / "arrival.json"
     arrival.main(
         ["--model", "random:small", "--device", "cpu", "--dtype", "float32", "--batch", "2", "--prompt-len", "8",
-         "--long-prompt", "40", "--budgets", "8,64", "--warmup", "2", "--out", str(out)]
+         "--long-prompt", "40", "--budgets", "8,64", "--warmup", "2", "--system-prompt", "32", "--out", str(out)]
     )  # fmt: skip
-    chunked, whole = json.loads(out.read_text())["results"]
-    assert (chunked["mode"], whole["mode"]) == ("chunked 8", "whole prompt")
-    for row in (chunked, whole):
+    chunked, whole, miss, hit = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in (chunked, whole, miss, hit)] == [
+        "chunked 8", "whole prompt", "prefix cache miss", "prefix cache hit"
+    ]  # fmt: skip
+    assert (miss["cached_tokens"], hit["cached_tokens"]) == (0, 32)  # the system prompt's two pages
+    for row in (chunked, whole, miss, hit):
         assert row["ttft_ms"] > 0 and row["tok_per_s"] > 0 and row["itl_max_ms"] >= row["itl_p50_ms"]
     assert chunked["tok_per_s"] * chunked["ttft_ms"] / 1e3 == pytest.approx(2 * 5)
     assert whole["tok_per_s"] * whole["ttft_ms"] / 1e3 == pytest.approx(2 * 1)

@@ -4,8 +4,12 @@ Per prefill budget (`max_num_batched_tokens`, the tokens of prompt a step prefil
 prompt's time to first token, and the decoding batch's inter-token latency meanwhile (median and
 worst gap between steps that gave it tokens) and its tok/s. A budget at least the prompt's length
 prefills it whole, in one step that every running sequence waits for. Each budget runs the arrival
-twice on one engine and reports the second (the first compiles the prefill's kernels). Writes the
-engine bench's JSON shape (`blockspec.bench.report` renders it)."""
+twice on one engine and reports the second (the first compiles the prefill's kernels).
+
+With `--system-prompt N`, also the prefix cache's worth: the long prompt is an N-token system
+prompt and a question, arriving twice with different questions; the first computes the system
+prompt (`prefix cache miss`), the second finds its pages cached (`prefix cache hit`, `cached_tokens`).
+Writes the engine bench's JSON shape (`blockspec.bench.report` renders it)."""
 
 import argparse
 import json
@@ -51,11 +55,12 @@ def arrival(engine: LLMEngine, running: list[Sequence], prompt: list[int]) -> di
     }
 
 
-def run_budget(target, drafter, args, budget: int) -> dict:
+def decoding_engine(target, drafter, args, budget: int, prefix_caching: bool) -> tuple[LLMEngine, list[Sequence]]:
+    """An engine whose batch of `args.batch` sequences is decoding, warmed up."""
     spec = SpeculativeConfig(simulate_tau=args.simulate_tau) if drafter is not None else None
     max_len = args.long_prompt + 64
     config = EngineConfig(
-        max_num_seqs=args.batch + 1, max_model_len=max_len, max_num_batched_tokens=budget, prefix_caching=False
+        max_num_seqs=args.batch + 1, max_model_len=max_len, max_num_batched_tokens=budget, prefix_caching=prefix_caching
     )
     engine = LLMEngine(target, drafter, spec, config)
     gen = torch.Generator().manual_seed(0)
@@ -63,12 +68,37 @@ def run_budget(target, drafter, args, budget: int) -> dict:
     running = [engine.add_request(random_prompt(engine, args.prompt_len, gen), params) for _ in range(args.batch)]
     for _ in range(args.warmup):
         engine.step()
+    return engine, running
+
+
+def run_budget(target, drafter, args, budget: int) -> dict:
+    engine, running = decoding_engine(target, drafter, args, budget, prefix_caching=False)
+    gen = torch.Generator().manual_seed(1)
     arrival(engine, running, random_prompt(engine, args.long_prompt, gen))  # compiles, captures
     m = arrival(engine, running, random_prompt(engine, args.long_prompt, gen))
     del engine
     free_device_memory()
     mode = f"chunked {budget}" if budget < args.long_prompt else "whole prompt"
     return {"mode": mode, "batch_size": args.batch, "prompt_tokens": args.long_prompt} | m
+
+
+def run_prefix(target, drafter, args, budget: int) -> list[dict]:
+    """A system prompt's two arrivals (miss, hit), twice over with another system prompt; the
+    second pair is reported (the first compiles)."""
+    engine, running = decoding_engine(target, drafter, args, budget, prefix_caching=True)
+    gen = torch.Generator().manual_seed(1)
+    question = args.long_prompt - args.system_prompt
+    for _ in range(2):
+        system = random_prompt(engine, args.system_prompt, gen)
+        rows = []
+        for mode in ("prefix cache miss", "prefix cache hit"):
+            before = engine.scheduler.kv_cache_manager.hits
+            m = arrival(engine, running, system + random_prompt(engine, question, gen))
+            rows.append({"mode": mode, "batch_size": args.batch, "prompt_tokens": args.long_prompt} | m)
+            rows[-1]["cached_tokens"] = engine.scheduler.kv_cache_manager.hits - before
+    del engine
+    free_device_memory()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=512, help="their prompts' length")
     p.add_argument("--long-prompt", type=int, default=32768)
     p.add_argument("--budgets", default="8192,32768", help="max_num_batched_tokens values to compare")
+    p.add_argument(
+        "--system-prompt", type=int, default=0, help="N > 0: also time a prompt whose first N tokens are cached"
+    )
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -90,7 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     target, drafter = load(args, device, dtype)
-    rows = [run_budget(target, drafter, args, int(b)) for b in args.budgets.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    rows = [run_budget(target, drafter, args, b) for b in budgets]
+    if args.system_prompt:
+        rows += run_prefix(target, drafter, args, max(budgets))
     for r in rows:
         print(json.dumps(r))
     meta = run_meta(

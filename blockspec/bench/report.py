@@ -48,7 +48,9 @@ layers. At batch 64 a 16-row verify of a dense 27B is 1,024 rows of GEMMs: past 
 arrives while a batch decodes: *ttft ms*, its time to first token; *itl p50 / max ms*, the batch's
 median and worst gap between tokens meanwhile; *tok/s*, the batch's tokens over that window.
 `chunked N` prefills N prompt tokens a step (`max_num_batched_tokens`), the batch decoding
-between chunks; `whole prompt` prefills it in one step.
+between chunks; `whole prompt` prefills it in one step. `prefix cache miss` / `hit`: the prompt is
+a system prompt and a question, the system prompt computed (miss) or found in the prefix cache
+(hit, its *cached tokens* not prefilled).
 
 **Acceptance** (`python -m blockspec.bench.acceptance`). Real prompts (HumanEval, MT-Bench first
 turns), chat template applied, a real target and drafter. Per prompt set and temperature: plain
