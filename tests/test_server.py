@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, live on loopback, driven by the official openai client."""
 
 import asyncio
+import gzip
 import itertools
 import json
 import socket
@@ -20,6 +21,7 @@ from conftest import add_word_tokenizer, make_drafter, make_target
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench import report, serve_load
 from blockspec.cli import main
 from blockspec.engine.detokenizer import append_text
 from blockspec.engine.sequence import Sequence
@@ -768,3 +770,24 @@ def test_n_choices_share_one_prefill(live: Live) -> None:
     before = live.metrics()["blockspec_prefix_cache_hits_total"]
     assert len(set(completion_texts(live, prompt=prompt, max_tokens=4, temperature=0, n=3))) == 1
     assert live.metrics()["blockspec_prefix_cache_hits_total"] - before == 2 * (n // 16 * 16)
+
+
+def test_load_bench_counts_answers_equal_to_alone(live: Live, tmp_path) -> None:
+    """`blockspec.bench.serve_load` against the live server: every request answered, concurrent
+    answers (greedy and seeded) equal to the same requests sent one at a time, rows the report
+    renders."""
+    with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(3))
+    (tmp_path / "mtbench.jsonl").write_text("".join(json.dumps({"turns": [f"w{i}", "w2"]}) + "\n" for i in (4, 9)))
+    for temperature in ("0", "1"):
+        out = tmp_path / f"load-{temperature}.json"
+        serve_load.main(
+            ["--url", live.url, "--api-key", KEY, "--clients", "4", "--requests", "10", "--max-tokens", "3,9",
+             "--temperature", temperature, "--humaneval", str(tmp_path / "humaneval.jsonl.gz"), "--mtbench",
+             str(tmp_path / "mtbench.jsonl"), "--out", str(out)]
+        )  # fmt: skip
+        concurrent, alone = json.loads(out.read_text())["results"]
+        assert (concurrent["mode"], concurrent["batch_size"], alone["batch_size"]) == ("4 clients", 4, 1)
+        assert all(r["failed"] == r["lost"] == 0 and r["tok_per_s"] > 0 for r in (concurrent, alone))
+        assert concurrent["equal_to_alone"] == "10/10"
+    assert "equal to alone" in report.render([out])
