@@ -86,9 +86,10 @@ class EngineConfig:
     # where every target layer keeps K/V pages (a linear-attention layer's state is no page's).
     prefix_caching: bool | None = None
     cuda_graphs: bool = True  # capture decoding steps as CUDA graphs (CUDA only)
-    # With CUDA graphs: capture the step graphs (step kinds x batch buckets x row classes; those of
-    # penalties and structured output at first use) and compile the prefill's kernels when the
-    # engine starts (`engine.warm_up`); off: at first use, stalling the requests running then.
+    # With CUDA graphs: capture the step graphs (step kinds x batch buckets x row classes, the kinds
+    # with logprobs, min_tokens, penalties and grammar masks among them) and compile the prefill's
+    # kernels when the engine starts (`engine.warm_up`); off: at first use, stalling the requests
+    # running then.
     warm_up: bool = True
     # Launch each step before the one in flight reaches the host, from its results still on the
     # device (DFlash and plain decoding); None: on where the device runs asynchronously (CUDA).

@@ -11,6 +11,7 @@ the masked distribution; the drafts and their distribution q stay as drawn, so t
 exactly the distribution of constrained plain decoding. The rows after a forbidden draft are never
 reached, and are left unmasked. The matcher takes the committed tokens (`GrammarMatcher.accept_token`)."""
 
+import importlib.util
 import json
 from dataclasses import dataclass
 
@@ -20,6 +21,10 @@ import torch
 from blockspec.layers.fast_path import cuda_compiled
 
 XGRAMMAR_HINT = "structured output needs xgrammar: pip install xgrammar"
+
+
+def xgrammar_installed() -> bool:
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 @dataclass(frozen=True)

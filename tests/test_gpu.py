@@ -316,6 +316,28 @@ def test_fp32_structured_output_in_graphs_equals_cpu_reference(tmp_path):
             assert all(3 <= x < 10 for x in body) and 2 <= last < 10
 
 
+def test_warm_up_leaves_nothing_to_capture_at_request_time(tmp_path):
+    """An engine started with warm-up on, then requests of every option (logprobs, min_tokens,
+    penalties, a grammar; greedy and sampled, alone and together): no step graph is captured while
+    they run."""
+    t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    llm = LLM(str(t), {"model": str(d)}, device="cuda", dtype="bfloat16", max_num_seqs=4)
+    graphs = llm.engine.runner.graphs.graphs
+    captured = len(graphs)
+    grammar = StructuredOutput(regex="(w[3-9])+")
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=16, logprobs=2, min_tokens=4),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=16, repetition_penalty=1.2, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=16, structured_output=grammar, frequency_penalty=0.5),
+        SamplingParams(temperature=1.0, top_k=4, seed=2, max_tokens=16, structured_output=grammar),
+    ]
+    for params in kinds:
+        llm.generate(PROMPTS, params)
+    llm.generate(PROMPTS[:4], kinds)
+    assert len(graphs) == captured
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_row_invariant_greedy_is_the_same_alone_in_a_batch_at_any_width_and_plain(tmp_path, dtype):
     """Row invariance on CUDA (CUDA graphs, the MMA kernel at every row count, the attention's fixed

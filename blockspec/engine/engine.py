@@ -32,7 +32,7 @@ from blockspec.proposers.base import Proposer
 from blockspec.proposers.ngram import NgramProposer
 from blockspec.proposers.simulated import SimulatedProposer
 from blockspec.sampling import MAX_STOP_IDS, InvalidSamplingParam, SamplingParams
-from blockspec.structured_output import Grammars, StructuredOutput
+from blockspec.structured_output import Grammars, StructuredOutput, xgrammar_installed
 
 CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
 GPU_KV_FRACTION = 0.5  # of free device memory
@@ -120,7 +120,10 @@ class LLMEngine:
         self.grammars_made = threading.Lock()  # `structured_outputs` runs on any thread
         self.last_completion = 0.0
         if graphs is not None and config.warm_up:
-            warm_up(self.runner, config.max_num_seqs, config.max_num_batched_tokens, self.step_rows)
+            grammar = self.tokenizer is not None and self.structured_proposer and xgrammar_installed()
+            warm_up(
+                self.runner, config.max_num_seqs, config.max_num_batched_tokens, self.step_rows, self.num_slots, grammar
+            )
 
     def prefix_caching(self, asked: bool | None) -> bool:
         """Whether prompts share cached pages: only where every target layer keeps K/V pages."""
@@ -306,11 +309,15 @@ class LLMEngine:
         except ValueError as e:
             raise InvalidSamplingParam("structured_output", str(e)) from e
 
+    @property
+    def structured_proposer(self) -> bool:
+        """Whether structured requests can run with this proposer (a simulated one ignores masks)."""
+        return not isinstance(self.proposer, SimulatedProposer)
+
     def grammar_matcher(self, seq: Sequence):
         """The matcher of a structured request's grammar."""
-        simulated = isinstance(self.proposer, SimulatedProposer)
         try:
-            if simulated:
+            if not self.structured_proposer:
                 raise ValueError("a simulated acceptance rate would ignore the grammar's masks")
             return self.structured_outputs().matcher(seq.params.structured_output, seq.stop_ids)
         except ValueError as e:

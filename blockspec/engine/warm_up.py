@@ -1,6 +1,6 @@
 """Everything a GPU engine would otherwise build while it serves, built when it starts: the CUDA
-graph of every step kind (greedy, sampled, filtered; with logprobs and min_tokens or without) at
-every batch bucket and row class, and the prefill's kernels: over a grid of chunk shapes (the
+graph of every step kind (greedy, sampled, filtered; with logprobs, min_tokens, penalties and a
+grammar's masks or without) at every batch bucket and row class, and the prefill's kernels: over a grid of chunk shapes (the
 kernels' variants follow the rows and their alignment), then one prefill for each attention
 kernel variant the grid missed (`paged_attention.prefill_variants`: they follow the rows, the
 sequences and the context, as a chunk after a cached prefix splits its keys).
@@ -19,6 +19,7 @@ from blockspec.layers.decoder import Attention
 from blockspec.layers.kernels import kernel_module, num_sms
 from blockspec.layers.row_invariant import row_invariant
 from blockspec.sampling import SamplingParams
+from blockspec.structured_output import token_bitmasks
 
 if TYPE_CHECKING:
     from blockspec.engine.runner import ModelRunner
@@ -31,10 +32,11 @@ PREFILL_STARTS = (0, 300, 3000)  # positions a chunk starts at: no split of its 
 
 
 def step_kinds() -> list[SamplingParams]:
-    """A request of every step kind: each sampling kind, with and without logprobs and min_tokens."""
+    """A request of every step kind: each sampling kind, with and without logprobs, min_tokens and
+    penalties."""
     return [
-        replace(kind, logprobs=logprobs, min_tokens=min_tokens, max_tokens=1)
-        for kind, logprobs, min_tokens in product(KINDS, (None, 1), (0, 1))
+        replace(kind, logprobs=logprobs, min_tokens=min_tokens, repetition_penalty=penalty, max_tokens=1)
+        for kind, logprobs, min_tokens, penalty in product(KINDS, (None, 1), (0, 1), (1.0, 1.1))
     ]
 
 
@@ -79,14 +81,34 @@ def attention_heads(runner: "ModelRunner", kernels):
     return kernels.AttentionHeads(attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, whole, sms)
 
 
-def warm_up(runner: "ModelRunner", max_num_seqs: int, max_rows: int, step_rows: int) -> None:
+def grammar_step(runner: "ModelRunner", seqs: list[Sequence], width: int) -> None:
+    """A structured-output step as `launch_step` runs one, every token allowed: a device proposer's
+    graph first, then the verify's, on a full block of drafts (and their q)."""
+    widths, drafts, q = [width] * len(seqs), None, None
+    if runner.proposer is not None and width > 1:
+        if runner.proposer.on_device:
+            _, q = runner.propose(runner.step_inputs(seqs, widths, None, None), widths)
+            q = q[:, : width - 1] if q is not None else None
+        drafts = [[0] * (width - 1) for _ in seqs]
+    bitmask = token_bitmasks([None] * len(seqs), [[0] * width] * len(seqs), width, runner.vocab_size)
+    runner.step(runner.step_inputs(seqs, widths, None, None, drafts, bitmask, q))
+
+
+def warm_up(
+    runner: "ModelRunner", max_num_seqs: int, max_rows: int, step_rows: int, num_slots: int, grammar: bool
+) -> None:
     """Run each prefill of `prefill_shapes` (max_rows: the most prompt rows a prefill takes), then a
-    step of every kind, batch bucket and row class of the runner's graphs (captured there). Not
-    captured here: the graphs of penalties and structured output, at their first use."""
+    step of every kind, batch bucket and row class of the runner's graphs (captured there), and
+    where requests may follow a grammar (`grammar`), a grammar's step of each kind it allows (not
+    min_tokens). The penalties' state is allocated first: the graphs read its tensors."""
     for batch, start, rows, columns in prefill_shapes(runner, max_num_seqs, max_rows, step_rows):
         runner.prefill([trash_sequence(runner, start, rows, KINDS[0], columns) for _ in range(batch)])
     graphs = runner.graphs
     columns = -(-step_rows // runner.page_size)
-    for params, bucket, width in product(step_kinds(), graphs.buckets, graphs.row_classes):
+    kinds = step_kinds()
+    runner.reset_penalties(trash_sequence(runner, 0, 0, kinds[-1], columns), num_slots)
+    for params, bucket, width in product(kinds, graphs.buckets, graphs.row_classes):
         seqs = [trash_sequence(runner, 0, 0, params, columns) for _ in range(bucket)]
         runner.step(runner.step_inputs(seqs, [width] * bucket, None, None))
+        if grammar and not params.min_tokens:
+            grammar_step(runner, seqs, width)
