@@ -140,6 +140,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0, 0, 1)
 
+    @property
+    def logit_rules(self) -> bool:
+        """Penalties or min_tokens: its steps run the "+rules" variant, which reads the penalty state."""
+        return self.penalized or self.min_tokens > 0
+
 
 SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p")  # a row's parameters, as `sampling_row` packs them
 

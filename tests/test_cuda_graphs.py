@@ -141,7 +141,7 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
     runner.graphs = CpuGraphCache(4, -(-engine.max_model_len // 4), engine.adaptive.classes)
     warm_up(runner, 4, engine.config.max_num_batched_tokens, engine.step_rows, engine.num_slots, grammar=True)
     plain = {k[0] for k in runner.graphs.graphs if "grammar" not in k[0] and not k[0].startswith("propose")}
-    assert len(plain) == len(step_kinds()) == 24
+    assert len(plain) == len(step_kinds()) == 12
     assert {(m, b, w) for m in plain for b in (1, 2, 4) for w in engine.adaptive.classes} <= set(runner.graphs.graphs)
     assert {"greedy+grammar", "sampled+grammar+q", "propose+sampled"} <= {k[0] for k in runner.graphs.graphs}
     captured = len(runner.graphs.graphs)
@@ -156,7 +156,8 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
         SamplingParams(temperature=0, max_tokens=12, structured_output=grammar),
         SamplingParams(temperature=0.8, top_k=5, seed=4, max_tokens=12, structured_output=grammar, logprobs=1),
     ]
-    for params in kinds:
+    mixed = [kinds[3], kinds[4], kinds[5], kinds[6]]  # a batch's kind joins its requests' options
+    for params in [*kinds, mixed]:
         a = [o.outputs[0] for o in eager.generate(prompts, params)]
         b = [o.outputs[0] for o in graphed.generate(prompts, params)]
         assert [o.token_ids for o in a] == [o.token_ids for o in b]

@@ -47,7 +47,7 @@ def tensor_fields(inputs: StepInputs) -> dict[str, torch.Tensor]:
 
 
 class GraphCache:
-    def __init__(self, max_batch: int, max_pages: int, row_classes: tuple[int, ...], warmup: int = 2) -> None:
+    def __init__(self, max_batch: int, max_pages: int, row_classes: tuple[int, ...], warmup: int = 1) -> None:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.max_pages, self.row_classes = max_pages, sorted(row_classes)
         self.warmup = warmup
@@ -90,7 +90,7 @@ class GraphCache:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(self.warmup):  # first calls allocate, autotune and compile kernels
+            for _ in range(self.warmup):  # a first call allocates, autotunes and compiles kernels
                 fn(static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

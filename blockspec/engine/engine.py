@@ -361,7 +361,7 @@ class LLMEngine:
         """Admit what fits, prefill a chunk of the pending prompts, then launch a step of every
         running sequence whose prompt is done."""
         for seq in self.scheduler.admit():
-            if seq.params.penalized:
+            if seq.params.logit_rules:
                 self.runner.reset_penalties(seq, self.num_slots)
         chunks = self.scheduler.prefill_chunks()
         if chunks:

@@ -45,7 +45,7 @@ class ModelRunner:
         self.capture = proposer.capture_layers if proposer is not None else ()
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.phase_marks = None  # benchmarks: an object whose record(name) marks a step's phases
-        self.penalty_state: PenaltyState | None = None  # allocated with the first penalized request
+        self.penalty_state: PenaltyState | None = None  # allocated with the first request with logit rules
 
     @property
     def vocab_size(self) -> int:
@@ -53,7 +53,8 @@ class ModelRunner:
         return self.target.lm_head.weight.shape[0]
 
     def reset_penalties(self, seq: Sequence, num_slots: int) -> None:
-        """A penalized sequence's row of the penalty state, from its tokens (at admission)."""
+        """The penalty state's row of a sequence with logit rules (`SamplingParams.logit_rules`), from its
+        tokens (at admission)."""
         if self.penalty_state is None:
             self.penalty_state = PenaltyState.allocate(num_slots, self.vocab_size, self.device)
         self.penalty_state.reset(seq.state_slot, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids)
@@ -197,20 +198,20 @@ class ModelRunner:
         if sampled:  # float32 parameters crossing bitwise, two to an int64
             rows = np.asarray([sampling_row(s.params) for s in seqs], dtype=np.float32)
             arrays.append(rows.view(np.int64))
-        penalized = any(s.params.penalized for s in seqs)
-        if penalized:  # float32 penalties crossing bitwise, as the sampling parameters
+        # a step launched ahead: its sequences may have fewer tokens than num_generated says
+        ruled = any(s.params.penalized or s.num_generated < s.params.min_tokens for s in seqs)
+        if ruled:  # float32 penalties crossing bitwise, as the sampling parameters; min_tokens' bans
             rows = np.asarray([penalty_row(s.params) for s in seqs], dtype=np.float32)
             arrays.append(rows.view(np.int64))
-        min_tokens = any(s.num_generated < s.params.min_tokens for s in seqs)  # a step launched ahead: or fewer
-        if min_tokens:
             arrays.append([s.num_prompt_tokens + s.params.min_tokens for s in seqs])
-            arrays.append([s.stop_ids + [-1] * (MAX_STOP_IDS - len(s.stop_ids)) for s in seqs])
+            banned = [s.stop_ids if s.params.min_tokens else [] for s in seqs]
+            arrays.append([ids + [-1] * (MAX_STOP_IDS - len(ids)) for ids in banned])
         if bitmask is not None:  # int32 words crossing bitwise, two to an int64
             arrays.append(bitmask.view(np.int64))
         lengths, tables, seeds, slots, *rest = self.tensors(*arrays)
         bitmask = rest.pop().view(torch.int32) if bitmask is not None else None
-        min_positions, stop_ids = (rest.pop(-2), rest.pop()) if min_tokens else (None, None)
-        penalty_rows = rest.pop() if penalized else None
+        min_positions, stop_ids = (rest.pop(-2), rest.pop()) if ruled else (None, None)
+        penalty_rows = rest.pop() if ruled else None
         sampling = rest.pop() if sampled else None
         tokens = rest.pop() if anchors is None else anchors
         tokens = tokens.expand(-1, width)  # a device proposer reads column 0; the width sets the rows

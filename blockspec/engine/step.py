@@ -50,11 +50,12 @@ class StepInputs:
     sampling: torch.Tensor | None = None
     filters: bool = False  # some sampled row uses top-k or top-p (their sort runs)
     logprobs: bool = False  # some row reports log-probabilities (`sampling.token_logprobs` runs)
-    # min_tokens, where a sequence is short of it: the position before which its stop ids
-    # [B, MAX_STOP_IDS] (padded with -1) are banned (`sampling.ban_early_stops`)
+    # Logit rules, all three or none (one graph variant): min_tokens, the position before which a
+    # sequence's stop ids [B, MAX_STOP_IDS] (padded with -1) are banned (`sampling.ban_early_stops`),
+    # and penalties, [B, 2] int64 holding float32 [B, 4] bitwise (`penalties.penalty_row`; all zero:
+    # none). None: no row has penalties or is short of its min_tokens.
     min_positions: torch.Tensor | None = None
     stop_ids: torch.Tensor | None = None
-    # [B, 2] int64 holding float32 [B, 4] bitwise (`penalties.penalty_row`); None: no row has penalties
     penalties: torch.Tensor | None = None
     # structured output: [B, w, W] int32, each row's token bitmask (`structured_output.token_bitmasks`);
     # the drafts in `tokens` were proposed before the step, drawn from q [B, w-1, V] where rows are
@@ -83,8 +84,8 @@ class StepInputs:
     def mode(self) -> str:
         """The step's kind (its CUDA graphs' name): what its rows need computed."""
         kind = "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
-        mode = kind + "+logprobs" * self.logprobs + "+min_tokens" * (self.min_positions is not None)
-        mode += "+penalties" * (self.penalties is not None) + "+grammar" * (self.bitmask is not None)
+        mode = kind + "+logprobs" * self.logprobs + "+rules" * (self.penalties is not None)
+        mode += "+grammar" * (self.bitmask is not None)
         return mode + "+q" * (self.q is not None)  # a width-1 step of sampled rows has no q
 
     @property
@@ -161,7 +162,6 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     if inputs.penalties is not None:
         counts, prompt = runner.penalty_state.rows(inputs.state_slots)
         rule_logits = penalize_rows(rule_logits, proposal.drafts, counts, prompt, inputs.penalty_params)
-    if inputs.min_positions is not None:
         rule_logits = ban_early_stops(rule_logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
     if inputs.bitmask is not None:
         rule_logits = mask_logits(rule_logits, inputs.bitmask)

@@ -1,6 +1,6 @@
 """Everything a GPU engine would otherwise build while it serves, built when it starts: the CUDA
-graph of every step kind (greedy, sampled, filtered; with logprobs, min_tokens, penalties and a
-grammar's masks or without) at every batch bucket and row class, and the prefill's kernels: over a grid of chunk shapes (the
+graph of every step kind (greedy, sampled, filtered; with logprobs, logit rules (penalties and
+min_tokens) and a grammar's masks or without) at every batch bucket and row class, and the prefill's kernels: over a grid of chunk shapes (the
 kernels' variants follow the rows and their alignment), then one prefill for each attention
 kernel variant the grid missed (`paged_attention.prefill_variants`: they follow the rows, the
 sequences and the context, as a chunk after a cached prefix splits its keys).
@@ -32,11 +32,10 @@ PREFILL_STARTS = (0, 300, 3000)  # positions a chunk starts at: no split of its 
 
 
 def step_kinds() -> list[SamplingParams]:
-    """A request of every step kind: each sampling kind, with and without logprobs, min_tokens and
-    penalties."""
+    """A request of every step kind: each sampling kind, with and without logprobs and logit rules."""
     return [
-        replace(kind, logprobs=logprobs, min_tokens=min_tokens, repetition_penalty=penalty, max_tokens=1)
-        for kind, logprobs, min_tokens, penalty in product(KINDS, (None, 1), (0, 1), (1.0, 1.1))
+        replace(kind, logprobs=logprobs, repetition_penalty=penalty, max_tokens=1)
+        for kind, logprobs, penalty in product(KINDS, (None, 1), (1.0, 1.1))
     ]
 
 
@@ -99,8 +98,9 @@ def warm_up(
 ) -> None:
     """Run each prefill of `prefill_shapes` (max_rows: the most prompt rows a prefill takes), then a
     step of every kind, batch bucket and row class of the runner's graphs (captured there), and
-    where requests may follow a grammar (`grammar`), a grammar's step of each kind it allows (not
-    min_tokens). The penalties' state is allocated first: the graphs read its tensors."""
+    where requests may follow a grammar (`grammar`), a grammar's step of each kind (a batch's kind
+    joins its requests' options: one with min_tokens beside one with a grammar). The penalty state
+    is allocated first: the graphs of logit rules read its tensors."""
     for batch, start, rows, columns in prefill_shapes(runner, max_num_seqs, max_rows, step_rows):
         runner.prefill([trash_sequence(runner, start, rows, KINDS[0], columns) for _ in range(batch)])
     graphs = runner.graphs
@@ -110,5 +110,5 @@ def warm_up(
     for params, bucket, width in product(kinds, graphs.buckets, graphs.row_classes):
         seqs = [trash_sequence(runner, 0, 0, params, columns) for _ in range(bucket)]
         runner.step(runner.step_inputs(seqs, [width] * bucket, None, None))
-        if grammar and not params.min_tokens:
+        if grammar:
             grammar_step(runner, seqs, width)
