@@ -52,6 +52,12 @@ between chunks; `whole prompt` prefills it in one step. `prefix cache miss` / `h
 a system prompt and a question, the system prompt computed (miss) or found in the prefix cache
 (hit, its *cached tokens* not prefilled).
 
+**Load** (`python -m blockspec.bench.serve_load`, in the engine bench's shape). Concurrent clients
+against a running `blockspec serve`: chat requests of mixed prompt and answer lengths, sent twice
+(the second pass reported), then one at a time. *tok/s*, completion tokens per second; latency
+percentiles per request; *failed* (an error) and *lost* (no answer); *equal to alone*, the
+concurrent answers equal to the same request's answer sent alone.
+
 **Acceptance** (`python -m blockspec.bench.acceptance`). Real prompts (HumanEval, MT-Bench first
 turns), chat template applied, a real target and drafter. Per prompt set and temperature: plain
 decoding's tok/s, and for each proposer its tau, tok/s and speed over plain decoding on the same
@@ -162,7 +168,7 @@ def meta_lines(meta: dict, kind: str) -> list[str]:
             lines.append(f"- acceptance: **SIMULATED**, drawn at mean tau {fmt(value)} (random weights)")
         else:
             lines.append(f"- {key}: {fmt(value)}")
-    if kind == "bench" and meta.get("simulated_tau") is None:
+    if kind == "bench" and meta.get("simulated_tau") is None and meta.get("draft"):
         lines.append("- acceptance: measured (the drafter's own drafts)")
     if kind == "acceptance":
         lines.append("- acceptance: measured on real prompts")
@@ -175,14 +181,18 @@ def bench_table(rows: list[dict]) -> list[str]:
     phases = ordered({k for r in rows for k in (r.get("phases_ms") or {})}, PHASE_ORDER)
     extra = sorted({k for r in rows for k in r} - set(BENCH_KNOWN))
     with_t = any("temperature" in r for r in rows)
-    header = ["mode", "batch"] + (["T"] if with_t else []) + ["tok/s", "step ms", "floor ms", "x floor", "tau"]
+    timed = any(r.get("step_ms") is not None for r in rows)  # a step bench's columns (not a load test's)
+    header = ["mode", "batch"] + (["T"] if with_t else []) + ["tok/s"]
+    header += ["step ms", "floor ms", "x floor", "tau"] if timed else []
     header += [f"{p} ms" for p in phases] + [k.replace("_", " ") for k in extra]
     body = []
     for r in rows:
         p = r.get("phases_ms") or {}
         row = [fmt(r["mode"]), fmt(r["batch_size"])] + ([temperature(r.get("temperature"))] if with_t else [])
-        row += [fmt(r["tok_per_s"], 1), fmt(r.get("step_ms")), fmt(r.get("floor_ms"))]
-        row += [fmt(ratio(r.get("step_ms"), r.get("floor_ms"))), fmt(r.get("tau"))]
+        row += [fmt(r["tok_per_s"], 1)]
+        if timed:
+            row += [fmt(r.get("step_ms")), fmt(r.get("floor_ms"))]
+            row += [fmt(ratio(r.get("step_ms"), r.get("floor_ms"))), fmt(r.get("tau"))]
         body.append(row + [fmt(p.get(k)) for k in phases] + [fmt(r.get(k)) for k in extra])
     return table(header, body)
 
