@@ -82,9 +82,12 @@ class EngineConfig:
     # (sliding layers' pools hold windows, sized to their bound: `kv_cache_manager.window_pool_pages`)
     num_pages: int | None = None
     max_num_batched_tokens: int = 8192  # prompt tokens admitted per prefill
-    # Share the K/V pages of common prompt prefixes between requests (`engine.kv_cache`); None: on
-    # where every target layer keeps K/V pages (a linear-attention layer's state is no page's).
+    # Share the K/V pages of common prompt prefixes between requests, and on a linear-attention target
+    # checkpoints of its states at their end (`engine.kv_cache_manager`); None: on.
     prefix_caching: bool | None = None
+    # With prefix caching on a linear-attention target: the state checkpoints kept (each the size of a
+    # sequence's recurrent states: `kv_cache_manager.StateCheckpoints`); None: max_num_seqs.
+    state_checkpoints: int | None = None
     cuda_graphs: bool = True  # capture decoding steps as CUDA graphs (CUDA only)
     # With CUDA graphs: capture the step graphs (step kinds x batch buckets x row classes, the kinds
     # with logprobs, min_tokens, penalties and grammar masks among them) and compile the prefill's
@@ -116,6 +119,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "page_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.state_checkpoints is not None and self.state_checkpoints < 1:
+            raise ValueError("state_checkpoints must be >= 1 (or prefix_caching off)")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
         if self.kernels.row_invariant:  # the engine sets it from row_invariant: it would be overridden

@@ -275,11 +275,12 @@ def test_bf16_real_geometry_agreement():
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_fp32_serving_paths_equal_cpu_reference(tmp_path, family):
     """Log-probabilities (their +logprobs graphs), prefill in chunks of 7 tokens (hybrid: states
-    carried between chunks through fla's kernels) and, where the target allows it, prefix-cache
-    hits (each prompt twice): greedy tokens as the CPU's, log-probabilities within 1e-4."""
+    carried between chunks through fla's kernels) and prefix-cache hits (each prompt three times:
+    a hybrid's second run checkpoints its states, the third restores them): greedy tokens as the
+    CPU's, log-probabilities within 1e-4."""
     t = make_target(tmp_path / "t", "qwen3", vocab=128) if family == "qwen3" else hybrid_target(tmp_path, family)
     d = make_drafter(tmp_path / "d", t, block_size=8)
-    prompts = [p for p in PROMPTS if len(p) <= RECURRENT_MAX_ROWS] * 2
+    prompts = [p for p in PROMPTS if len(p) <= RECURRENT_MAX_ROWS] * 3
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     results = []
     for device in ("cpu", "cuda"):
@@ -290,7 +291,7 @@ def test_fp32_serving_paths_equal_cpu_reference(tmp_path, family):
         outs = [llm.generate([p], params)[0].outputs[0] for p in prompts]  # one at a time: the repeats hit
         results.append(([o.token_ids for o in outs], [lp.logprob for o in outs for lp in o.logprobs]))
         hits = llm.engine.scheduler.kv_cache_manager.hits
-        assert (hits > 0) == (family == "qwen3")
+        assert hits > 0
     (cpu_tokens, cpu_lps), (gpu_tokens, gpu_lps) = results
     assert gpu_tokens == cpu_tokens
     assert gpu_lps == pytest.approx(cpu_lps, abs=1e-4)

@@ -1,6 +1,7 @@
-"""Prefix caching: requests that share a prompt prefix share its K/V pages (target's and drafter's),
-and nothing they output changes: tokens and the drafter's drafts equal a run without the cache,
-greedy and seeded; freed pages stay reusable until evicted, tail first."""
+"""Prefix caching: requests that share a prompt prefix share its K/V pages (target's and drafter's)
+and, on linear-attention targets, checkpoints of its states, and nothing they output changes:
+tokens and the drafter's drafts equal a run without the cache, greedy and seeded; freed pages stay
+reusable until evicted, tail first."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from conftest import make_drafter, make_target
 from test_hybrid_targets import hybrid_target
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.kv_cache_manager import BlockTable, KVCacheManager
+from blockspec.engine.kv_cache_manager import BlockTable, KVCacheManager, StateCheckpoints
 from blockspec.engine.sequence import Sequence
 
 PAGE = 4
@@ -98,9 +99,50 @@ def test_freed_pages_are_reused_then_evicted_tail_first():
     assert pool.num_free == 0
 
 
-def test_hybrid_targets_keep_prefix_caching_off(tmp_path):
-    """A linear-attention state is no page: the cache cannot skip those layers."""
-    path = hybrid_target(tmp_path, "qwen3_5")
-    assert not LLM(str(path), device="cpu").engine.scheduler.kv_cache_manager.prefix_caching
-    with pytest.raises(ValueError, match="prefix_caching: this target's linear-attention layers"):
-        LLM(str(path), device="cpu", prefix_caching=True)
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def hybrid_pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    target = hybrid_target(root, request.param)
+    return target, make_drafter(root / "d", target, block_size=6)
+
+
+@pytest.mark.parametrize("one_at_a_time", [True, False], ids=["sequential", "batched"])
+def test_hybrid_outputs_and_drafts_equal_a_run_without_the_cache(hybrid_pair, one_at_a_time):
+    """A linear-attention target: the first request on the system prompt leaves no checkpoint (its
+    prefill does not end on a page boundary), the second ends a prefill chunk where its pages match
+    (40 tokens) and checkpoints the states there, the four others restore them and skip those 40
+    tokens. Batched too: the others wait for the first one's prefill, then for the second one's
+    checkpoint. Tokens and drafts equal a run without the cache."""
+    cached = load(hybrid_pair, prefix_caching=True)
+    assert run(cached, one_at_a_time) == run(load(hybrid_pair, prefix_caching=False), one_at_a_time)
+    pages = cached.engine.scheduler.kv_cache_manager
+    assert pages.hits == 4 * 10 * PAGE
+    assert len(pages.checkpoints.slots) == 3  # at 40, and where two prefills end on a page (44, 48)
+
+
+def test_hybrid_checkpoints_evict_least_recently_used(hybrid_pair):
+    """One checkpoint kept, two system prompts in turn: each prompt's second request checkpoints its
+    prefix in place of the other's; outputs equal a run without the cache."""
+    target, drafter = hybrid_pair
+    gen = torch.Generator().manual_seed(1)
+    systems = [torch.randint(3, 127, (21,), generator=gen).tolist() for _ in range(2)]
+    prompts = [systems[i % 2] + torch.randint(3, 127, (2,), generator=gen).tolist() for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for caching in (True, False):
+        llm = LLM(
+            str(target), {"model": str(drafter)}, "cpu", page_size=PAGE, prefix_caching=caching, state_checkpoints=1
+        )
+        outs.append([llm.generate([p], params)[0].outputs[0].token_ids for p in prompts])
+        if caching:
+            pages = llm.engine.scheduler.kv_cache_manager
+            assert pages.hits == 0 and len(pages.checkpoints.slots) == 1  # each evicted before its reuse
+    assert outs[0] == outs[1]
+
+
+def test_state_checkpoints_are_kept_by_prefix_and_given_up_least_recently_used():
+    checkpoints = StateCheckpoints(range(5, 7))
+    assert (checkpoints.take(b"a"), checkpoints.take(b"b"), checkpoints.take(b"a")) == (5, 6, None)
+    assert checkpoints.lookup(b"a") == 5  # now b is the least recently used
+    assert checkpoints.take(b"c") == 6 and checkpoints.lookup(b"b") is None
+    assert dict(checkpoints.slots) == {b"a": 5, b"c": 6}

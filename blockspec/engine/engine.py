@@ -13,7 +13,13 @@ from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.detokenizer import append_text, find_stop
 from blockspec.engine.kv_cache import SlotAllocator, allocate_caches, kv_token_bytes, state_bytes
-from blockspec.engine.kv_cache_manager import CacheLayout, KVCacheManager, layer_reaches, window_pool_pages
+from blockspec.engine.kv_cache_manager import (
+    CacheLayout,
+    KVCacheManager,
+    StateCheckpoints,
+    layer_reaches,
+    window_pool_pages,
+)
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, fresh_request_id
@@ -81,8 +87,13 @@ class LLMEngine:
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
-        if self.device.type == "cuda" and any(layer.cache_kind == RECURRENT_STATE for layer in model.layers):
+        self.recurrent = any(layer.cache_kind == RECURRENT_STATE for layer in model.layers)
+        if self.device.type == "cuda" and self.recurrent:
             fla_kernels()  # now, not at the first request: what to install, if they are missing
+        prefix_caching = config.prefix_caching is not False
+        self.num_checkpoints = (
+            (config.state_checkpoints or config.max_num_seqs) if prefix_caching and self.recurrent else 0
+        )
         self.max_width, self.proposer = self.speculation(spec)
         drafter_reaches = self.proposer.cache_reaches() if self.proposer is not None else {}
         self.layout = CacheLayout.of(layer_reaches(model.layers, model.sliding_window), drafter_reaches)
@@ -107,8 +118,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.proposer, target_cache, drafter_cache, config.page_size, graphs, self.max_model_len, self.layout
         )
-        prefix_caching = self.prefix_caching(config.prefix_caching)
-        pages = KVCacheManager(self.layout.reaches, num_pages, config.page_size, prefix_caching)
+        checkpoints = StateCheckpoints(range(self.num_slots, self.num_state_slots)) if self.num_checkpoints else None
+        pages = KVCacheManager(self.layout.reaches, num_pages, config.page_size, prefix_caching, checkpoints)
         self.scheduler = Scheduler(config, pages, SlotAllocator(self.num_slots), self.span)
         self.requests: dict[str, Sequence] = {}
         # Launching a step before the one in flight reaches the host needs the next anchors on the
@@ -124,16 +135,6 @@ class LLMEngine:
             warm_up(
                 self.runner, config.max_num_seqs, config.max_num_batched_tokens, self.step_rows, self.num_slots, grammar
             )
-
-    def prefix_caching(self, asked: bool | None) -> bool:
-        """Whether prompts share cached pages: only where every target layer keeps K/V pages."""
-        states = any(layer.cache_kind == RECURRENT_STATE for layer in self.target.model.layers)
-        if asked and states:
-            raise ValueError(
-                "prefix_caching: this target's linear-attention layers keep a recurrent state per "
-                "sequence, not K/V pages, so a cached prefix cannot skip them: leave prefix_caching off"
-            )
-        return not states if asked is None else asked
 
     def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer | None]:
         """The widest block a step verifies (anchor + drafts) and the proposer of the drafts (None:
@@ -164,9 +165,17 @@ class LLMEngine:
         """A recurrent-state slot per running sequence, and the trash slot 0."""
         return self.config.max_num_seqs + 1
 
+    @property
+    def num_state_slots(self) -> int:
+        """Slots of the recurrent-state pools: the sequences' (`num_slots`), then prefix caching's
+        checkpoints."""
+        return self.num_slots + self.num_checkpoints
+
     def caches(self, model, num_pages: list[int], groups: dict[str, int]) -> list:
         pages = {layer_type: num_pages[g] for layer_type, g in groups.items()}
-        return allocate_caches(model.layers, pages, self.config.page_size, self.num_slots, self.dtype, self.device)
+        return allocate_caches(
+            model.layers, pages, self.config.page_size, self.num_state_slots, self.dtype, self.device
+        )
 
     def cached_models(self) -> list[tuple[torch.nn.Module, dict[str, int]]]:
         """The target, and the drafter where its proposer keeps its context K/V, each with the
@@ -203,7 +212,7 @@ class LLMEngine:
             budget = torch.cuda.mem_get_info(self.device)[0] * GPU_KV_FRACTION
         else:
             budget = CPU_KV_BUDGET
-        states = sum(state_bytes(m.layers, self.dtype.itemsize) for m, _ in self.cached_models()) * self.num_slots
+        states = sum(state_bytes(m.layers, self.dtype.itemsize) for m, _ in self.cached_models()) * self.num_state_slots
         sizes = self.page_bytes()
         windows = sum(n * size for n, size in zip(windowed, sizes))
         if states + windows >= budget:
@@ -360,15 +369,20 @@ class LLMEngine:
     def launch(self) -> Flight | None:
         """Admit what fits, prefill a chunk of the pending prompts, then launch a step of every
         running sequence whose prompt is done."""
+        pages = self.scheduler.kv_cache_manager
         for seq in self.scheduler.admit():
             if seq.params.logit_rules:
                 self.runner.reset_penalties(seq, self.num_slots)
+            if (checkpoint := pages.restore_slot(seq)) is not None:
+                self.runner.copy_state(checkpoint, seq.state_slot)
         chunks = self.scheduler.prefill_chunks()
         if chunks:
             seqs, counts = zip(*chunks)
             self.runner.prefill(list(seqs), list(counts))
             for s in seqs:
-                self.scheduler.kv_cache_manager.register(s)
+                pages.register(s)
+                if (checkpoint := pages.checkpoint_slot(s)) is not None:
+                    self.runner.copy_state(s.state_slot, checkpoint)
         seqs = [s for s in self.scheduler.schedule_step() if not s.needs_prefill]
         if not seqs:
             return None

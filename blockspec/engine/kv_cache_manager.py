@@ -14,7 +14,14 @@ registered pages holds them (reference counts) instead of computing them again. 
 needs pages 0..k-1 in the full groups and, in a windowed group, the pages its reach reads before
 position k * page_size. The drafter's context K/V sit in the same groups, so a hit brings them
 along. A page no sequence holds keeps its K/V for reuse until its pool runs short (the least
-recently freed goes first)."""
+recently freed goes first).
+
+A linear-attention layer keeps no pages but one state per sequence, so on such a target a hit
+also needs the states at its end: `StateCheckpoints` keeps copies of states at the end of cached
+pages, taken where a prefill chunk ends on a page boundary, and a hit is as long as the longest
+checkpointed prefix whose pages are held. A newcomer whose pages match further than any checkpoint
+ends a prefill chunk where its match ends, so that the next prompt with that prefix finds it all
+(the second request on a system prompt computes it, the third skips it)."""
 
 import hashlib
 from array import array
@@ -182,14 +189,46 @@ class PageAllocator:
             self.keys[page] = key
 
 
-class KVCacheManager:
-    """Every group's allocator, and each sequence's pages across them (`Sequence.block_tables`)."""
+class StateCheckpoints:
+    """State slots that keep linear-attention states at the end of cached pages, by the page's
+    prefix hash; when all are taken, the least recently used is given up."""
 
-    def __init__(self, reaches: tuple[int | None, ...], num_pages: list[int], page_size: int, prefix_caching: bool):
+    def __init__(self, slots: range) -> None:
+        self.free_slots = deque(slots)
+        self.slots: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> slot, least recently used first
+
+    def lookup(self, prefix_hash: bytes) -> int | None:
+        slot = self.slots.get(prefix_hash)
+        if slot is not None:
+            self.slots.move_to_end(prefix_hash)
+        return slot
+
+    def take(self, prefix_hash: bytes) -> int | None:
+        """A slot to copy the states at the end of this prefix into (None: they are kept already)."""
+        if self.lookup(prefix_hash) is not None:
+            return None
+        slot = self.free_slots.popleft() if self.free_slots else self.slots.popitem(last=False)[1]
+        self.slots[prefix_hash] = slot
+        return slot
+
+
+class KVCacheManager:
+    """Every group's allocator, and each sequence's pages across them (`Sequence.block_tables`);
+    with `checkpoints`, the linear-attention states at the end of cached pages."""
+
+    def __init__(
+        self,
+        reaches: tuple[int | None, ...],
+        num_pages: list[int],
+        page_size: int,
+        prefix_caching: bool,
+        checkpoints: StateCheckpoints | None = None,
+    ):
         self.reaches = reaches
         self.groups = [PageAllocator(n, page_size) for n in num_pages]
         self.page_size = page_size
         self.prefix_caching = prefix_caching
+        self.checkpoints = checkpoints
         self.queries = self.hits = 0  # prompt tokens looked up in the cache, and found there
 
     @property
@@ -267,8 +306,9 @@ class KVCacheManager:
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no pages the registered pages its prompt starts with (whole pages,
-        before the anchor), held as its own in every group; returns the positions they cover,
-        now computed."""
+        before the anchor; with checkpoints, up to the last checkpointed one), held as its own in
+        every group; returns the positions they cover, now computed (with checkpoints, once the
+        states are restored: `restore_slot`)."""
         tables = self.tables(seq)
         if not self.prefix_caching:
             return 0
@@ -280,12 +320,32 @@ class KVCacheManager:
             keys.append(key)
             found.append(pages)
         k = next(k for k in range(len(keys), -1, -1) if self.windows_hold(found, k))
+        if self.checkpoints is not None:
+            held = k
+            k = next(k for k in range(held, -1, -1) if k == 0 or self.checkpoints.lookup(keys[k - 1].prefix_hash))
+            seq.checkpoint_position = held * self.page_size if held > k else 0
         for j, (g, t, reach) in enumerate(zip(self.groups, tables, self.reaches)):
             t.first = self.first_read(k * self.page_size, reach)
             for i in range(t.first, k):
                 g.hold(t, found[i][j])
         seq.page_hashes = [key.prefix_hash for key in keys[:k]]
         return k * self.page_size
+
+    def restore_slot(self, seq: Sequence) -> int | None:
+        """The checkpoint holding the states at the end of an admitted sequence's cached prefix
+        (None: no checkpoints, or nothing cached)."""
+        if self.checkpoints is None or not seq.page_hashes:
+            return None
+        return self.checkpoints.lookup(seq.page_hashes[-1])
+
+    def checkpoint_slot(self, seq: Sequence) -> int | None:
+        """Where to copy a sequence's states after a prefill chunk: a checkpoint now kept for its
+        computed prefix, where that ends on a registered page (None: no checkpoints, not a page
+        boundary, or kept already)."""
+        n = seq.num_cached // self.page_size
+        if self.checkpoints is None or seq.num_cached % self.page_size or not 0 < n <= len(seq.page_hashes):
+            return None
+        return self.checkpoints.take(seq.page_hashes[n - 1])
 
     def windows_hold(self, found: list[list[int | None]], k: int) -> bool:
         """Whether every windowed group holds the pages its rows after k pages read."""

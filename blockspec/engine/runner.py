@@ -14,6 +14,7 @@ from blockspec.engine.kv_cache_manager import CacheLayout
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step import StepInputs, propose_forward, row_logprob, step_forward
 from blockspec.layers.attention import AttentionMetadata
+from blockspec.layers.decoder import RECURRENT_STATE
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.models.causal_lm import CausalLM
 from blockspec.penalties import PenaltyState, penalty_row
@@ -105,6 +106,13 @@ class ModelRunner:
             for row, t in zip(rows, s.block_tables):
                 row[t.first : t.end] = t.pages
         return tables
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """A state slot's linear-attention states into another slot (prefix caching's checkpoints)."""
+        for layer, cache in zip(self.target.layers, self.target_cache):
+            if layer.cache_kind == RECURRENT_STATE:
+                for pool in cache:
+                    pool[dst].copy_(pool[src])
 
     def num_graphs(self) -> int:
         """CUDA graphs captured so far (a capture synchronizes the device and compiles)."""

@@ -84,6 +84,8 @@ class Scheduler:
             if not seq.needs_prefill:
                 continue
             n = min(seq.num_pending_prefill, limit)
+            if seq.num_cached < seq.checkpoint_position:  # its states there are checkpointed
+                n = min(n, seq.checkpoint_position - seq.num_cached)
             if chunks and (len(chunks) + 1) * max(longest, n) > limit:
                 break
             if not self.kv_cache_manager.can_allocate(seq, seq.num_cached + n):

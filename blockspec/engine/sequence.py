@@ -50,6 +50,9 @@ class Sequence:
         self.block_tables: list[BlockTable] = []  # one per cache group (`KVCacheManager.tables`)
         self.page_hashes: list[bytes] = []  # prefix hashes of its leading pages (`KVCacheManager.register`)
         self.state_slot = 0  # its linear-attention layers' state slot while it runs (0: none held)
+        # prefix caching of a linear-attention target: a page boundary its prefill chunks end at, so
+        # that its states there are checkpointed (`KVCacheManager.match_prefix`); 0: none
+        self.checkpoint_position = 0
         self.grammar = None  # structured output: its xgrammar GrammarMatcher, fed the committed tokens
         self.finish_reason: str | None = None
         # by eos or a stop token id: its text is left out, as vLLM does (unless include_stop_str_in_output)
