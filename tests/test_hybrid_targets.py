@@ -188,9 +188,12 @@ def test_hybrid_configs_that_cannot_run_are_refused(tmp_path, monkeypatch):
     (path / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(engine_module, "CPU_KV_BUDGET", 100_000)  # less than 65 sequences' states
     with pytest.raises(
-        ValueError, match=r"the recurrent states of max_num_seqs 64 sequences take .* lower max_num_seqs"
+        ValueError,
+        match=r"states of max_num_seqs 64 sequences and 64 state_checkpoints take .* lower max_num_seqs or state_ch",
     ):
         LLM(str(path), None, device="cpu")
+    with pytest.raises(ValueError, match=r"states of max_num_seqs 64 sequences take .* lower max_num_seqs$"):
+        LLM(str(path), None, device="cpu", prefix_caching=False)
 
 
 def test_qwen3_5_moe_routes_every_layer_and_renormalizes_as_transformers_does():

@@ -216,11 +216,14 @@ class LLMEngine:
         sizes = self.page_bytes()
         windows = sum(n * size for n, size in zip(windowed, sizes))
         if states + windows >= budget:
-            parts = [f"the recurrent states of max_num_seqs {self.config.max_num_seqs} sequences"] * bool(states)
+            held = f"max_num_seqs {self.config.max_num_seqs} sequences"
+            held += f" and {self.num_checkpoints} state_checkpoints" if self.num_checkpoints else ""
+            parts = [f"the recurrent states of {held}"] * bool(states)
             parts += ["the windows of its windowed cache groups"] * bool(windows)
+            lower = "max_num_seqs" + " or state_checkpoints" * bool(self.num_checkpoints)
             raise ValueError(
                 f"{' and '.join(parts)} take {(states + windows) / 2**30:.1f} GiB, more than the cache budget "
-                f"({budget / 2**30:.1f} GiB): lower max_num_seqs"
+                f"({budget / 2**30:.1f} GiB): lower {lower}"
             )
         full_page = sum(size for size, r in zip(sizes, self.layout.reaches) if r is None)
         return max(2, min(wanted, int((budget - states - windows) // full_page))) if full_page else 2
