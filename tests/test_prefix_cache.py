@@ -121,22 +121,25 @@ def test_hybrid_outputs_and_drafts_equal_a_run_without_the_cache(hybrid_pair, on
 
 
 def test_hybrid_checkpoints_evict_least_recently_used(hybrid_pair):
-    """One checkpoint kept, two system prompts in turn: each prompt's second request checkpoints its
-    prefix in place of the other's; outputs equal a run without the cache."""
+    """Two checkpoints kept, three system prompts (a, b, c): each prompt's second request
+    checkpoints its 20-token prefix; a's third request restores it, c's checkpoint then takes b's
+    place and b's the place of a's, so b and a compute theirs again. Outputs equal a run without
+    the cache."""
     target, drafter = hybrid_pair
     gen = torch.Generator().manual_seed(1)
-    systems = [torch.randint(3, 127, (21,), generator=gen).tolist() for _ in range(2)]
-    prompts = [systems[i % 2] + torch.randint(3, 127, (2,), generator=gen).tolist() for i in range(8)]
+    systems = [torch.randint(3, 127, (21,), generator=gen).tolist() for _ in range(3)]
+    order = [0, 0, 1, 1, 0, 2, 2, 1, 0]
+    prompts = [systems[i] + torch.randint(3, 127, (2,), generator=gen).tolist() for i in order]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = []
     for caching in (True, False):
         llm = LLM(
-            str(target), {"model": str(drafter)}, "cpu", page_size=PAGE, prefix_caching=caching, state_checkpoints=1
+            str(target), {"model": str(drafter)}, "cpu", page_size=PAGE, prefix_caching=caching, state_checkpoints=2
         )
         outs.append([llm.generate([p], params)[0].outputs[0].token_ids for p in prompts])
         if caching:
             pages = llm.engine.scheduler.kv_cache_manager
-            assert pages.hits == 0 and len(pages.checkpoints.slots) == 1  # each evicted before its reuse
+            assert pages.hits == 5 * PAGE and len(pages.checkpoints.slots) == 2  # one restore, two evictions
     assert outs[0] == outs[1]
 
 
@@ -146,3 +149,23 @@ def test_state_checkpoints_are_kept_by_prefix_and_given_up_least_recently_used()
     assert checkpoints.lookup(b"a") == 5  # now b is the least recently used
     assert checkpoints.take(b"c") == 6 and checkpoints.lookup(b"b") is None
     assert dict(checkpoints.slots) == {b"a": 5, b"c": 6}
+
+
+def test_a_hit_resumes_only_where_the_windowed_pages_it_reads_are_held():
+    """A windowed group (reach 2) evicted the pages of a prefix's first columns; the checkpoint at
+    2 pages would need column 1 there, so the hit falls back to none, and the first chunk stops at
+    the 4 pages still held (8 tokens) to checkpoint the states there."""
+    pages = KVCacheManager(
+        (None, 2), [10, 6], page_size=2, prefix_caching=True, checkpoints=StateCheckpoints(range(1, 3))
+    )
+    window = pages.groups[1]
+    first = Sequence(None, list(range(1, 10)), SamplingParams(), seed=0)
+    pages.allocate(first, 9)  # 5 pages in each group: the window's pool has no more
+    first.num_cached = 8
+    pages.register(first)
+    pages.checkpoints.take(first.page_hashes[1])
+    pages.allocate(first, 9)  # rows from 8 on read columns 3 and 4: the window gives up 0-2
+    pages.free(first)
+    window.allocate(BlockTable(), 6)  # its free page, then the window's columns 0 and 1 evicted
+    again = Sequence(None, list(range(1, 10)), SamplingParams(), seed=0)
+    assert pages.match_prefix(again) == 0 and again.checkpoint_position == 8

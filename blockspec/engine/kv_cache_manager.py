@@ -288,6 +288,7 @@ class KVCacheManager:
         for g, t in zip(self.groups, seq.block_tables):
             g.free(t)
         seq.page_hashes.clear()
+        seq.checkpoint_position = 0
 
     def first_page_hash(self, seq: Sequence) -> bytes | None:
         """The key a prompt's first page would be cached under (None: no whole page, or no cache)."""
@@ -322,7 +323,7 @@ class KVCacheManager:
         k = next(k for k in range(len(keys), -1, -1) if self.windows_hold(found, k))
         if self.checkpoints is not None:
             held = k
-            k = next(k for k in range(held, -1, -1) if k == 0 or self.checkpoints.lookup(keys[k - 1].prefix_hash))
+            k = next(k for k in range(held, -1, -1) if k == 0 or self.restorable(keys, found, k))
             seq.checkpoint_position = held * self.page_size if held > k else 0
         for j, (g, t, reach) in enumerate(zip(self.groups, tables, self.reaches)):
             t.first = self.first_read(k * self.page_size, reach)
@@ -331,12 +332,19 @@ class KVCacheManager:
         seq.page_hashes = [key.prefix_hash for key in keys[:k]]
         return k * self.page_size
 
+    def restorable(self, keys: list[PageKey], found: list[list[int | None]], k: int) -> bool:
+        """Whether a hit of k pages can resume: the states at its end are checkpointed, and the
+        windowed groups hold the pages read after it."""
+        return self.checkpoints.lookup(keys[k - 1].prefix_hash) is not None and self.windows_hold(found, k)
+
     def restore_slot(self, seq: Sequence) -> int | None:
         """The checkpoint holding the states at the end of an admitted sequence's cached prefix
         (None: no checkpoints, or nothing cached)."""
         if self.checkpoints is None or not seq.page_hashes:
             return None
-        return self.checkpoints.lookup(seq.page_hashes[-1])
+        slot = self.checkpoints.lookup(seq.page_hashes[-1])
+        assert slot is not None, "match_prefix hits only checkpointed prefixes, and admission takes none"
+        return slot
 
     def checkpoint_slot(self, seq: Sequence) -> int | None:
         """Where to copy a sequence's states after a prefill chunk: a checkpoint now kept for its
