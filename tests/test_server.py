@@ -582,11 +582,16 @@ def test_vague_errors_say_what_is_wrong(live: Live) -> None:
     assert r.json()["error"]["param"] == "n" and "greater than or equal to 1" in r.json()["error"]["message"]
 
 
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
 def raw_request(url: str, head: str, body: bytes = b"") -> tuple[bytes, float]:
     """Send a request's head and (part of) its body on a raw socket: the reply's first bytes, and
     the seconds it took."""
     start = time.monotonic()
-    with socket.create_connection(tuple(url.removeprefix("http://").split(":")), timeout=30) as sock:
+    with connect(url) as sock:
         sock.sendall(head.encode() + body)
         return sock.recv(4096), time.monotonic() - start
 
@@ -613,24 +618,59 @@ class QuickHeadTimeout(HeadTimeoutProtocol):
     head_timeout_s = 0.5
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response with a content-length (b"" if the server closed instead)."""
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        if not (more := sock.recv(4096)):
+            return reply
+        reply += more
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = int(
+        next(v for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")) if k.lower() == b"content-length")
+    )
+    while len(body) < length:
+        body += sock.recv(4096)
+    return reply
+
+
 def test_a_slow_request_head_is_a_408(checkpoints) -> None:
     """A client that sends half a head and stalls gets a 408 and a closed connection; one that sends
-    nothing is closed; the deadline starts again after each response on a kept-alive connection,
-    and a head that arrives in time is served."""
+    nothing is closed; the deadline starts again after each request-response cycle on a kept-alive
+    connection (one answered before its body too, once the body is read), and stops once a head is
+    read (a body arriving after it is served)."""
     with serve_app(build_app(load(checkpoints), NAME, KEY), http=QuickHeadTimeout) as url:
         reply, took = raw_request(url, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply and took < 10
         reply, took = raw_request(url, "")
         assert reply == b"" and took < 10
-        with socket.create_connection(tuple(url.removeprefix("http://").split(":")), timeout=30) as sock:
+        with connect(url) as sock:
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            reply = b""
-            while not reply.endswith(b'{"status":"ok"}'):
-                reply += sock.recv(4096)
-            assert reply.startswith(b"HTTP/1.1 200")
+            assert read_response(sock).startswith(b"HTTP/1.1 200")
+            sock.sendall(f"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode())
+            sock.sendall(b"Content-Length: 4\r\n\r\n")
+            assert read_response(sock).startswith(b"HTTP/1.1 404")  # answered with its body unread
+            sock.sendall(b"{}  ")
             sock.sendall(b"GET /health HTTP/1.1\r\n")
-            assert sock.recv(4096).startswith(b"HTTP/1.1 408")
+            assert read_response(sock).startswith(b"HTTP/1.1 408")
+        with connect(url) as sock:
+            body = json.dumps({"model": NAME, "prompt": "w7", "max_tokens": 2}).encode()
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode())
+            sock.sendall(f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            time.sleep(1.0)
+            sock.sendall(body)
+            assert read_response(sock).startswith(b"HTTP/1.1 200")
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_an_answer_before_the_body_closes_the_connection(checkpoints) -> None:
+    """A wrong key's 401 comes before the body is read, with the connection closed: the unread body
+    is not taken for a request."""
+    with serve_app(build_app(load(checkpoints), NAME, KEY)) as url, connect(url) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n\r\n")
+        reply = read_response(sock)
+        assert reply.startswith(b"HTTP/1.1 401") and b"connection: close" in reply.lower()
+        assert sock.recv(4096) == b""
 
 
 def test_tokenizing_does_not_block_other_connections(live: Live, monkeypatch) -> None:

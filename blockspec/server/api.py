@@ -44,6 +44,14 @@ def authorized(headers: Headers, api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())
 
 
+def closing(error: APIError) -> JSONResponse:
+    """An answer sent before the body is read, closing the connection: the unread body is not
+    taken for the next request, nor read to its end."""
+    response = error.response()
+    response.headers["connection"] = "close"
+    return response
+
+
 OPEN_PATHS = ("/health", "/metrics")  # all else is behind the gate, wherever the app is mounted
 
 
@@ -63,10 +71,10 @@ class RequestGate:
         headers = Headers(scope=scope)
         if not authorized(headers, self.api_key):
             error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-            return await error.response()(scope, receive, send)
+            return await closing(error)(scope, receive, send)
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await self.too_large().response()(scope, receive, send)
+            return await closing(self.too_large())(scope, receive, send)
         return await self.app(scope, self.limited(receive), send)
 
     def too_large(self) -> APIError:

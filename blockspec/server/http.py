@@ -22,30 +22,44 @@ def timeout_response(message: str) -> bytes:
 
 
 class HeadTimeoutProtocol(H11Protocol):
-    """The deadline runs from the connection's start and from the end of each response, and stops
-    once a request's head is read (the body has `RequestGate`'s own deadline)."""
+    """The deadline runs from the connection's start and from the end of each request-response
+    cycle, and stops once a request's head is read (the body has `RequestGate`'s own deadline)."""
 
     head_timeout_s = HEAD_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.head_deadline = self.loop.call_later(self.head_timeout_s, self.head_timed_out)
+        self.head_deadline: asyncio.TimerHandle | None = None
+        self.arm_head_deadline()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
-            self.head_deadline.cancel()
+            self.disarm_head_deadline()
+        elif self.conn.our_state is h11.IDLE:  # between cycles: an early response's body read to its end
+            self.arm_head_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self.head_deadline = self.loop.call_later(self.head_timeout_s, self.head_timed_out)
+            self.arm_head_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.head_deadline.cancel()
+        self.disarm_head_deadline()
         super().connection_lost(exc)
 
+    def arm_head_deadline(self) -> None:
+        """Start the deadline, unless it runs already (a head arriving in parts keeps its first)."""
+        if self.head_deadline is None:
+            self.head_deadline = self.loop.call_later(self.head_timeout_s, self.head_timed_out)
+
+    def disarm_head_deadline(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+
     def head_timed_out(self) -> None:
+        self.head_deadline = None
         if self.transport.is_closing():
             return
         if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # part of a head arrived
