@@ -260,6 +260,22 @@ def test_every_drafter_kind_under_a_grammar(tmp_path, kind):
         assert all(3 <= x <= 9 for x in body) and 2 <= last <= 9
 
 
+def test_drafts_all_cut_leave_no_q(tmp_path):
+    """DSpark's confidence cut keeps no draft (threshold 1): the sampled grammar step has width 1
+    and no q, the mode warm-up captured for it."""
+    t = add_word_tokenizer(make_target(tmp_path / "t", "llama", vocab=32, seed=1), 32)
+    spec = {"model": str(make_dspark(tmp_path / "d", t)), "adaptive_width": False, "confidence_threshold": 1.0}
+    llm = LLM(str(t), spec, device="cpu")
+    runner, modes = llm.engine.runner, []
+    verify = runner.step
+    runner.step = lambda inputs: (modes.append(inputs.mode), verify(inputs))[1]
+    params = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=4, structured_output=StructuredOutput(regex="(w[3-9])+")
+    )
+    assert all(3 <= x <= 9 for x in llm.generate([[5, 9, 2, 11]], params)[0].outputs[0].token_ids[:-1])
+    assert modes and all(m == "sampled+grammar" for m in modes)
+
+
 def test_without_xgrammar_a_structured_request_names_the_install(word_pair, monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
     llm = LLM(str(word_pair[0]), None, device="cpu")

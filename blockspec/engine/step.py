@@ -159,7 +159,7 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     logits = runner.target.compute_logits(hidden)
     runner.mark("verify")
     rule_logits = logits  # logprobs report the raw distribution; the acceptance rule, penalties and bans
-    if inputs.penalties is not None:
+    if inputs.penalties is not None:  # one graph for both rules: a min_tokens-only batch pays the penalties' passes too
         counts, prompt = runner.penalty_state.rows(inputs.state_slots)
         rule_logits = penalize_rows(rule_logits, proposal.drafts, counts, prompt, inputs.penalty_params)
         rule_logits = ban_early_stops(rule_logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
@@ -272,7 +272,7 @@ def launch_step(
     if grammar:  # from the committed state: the matchers have taken every token before the anchors
         blocks = [[s.anchor, *d] for s, d in zip(seqs, host_drafts or [[]] * len(seqs))]
         bitmask = token_bitmasks([s.grammar for s in seqs], blocks, max(widths), runner.vocab_size)
-        q = q[:, : max(widths) - 1] if q is not None else None
+        q = q[:, : max(widths) - 1] if q is not None and max(widths) > 1 else None  # all cut to none: no q
     inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts, bitmask, q)
     packed, logprobs = runner.step(inputs)
     (host, host_logprobs), ready = runner.to_host(packed, logprobs)
