@@ -13,7 +13,7 @@ from blockspec import LLM, SamplingParams
 from blockspec.cli import add_engine_args, build_llm
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.warm_up import step_kinds, warm_up
-from blockspec.structured_output import StructuredOutput
+from blockspec.structured_output import StructuredOutput, xgrammar_installed
 
 
 class ReplayByCall:
@@ -127,9 +127,9 @@ def test_host_arrays_cross_in_one_copy_as_aligned_views(tmp_path):
 def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, drafter):
     """`engine.warm_up` captures a graph of every step kind at every bucket and row class, writing only
     where padding does (the trash page, the trash state slot): requests of every kind, penalized
-    and structured ones among them, then capture nothing, and their outputs equal an eager
-    engine's."""
-    pytest.importorskip("xgrammar")
+    and structured ones among them (where xgrammar is installed), then capture nothing, and their
+    outputs equal an eager engine's."""
+    grammar = xgrammar_installed()
     t = hybrid_target(tmp_path, family) if family == "qwen3_5" else make_target(tmp_path / "t", family, vocab=128)
     add_word_tokenizer(t, 128)
     d = drafter(tmp_path / "d", t)
@@ -139,24 +139,27 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
     engine = graphed.engine
     runner = engine.runner
     runner.graphs = CpuGraphCache(4, -(-engine.max_model_len // 4), engine.adaptive.classes)
-    warm_up(runner, 4, engine.config.max_num_batched_tokens, engine.step_rows, engine.num_slots, grammar=True)
+    warm_up(runner, 4, engine.config.max_num_batched_tokens, engine.step_rows, engine.num_slots, grammar)
     plain = {k[0] for k in runner.graphs.graphs if "grammar" not in k[0] and not k[0].startswith("propose")}
     assert len(plain) == len(step_kinds()) == 12
     assert {(m, b, w) for m in plain for b in (1, 2, 4) for w in engine.adaptive.classes} <= set(runner.graphs.graphs)
-    assert {"greedy+grammar", "sampled+grammar+q", "propose+sampled"} <= {k[0] for k in runner.graphs.graphs}
     captured = len(runner.graphs.graphs)
     prompts = [[5, 9], list(range(20, 45)), [7] * 3, [(i * 37) % 120 for i in range(40)]]
-    grammar = StructuredOutput(regex="(w5|w6|w7)(w8|w9)(w5|w6|w7)")
     kinds = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0.8, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=12, min_tokens=4, logprobs=1),
         SamplingParams(temperature=0.8, seed=3, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5),
-        SamplingParams(temperature=0, max_tokens=12, structured_output=grammar),
-        SamplingParams(temperature=0.8, top_k=5, seed=4, max_tokens=12, structured_output=grammar, logprobs=1),
     ]
-    mixed = [kinds[3], kinds[4], kinds[5], kinds[6]]  # a batch's kind joins its requests' options
+    if grammar:
+        assert {"greedy+grammar", "sampled+grammar+q", "propose+sampled"} <= {k[0] for k in runner.graphs.graphs}
+        regex = StructuredOutput(regex="(w5|w6|w7)(w8|w9)(w5|w6|w7)")
+        kinds += [
+            SamplingParams(temperature=0, max_tokens=12, structured_output=regex),
+            SamplingParams(temperature=0.8, top_k=5, seed=4, max_tokens=12, structured_output=regex, logprobs=1),
+        ]
+    mixed = kinds[3:]  # a batch's kind joins its requests' options
     for params in [*kinds, mixed]:
         a = [o.outputs[0] for o in eager.generate(prompts, params)]
         b = [o.outputs[0] for o in graphed.generate(prompts, params)]

@@ -3,8 +3,9 @@ back until R requests are done, of mixed lengths (HumanEval and MT-Bench prompts
 capped at each of --max-tokens in turn; request i seeded with i when sampling). Reports tokens and
 requests per second, latency percentiles and every request that failed (an error status) or was
 lost (no answer: connection error or timeout). The requests run twice concurrently (the second
-pass is reported), then one at a time: how many concurrent answers equal the answer the same
-request gets alone.
+pass is reported: its prompts are in the server's prefix cache from the first, as a chat
+template's system prompt would be), then one at a time: how many concurrent answers equal the
+answer the same request gets alone.
 
     python -m blockspec.bench.serve_load --url http://127.0.0.1:8000 --clients 64 --requests 256
 """

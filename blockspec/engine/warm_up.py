@@ -1,9 +1,10 @@
 """Everything a GPU engine would otherwise build while it serves, built when it starts: the CUDA
 graph of every step kind (greedy, sampled, filtered; with logprobs, logit rules (penalties and
-min_tokens) and a grammar's masks or without) at every batch bucket and row class, and the prefill's kernels: over a grid of chunk shapes (the
-kernels' variants follow the rows and their alignment), then one prefill for each attention
-kernel variant the grid missed (`paged_attention.prefill_variants`: they follow the rows, the
-sequences and the context, as a chunk after a cached prefix splits its keys).
+min_tokens) and a grammar's masks or without) at every batch bucket and row class, and the
+prefill's kernels: over a grid of chunk shapes (the kernels' variants follow the rows and their
+alignment), then one prefill for each attention kernel variant the grid missed
+(`paged_attention.prefill_variants`: they follow the rows, the sequences and the context, as a
+chunk after a cached prefix splits its keys).
 A capture or a compile in the middle of serving stalls every running request (it synchronizes the
 device, and a compile takes seconds), so the first requests would run slower than the same
 requests later. Warm-up sequences hold only the trash page and the trash state slot: everything
