@@ -101,7 +101,8 @@ def test_a_sliding_layer_reads_only_its_window(tmp_path):
 
 def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     """`blockspec.bench.acceptance` with two --draft: each measured under its kind's name, beside
-    plain decoding and the n-gram baseline, on the same prompts (local prompt files)."""
+    plain decoding and the n-gram baseline, on the same prompts (local prompt files); with
+    --widths 3, each also at a fixed block of 3 rows (at most 3 tokens a step)."""
     target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
     dflash, dspark = make_drafter(tmp_path / "dflash", target), make_dspark(tmp_path / "dspark", target)
     with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
@@ -113,17 +114,26 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     args = parser.parse_args(
         ["--model", str(target), "--draft", str(dflash), "--draft", str(dspark), "--device", "cpu",
          "--dtype", "float32", "--humaneval", str(tmp_path / "humaneval.jsonl.gz"), "--mtbench",
-         str(tmp_path / "mtbench.jsonl"), "--max-tokens", "8", "--temperatures", "0", "--out", str(out)]
+         str(tmp_path / "mtbench.jsonl"), "--max-tokens", "8", "--temperatures", "0", "--widths", "3",
+         "--out", str(out)]
     )  # fmt: skip
     acceptance.run(args)
     written = json.loads(out.read_text())
     rows = written["results"]
     assert [(r["set"], r["prompts"]) for r in rows] == [("humaneval", 1), ("mtbench", 1)]
-    engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dspark", "dspark_adaptive")
+    engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_w3", "dspark", "dspark_adaptive", "dspark_w3")
     assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 for e in engines) for r in rows)
+    assert all(max(map(int, r[e]["histogram"])) <= 3 for r in rows for e in ("dflash_w3", "dspark_w3"))
     assert all(r[e]["first_pass_tok_per_s"] > 0 for r in rows for e in engines)  # two passes, both timed
     assert list(written["meta"]["engine_start_s"]) == list(engines)
     assert "First pass over second pass" in "\n".join(report.section(out))
+
+
+def test_acceptance_refuses_a_block_without_drafts():
+    parser = argparse.ArgumentParser()
+    acceptance.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--widths", "4,1"])
 
 
 def test_determinism_bench_counts_equal_outputs_per_row_invariance_setting(tmp_path):

@@ -73,6 +73,13 @@ def summarize(outs: list, elapsed: float) -> dict:
     }
 
 
+def block_widths(text: str) -> list[int]:
+    widths = [int(w) for w in text.split(",") if w]
+    if any(w < 2 for w in widths):
+        raise argparse.ArgumentTypeError(f"a block width is at least 2 (the anchor and a draft), got {text}")
+    return widths
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
     p.add_argument(
@@ -90,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--compare-fp8", action="store_true", help="also run the drafter with FP8 weights")
+    p.add_argument(
+        "--widths",
+        type=block_widths,
+        default=[],
+        help="fixed block widths to time besides the full block and adaptive width, e.g. 4,8 (engines <kind>_w<width>)",
+    )
     p.add_argument(
         "--response-format",
         choices=("text", "json_object"),
@@ -117,6 +130,8 @@ def run(args: argparse.Namespace) -> None:
     variants = {"": {"fp8": False, "adaptive_width": False}, "_adaptive": {"fp8": False}}
     if args.compare_fp8:
         variants["_fp8"] = {"fp8": True, "adaptive_width": False}
+    for width in args.widths:  # a block of `width` rows: the anchor and width - 1 drafts
+        variants[f"_w{width}"] = {"fp8": False, "adaptive_width": False, "num_speculative_tokens": width - 1}
     for draft in drafts:
         for suffix, options in variants.items():
             llm, seconds = engine({"model": draft, **options})
