@@ -6,10 +6,12 @@ p_k is the running rate at which draft k is accepted given drafts 1..k-1 were (d
 shrunk toward the rate pooled over all positions). Its cost is the measured wall time of steps
 of that width at that batch bucket. Where verifying 16 rows costs about what 1 row costs (a GPU
 at small batch) the widest block wins; where rows cost compute (a CPU, or a GPU at large batch)
-narrower blocks can win. Widths not yet timed at a bucket are tried from the widest down while
-narrowing still saves time, and every `REEXPLORE` steps one step runs at full width, so the
-acceptance rates of the far positions stay current. The width never changes the output (in
-exact arithmetic), only the speed."""
+narrower blocks can win, and where drafts are seldom accepted width 1 (a plain step: no drafter
+forward at all) can. Each bucket times every width class first, widest down, over `SAMPLES`
+steps each (step times are noisy: one sample can rule a width out for good); after that a step
+runs at full width now and then, so the acceptance rates of the far positions stay current, as
+often as keeps their extra time within `EXPLORE_SHARE` of the time spent. The width never changes
+the output (in exact arithmetic), only the speed."""
 
 import numpy as np
 
@@ -17,9 +19,9 @@ from blockspec.engine.cuda_graphs import BATCH_BUCKETS, round_up
 
 DECAY = 0.99  # per step, on acceptance counts: about the last hundred steps count
 COST_EMA = 0.1  # weight of a new step-time sample
-REEXPLORE = 64  # steps between full-width steps
+EXPLORE_SHARE = 0.01  # of the step time, at most this goes to full-width steps the policy would not choose
 PRIOR = 4.0  # weight, in steps, of the pooled acceptance rate in each position's rate
-SAVING = 0.9  # narrower widths are tried only while halving the width cut the step time below this
+SAMPLES = 3  # timed steps of each width class before the policy chooses among them
 
 
 def width_classes(max_width: int) -> tuple[int, ...]:
@@ -33,8 +35,9 @@ class AdaptiveWidth:
         self.hits = np.zeros(max_width - 1)  # decayed count of draft k accepted, k = 1..max_width-1
         self.trials = np.zeros(max_width - 1)  # decayed count of draft k reached
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> seconds per step
+        self.samples: dict[tuple[int, int], int] = {}  # (bucket, width) -> steps timed
         self.seen: set[tuple[int, int]] = set()  # first step of a key is warm-up (graph capture)
-        self.steps = 0
+        self.since_full = 0.0  # seconds of steps since the last full-width one
 
     def expected_tokens(self) -> np.ndarray:
         """E(w) for every width w = 1 .. max (index w - 1)."""
@@ -49,27 +52,29 @@ class AdaptiveWidth:
 
     def choose(self, batch: int) -> int:
         bucket = round_up(batch, BATCH_BUCKETS)
-        timed = [w for w in reversed(self.classes) if (bucket, w) in self.cost]  # widest first
-        if len(timed) < len(self.classes):
-            costs = [self.cost[bucket, w] for w in timed[-2:]]
-            if len(costs) < 2 or costs[1] < SAVING * costs[0]:  # narrowing still pays: try the next
-                return next(w for w in reversed(self.classes) if w not in timed)
-        if self.steps % REEXPLORE == 0:
-            return self.classes[-1]
+        untimed = [w for w in reversed(self.classes) if self.samples.get((bucket, w), 0) < SAMPLES]
+        if untimed:
+            return untimed[0]  # widest first
         expected = self.expected_tokens()
-        return max(timed, key=lambda w: expected[w - 1] / self.cost[bucket, w])
+        best = max(self.classes, key=lambda w: expected[w - 1] / self.cost[bucket, w])
+        full = self.classes[-1]
+        if self.since_full * EXPLORE_SHARE >= self.cost[bucket, full] - self.cost[bucket, best]:
+            return full
+        return best
 
     def observe(
         self, batch: int, width: int | None, seconds: float | None, offered: list[int], accepted: list[int]
     ) -> None:
         """One step: its batch, the width chosen and the step's wall time (None: not a timing of
         that width), and per sequence the drafts offered and accepted."""
-        self.steps += 1
+        self.since_full = 0.0 if width == self.classes[-1] else self.since_full + (seconds or 0.0)
         key = (round_up(batch, BATCH_BUCKETS), width)
         if seconds is not None:
-            if key in self.seen:
+            if key in self.seen:  # the mean of the first samples, then a moving average
+                n = self.samples.get(key, 0)
                 old = self.cost.get(key, seconds)
-                self.cost[key] = old + COST_EMA * (seconds - old)
+                self.cost[key] = old + max(COST_EMA, 1 / (n + 1)) * (seconds - old)
+                self.samples[key] = n + 1
             self.seen.add(key)
         # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
         # accepted if k < a.
