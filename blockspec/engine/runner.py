@@ -89,11 +89,12 @@ class ModelRunner:
 
     def tensors(self, *arrays: list | np.ndarray) -> list[torch.Tensor]:
         """Host integer arrays to the device in one copy (each copy adds its latency to a step's
-        critical path), as views of it, each 16-byte aligned (as kernels specialize)."""
+        critical path), as views of it, each 16-byte aligned (as kernels specialize) and none at
+        offset 0 or 1 (torch.compile specializes those: each would be another compile)."""
         host = [np.asarray(a, dtype=np.int64).ravel() for a in arrays]
-        padded = [np.pad(h, (0, h.size % 2)) for h in host]  # even lengths: 16-byte aligned views
+        padded = [np.zeros(2, np.int64)] + [np.pad(h, (0, h.size % 2)) for h in host]  # even lengths
         flat = self.tensor(np.concatenate(padded))
-        parts = flat.split([p.size for p in padded])
+        parts = flat.split([p.size for p in padded])[1:]
         return [part[: h.size].view(np.shape(a)) for part, h, a in zip(parts, host, arrays)]
 
     def host_block_tables(self, seqs: list[Sequence]) -> np.ndarray:
