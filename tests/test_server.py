@@ -634,6 +634,23 @@ def read_response(sock: socket.socket) -> bytes:
     return reply
 
 
+def closed_while_dripping(sock: socket.socket, seconds: float) -> bool:
+    """Send a byte every 0.1 s until the server closes the connection (True) or time is up."""
+    end = time.monotonic() + seconds
+    sock.settimeout(0.5)
+    while time.monotonic() < end:
+        try:
+            sock.sendall(b" ")
+            if sock.recv(1, socket.MSG_DONTWAIT) == b"":
+                return True
+        except (BlockingIOError, TimeoutError):  # nothing to read, or the server reads no more: still open
+            pass
+        except OSError:  # reset, broken pipe
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_a_slow_request_head_is_a_408(checkpoints) -> None:
     """A client that sends half a head and stalls gets a 408 and a closed connection; one that sends
     nothing is closed; the deadline starts again after each request-response cycle on a kept-alive
@@ -653,6 +670,11 @@ def test_a_slow_request_head_is_a_408(checkpoints) -> None:
             sock.sendall(b"{}  ")
             sock.sendall(b"GET /health HTTP/1.1\r\n")
             assert read_response(sock).startswith(b"HTTP/1.1 408")
+        with connect(url) as sock:  # answered before its body, which then drips and never ends
+            sock.sendall(f"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode())
+            sock.sendall(b"Content-Length: 100\r\n\r\n")
+            assert read_response(sock).startswith(b"HTTP/1.1 404")
+            assert closed_while_dripping(sock, seconds=10)
         with connect(url) as sock:
             body = json.dumps({"model": NAME, "prompt": "w7", "max_tokens": 2}).encode()
             sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n".encode())

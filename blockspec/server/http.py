@@ -22,8 +22,8 @@ def timeout_response(message: str) -> bytes:
 
 
 class HeadTimeoutProtocol(H11Protocol):
-    """The deadline runs from the connection's start and from the end of each request-response
-    cycle, and stops once a request's head is read (the body has `RequestGate`'s own deadline)."""
+    """The deadline runs from the connection's start and from the end of each response, and stops
+    once the next request's head is read (its body has `RequestGate`'s own deadline)."""
 
     head_timeout_s = HEAD_TIMEOUT_S
 
@@ -34,15 +34,20 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
-            self.disarm_head_deadline()
-        elif self.conn.our_state is h11.IDLE:  # between cycles: an early response's body read to its end
+        if self.awaiting_head():
             self.arm_head_deadline()
+        else:
+            self.disarm_head_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+        if not self.transport.is_closing() and self.awaiting_head():
             self.arm_head_deadline()
+
+    def awaiting_head(self) -> bool:
+        """No request is being served: between cycles, or a request answered before its body was
+        read (the deadline then covers the rest of that body and the next head)."""
+        return self.conn.their_state is h11.IDLE or self.conn.our_state is h11.DONE
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm_head_deadline()
