@@ -16,13 +16,15 @@ from blockspec.proposers.base import Proposer
 from blockspec.proposers.simulated import SimulatedProposer
 
 
-def run(policy: AdaptiveWidth, cost, accept_rate: float, steps: int, batch: int = 1) -> list[tuple[int, int, float]]:
-    """Drive the policy with a simulated device: step time cost(width), each draft accepted
-    with probability accept_rate given the ones before it were -> each step's (width, tokens
-    committed by the batch, seconds)."""
+def run(
+    policy: AdaptiveWidth, cost, accept_rate: float, steps: int, batch: int = 1, limit: int = 16
+) -> list[tuple[int, int, float]]:
+    """Drive the policy with a simulated device: step time cost(width class run), each draft
+    accepted with probability accept_rate given the ones before it were, at most `limit` rows a
+    sequence (max_tokens) -> each step's (width class, tokens committed by the batch, seconds)."""
     rng, trace = random.Random(0), []
     for _ in range(steps):
-        w = policy.choose(batch)
+        w = policy.row_class(min(policy.choose(batch, limit), limit))
         accepted = []
         for _ in range(batch):
             a = 0
@@ -95,6 +97,17 @@ def test_a_seldom_accepted_drafter_falls_back_to_plain_steps() -> None:
     assert speed_over_best_fixed_width(trace, cost, 0.35, batch=16) > 0.97
 
 
+def test_rows_capped_by_max_tokens_are_timed_at_the_class_they_run() -> None:
+    """Requests that can take at most 5 rows a step: a 16-row class never runs, so it is neither
+    timed nor chosen, and the policy still settles on the best width that can run (2 rows)."""
+    cost = lambda w: 1.0 + 0.5 * w
+    policy = AdaptiveWidth(16)
+    trace = run(policy, cost, 0.5, 300, limit=5)
+    assert set(widths(trace)) == {1, 2, 4, 8} and (1, 16) not in policy.samples
+    late = widths(trace)[-128:]
+    assert max(set(late), key=late.count) == 2
+
+
 def test_a_slow_middle_width_does_not_end_the_search() -> None:
     """Step time need not grow with width (a kernel variant, a graph's padding): 8 rows costing more
     than 16 must not stop the policy before the 4 rows that win (HumanEval at batch 16), even
@@ -117,7 +130,7 @@ def test_any_widths_keep_greedy_output_exact(tmp_path, monkeypatch, oracle) -> N
         oracle[tuple(p)] = tokens  # the drafts are right but for every 5th: long, varied acceptance
     spec = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4)
     rng, classes = random.Random(1), spec.engine.adaptive.classes
-    monkeypatch.setattr(spec.engine.adaptive, "choose", lambda batch: rng.choice(classes))
+    monkeypatch.setattr(spec.engine.adaptive, "choose", lambda batch, limit: rng.choice(classes))
     out = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == plain
     lengths = {a for o in out for a in o.metrics.acceptance_lengths}
@@ -128,7 +141,7 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
     policy = AdaptiveWidth(16)
     policy.observe(1, 16, None, [15], [3])  # e.g. a prefill ran first, or max_tokens capped the rows
     policy.observe(1, 16, None, [15], [3])
-    assert policy.cost == {} and policy.choose(1) == 16
+    assert policy.cost == {} and policy.choose(1, 16) == 16
     assert policy.trials[:4].tolist() == [0.99 + 1] * 4  # acceptance still counts
 
     t = make_target(tmp_path / "t", "qwen3", vocab=128)

@@ -50,22 +50,26 @@ class AdaptiveWidth:
     def row_class(self, rows: int) -> int:
         return round_up(rows, self.classes)
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, limit: int) -> int:
+        """The width class of a step of `batch` sequences, none of which can take more than
+        `limit` rows (their max_tokens or the context may cap them): wider classes could not run,
+        so they are neither timed nor chosen."""
         bucket = round_up(batch, BATCH_BUCKETS)
-        untimed = [w for w in reversed(self.classes) if self.samples.get((bucket, w), 0) < SAMPLES]
+        allowed = [w for w in self.classes if w <= self.row_class(limit)]
+        untimed = [w for w in reversed(allowed) if self.samples.get((bucket, w), 0) < SAMPLES]
         if untimed:
             return untimed[0]  # widest first
         expected = self.expected_tokens()
-        best = max(self.classes, key=lambda w: expected[w - 1] / self.cost[bucket, w])
+        best = max(allowed, key=lambda w: expected[w - 1] / self.cost[bucket, w])
         full = self.classes[-1]
-        if self.since_full * EXPLORE_SHARE >= self.cost[bucket, full] - self.cost[bucket, best]:
+        if full in allowed and self.since_full * EXPLORE_SHARE >= self.cost[bucket, full] - self.cost[bucket, best]:
             return full
         return best
 
     def observe(
         self, batch: int, width: int | None, seconds: float | None, offered: list[int], accepted: list[int]
     ) -> None:
-        """One step: its batch, the width chosen and the step's wall time (None: not a timing of
+        """One step: its batch, the width class it ran and its wall time (None: not a timing of
         that width), and per sequence the drafts offered and accepted."""
         self.since_full = 0.0 if width == self.classes[-1] else self.since_full + (seconds or 0.0)
         key = (round_up(batch, BATCH_BUCKETS), width)

@@ -258,7 +258,7 @@ class LLMEngine:
         widths."""
         if self.adaptive is None or any(s.seeded_sample for s in seqs):
             return full, None
-        chosen = self.adaptive.choose(len(seqs))
+        chosen = self.adaptive.choose(len(seqs), max(full))
         return [min(chosen, w) for w in full], chosen
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -427,13 +427,13 @@ class LLMEngine:
         if self.adaptive and live:
             # A step launched ahead starts on the device when the step before it ends.
             started = max(flight.launched, self.last_completion)
-            # The time counts for the chosen width only if the step ran it, and not for a step left
-            # in flight by sequences that finished (the engine may have idled since).
+            # The time counts for the width class the step ran, and not for a step left in flight
+            # by sequences that finished (the engine may have idled since).
             ran = flight.timed and len(live) == len(seqs) and flight.chosen is not None
-            ran = ran and self.adaptive.row_class(max(widths)) == flight.chosen
+            width = self.adaptive.row_class(max(widths))
             offered = [len(o.draft_token_ids) for _, o in live]
             accepted = [len(o.new_token_ids) - 1 for _, o in live]
-            self.adaptive.observe(len(seqs), flight.chosen, now - started if ran else None, offered, accepted)
+            self.adaptive.observe(len(seqs), width, now - started if ran else None, offered, accepted)
         self.last_completion = now
         for seq, out in live:
             self.commit(seq, out)
