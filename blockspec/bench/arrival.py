@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.system_prompt >= args.long_prompt:
         p.error(f"--system-prompt ({args.system_prompt}) must be shorter than --long-prompt ({args.long_prompt})")
+    if 0 < args.system_prompt < EngineConfig.page_size:
+        p.error(f"--system-prompt ({args.system_prompt}) must fill a cache page ({EngineConfig.page_size} tokens)")
     args.draft = None if args.draft == "none" else args.draft
     args.mxfp4_experts, args.fp8 = False, "auto"  # what `bench.load` reads
     device = resolve_device(args.device)
