@@ -103,7 +103,7 @@ def test_rows_capped_by_max_tokens_are_timed_at_the_class_they_run() -> None:
     cost = lambda w: 1.0 + 0.5 * w
     policy = AdaptiveWidth(16)
     trace = run(policy, cost, 0.5, 300, limit=5)
-    assert set(widths(trace)) == {1, 2, 4, 8} and (1, 16) not in policy.samples
+    assert set(widths(trace)) == {1, 2, 4, 8} and (1, 16) not in policy.timed_steps
     late = widths(trace)[-128:]
     assert max(set(late), key=late.count) == 2
 
@@ -139,7 +139,7 @@ def test_any_widths_keep_greedy_output_exact(tmp_path, monkeypatch, oracle) -> N
 
 def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
     policy = AdaptiveWidth(16)
-    policy.observe(1, 16, None, [15], [3])  # e.g. a prefill ran first, or max_tokens capped the rows
+    policy.observe(1, 16, None, [15], [3])  # e.g. a prefill ran first, or the step was left in flight
     policy.observe(1, 16, None, [15], [3])
     assert policy.cost == {} and policy.choose(1, 16) == 16
     assert policy.trials[:4].tolist() == [0.99 + 1] * 4  # acceptance still counts

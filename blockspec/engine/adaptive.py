@@ -35,8 +35,8 @@ class AdaptiveWidth:
         self.hits = np.zeros(max_width - 1)  # decayed count of draft k accepted, k = 1..max_width-1
         self.trials = np.zeros(max_width - 1)  # decayed count of draft k reached
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> seconds per step
-        self.samples: dict[tuple[int, int], int] = {}  # (bucket, width) -> steps timed
-        self.seen: set[tuple[int, int]] = set()  # first step of a key is warm-up (graph capture)
+        # (bucket, width) -> steps timed; the first is warm-up (graph capture), left out of the cost
+        self.timed_steps: dict[tuple[int, int], int] = {}
         self.since_full = 0.0  # seconds of steps since the last full-width one
 
     def expected_tokens(self) -> np.ndarray:
@@ -56,7 +56,7 @@ class AdaptiveWidth:
         so they are neither timed nor chosen."""
         bucket = round_up(batch, BATCH_BUCKETS)
         allowed = [w for w in self.classes if w <= self.row_class(limit)]
-        untimed = [w for w in reversed(allowed) if self.samples.get((bucket, w), 0) < SAMPLES]
+        untimed = [w for w in reversed(allowed) if self.timed_steps.get((bucket, w), 0) <= SAMPLES]
         if untimed:
             return untimed[0]  # widest first
         expected = self.expected_tokens()
@@ -66,20 +66,17 @@ class AdaptiveWidth:
             return full
         return best
 
-    def observe(
-        self, batch: int, width: int | None, seconds: float | None, offered: list[int], accepted: list[int]
-    ) -> None:
+    def observe(self, batch: int, width: int, seconds: float | None, offered: list[int], accepted: list[int]) -> None:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
         that width), and per sequence the drafts offered and accepted."""
         self.since_full = 0.0 if width == self.classes[-1] else self.since_full + (seconds or 0.0)
         key = (round_up(batch, BATCH_BUCKETS), width)
         if seconds is not None:
-            if key in self.seen:  # the mean of the first samples, then a moving average
-                n = self.samples.get(key, 0)
+            n = self.timed_steps.get(key, 0)
+            if n:  # the mean of the first samples, then a moving average
                 old = self.cost.get(key, seconds)
-                self.cost[key] = old + max(COST_EMA, 1 / (n + 1)) * (seconds - old)
-                self.samples[key] = n + 1
-            self.seen.add(key)
+                self.cost[key] = old + max(COST_EMA, 1 / n) * (seconds - old)
+            self.timed_steps[key] = n + 1
         # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
         # accepted if k < a.
         k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
