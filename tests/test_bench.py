@@ -124,6 +124,8 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_w3", "dspark", "dspark_adaptive", "dspark_w3")
     assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 for e in engines) for r in rows)
     assert all(max(map(int, r[e]["histogram"])) <= 3 for r in rows for e in ("dflash_w3", "dspark_w3"))
+    widths = written["meta"]["max_width"]
+    assert widths["dflash_w3"] == widths["dspark_w3"] == 3 and widths["dflash"] > 3 and widths["plain"] == 1
     assert all(r[e]["first_pass_tok_per_s"] > 0 for r in rows for e in engines)  # two passes, both timed
     assert list(written["meta"]["engine_start_s"]) == list(engines)
     assert "First pass over second pass" in "\n".join(report.section(out))

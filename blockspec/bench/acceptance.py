@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> None:
         plain.device,
         plain.dtype,
         engine_start_s=start_s,
+        max_width={name: llm.engine.max_width for name, llm in engines.items()},
         response_format=args.response_format,
     )
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
