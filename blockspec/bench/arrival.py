@@ -92,16 +92,16 @@ def run_prefix(target, drafter, args, budget: int) -> list[dict]:
     question = args.long_prompt - args.system_prompt
     for _ in range(2):
         system = random_prompt(engine, args.system_prompt, gen)
-        rows = [cached_arrival(engine, running, args, system + random_prompt(engine, question, gen))]
-        for _ in range(2):
-            rows.append(cached_arrival(engine, running, args, system + random_prompt(engine, question, gen)))
-            if rows[-1]["cached_tokens"]:
-                break
-        if not rows[-1]["cached_tokens"]:
+        arrivals = (
+            cached_arrival(engine, running, args, system + random_prompt(engine, question, gen)) for _ in range(3)
+        )
+        miss = next(arrivals)
+        hit = next((r for r in arrivals if r["cached_tokens"]), None)  # the second, or a hybrid's third
+        if hit is None:
             raise RuntimeError("the system prompt was not found in the prefix cache")
     del engine
     free_device_memory()
-    return [{"mode": "prefix cache miss"} | rows[0], {"mode": "prefix cache hit"} | rows[-1]]
+    return [{"mode": "prefix cache miss"} | miss, {"mode": "prefix cache hit"} | hit]
 
 
 def cached_arrival(engine: LLMEngine, running: list[Sequence], args, prompt: list[int]) -> dict:

@@ -335,7 +335,7 @@ class KVCacheManager:
     def restorable(self, keys: list[PageKey], found: list[list[int | None]], k: int) -> bool:
         """Whether a hit of k pages can resume: the states at its end are checkpointed, and the
         windowed groups hold the pages read after it."""
-        return self.checkpoints.lookup(keys[k - 1].prefix_hash) is not None and self.windows_hold(found, k)
+        return self.windows_hold(found, k) and self.checkpoints.lookup(keys[k - 1].prefix_hash) is not None
 
     def restore_slot(self, seq: Sequence) -> int | None:
         """The checkpoint holding the states at the end of an admitted sequence's cached prefix
