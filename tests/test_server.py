@@ -653,9 +653,9 @@ def closed_while_dripping(sock: socket.socket, seconds: float) -> bool:
 
 def test_a_slow_request_head_is_a_408(checkpoints) -> None:
     """A client that sends half a head and stalls gets a 408 and a closed connection; one that sends
-    nothing is closed; the deadline starts again after each request-response cycle on a kept-alive
-    connection (one answered before its body too, once the body is read), and stops once a head is
-    read (a body arriving after it is served)."""
+    nothing is closed; the deadline starts again at the end of each response on a kept-alive
+    connection, and for one answered before its body covers the rest of that body (a body that
+    drips on is closed); it stops once a head is read (a body arriving after it is served)."""
     with serve_app(build_app(load(checkpoints), NAME, KEY), http=QuickHeadTimeout) as url:
         reply, took = raw_request(url, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply and took < 10
