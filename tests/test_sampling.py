@@ -17,6 +17,7 @@ from blockspec.engine.step import accept
 from blockspec.proposers.base import Proposal
 from blockspec.proposers.simulated import geometric_counts
 from blockspec.sampling import (
+    DRAW_CHUNK,
     SAMPLING_COLUMNS,
     Stream,
     draw,
@@ -167,13 +168,14 @@ def test_seeded_sampling_is_reproducible(pair):
 
 
 def test_probs_without_filters_equals_probs_where_no_row_filters():
-    """The sort of top-k / top-p is skipped where no row asks for them: the same distributions."""
+    """Top-k, top-p and min-p (the sort, min-p's passes) are skipped where no row asks for them: the
+    same distributions; each of the three makes a request `filtered`."""
     logits = torch.randn(3, 5, 50)
-    rows = torch.tensor(
-        [sampling_row(SamplingParams(temperature=t, min_p=m)) for t, m in ((0.7, 0), (1.3, 0.1), (0, 0))]
-    )
+    rows = torch.tensor([sampling_row(SamplingParams(temperature=t)) for t in (0.7, 1.3, 0)])
     assert rows.shape[-1] == len(SAMPLING_COLUMNS)
     torch.testing.assert_close(probs(logits, rows[:, None], False), probs(logits, rows[:, None], True))
+    assert not SamplingParams(temperature=0.7).filtered
+    assert all(SamplingParams(temperature=0.7, **f).filtered for f in ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}))
 
 
 def test_uniforms_are_uniform_and_independent_across_positions_seeds_and_streams():
@@ -206,6 +208,26 @@ def test_draw_is_the_inverse_cdf():
     tokens = draw(p.expand(20000, -1), u)
     assert torch.bincount(tokens, minlength=5).tolist()[0::2] == [0, 0, tokens.eq(4).sum()]
     assert abs(tokens.eq(3).double().mean() - 0.6) < 0.02
+
+
+def test_draw_over_chunks_is_the_inverse_cdf_of_the_whole_row():
+    """`draw`'s two-level CDF picks the token a single scan along the row would: rows longer than a
+    chunk and not a multiple of it, whole chunks of zero mass, u at 0 and just below 1."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3 * DRAW_CHUNK + 77
+    p = torch.rand(64, vocab, generator=gen) ** 8
+    p[::2, DRAW_CHUNK : 2 * DRAW_CHUNK] = 0  # a chunk without mass
+    p[1::4, 3 * DRAW_CHUNK :] = 0  # the last (short) chunk without mass
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1 - 2**-53], dtype=torch.float64)
+    cdf = p.cumsum(-1, dtype=torch.float64)
+    whole = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    tokens = draw(p, u)
+    assert (p.gather(1, tokens[:, None]) > 0).all()
+    # float64 sums in another order: only a u * total within rounding of a boundary could move a token
+    assert torch.equal(tokens[4:], whole[4:])
+    positive = [row.nonzero()[:, 0] for row in p[:4]]
+    assert tokens[:4].tolist() == [positive[0][0], positive[1][-1], whole[2], positive[3][-1]]
 
 
 def test_accept_mixes_greedy_and_sampled_rows():

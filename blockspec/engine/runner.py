@@ -225,7 +225,7 @@ class ModelRunner:
         tokens = rest.pop() if anchors is None else anchors
         tokens = tokens.expand(-1, width)  # a device proposer reads column 0; the width sets the rows
         starts = rest.pop() if starts is None else starts
-        filters = sampled and any(s.params.top_k > 0 or s.params.top_p < 1 for s in seqs if not s.params.greedy)
+        filters = sampled and any(s.params.filtered for s in seqs if not s.params.greedy)
         logprobs = any(s.params.logprobs is not None for s in seqs)
         return StepInputs(
             tokens, starts, lengths, tables, seeds, slots, sampling, filters, logprobs, min_positions, stop_ids,

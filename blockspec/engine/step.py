@@ -48,7 +48,7 @@ class StepInputs:
     state_slots: torch.Tensor  # [B] each sequence's recurrent state slot (`layers.recurrent_state`)
     # [B, 2] int64 holding float32 [B, 4] bitwise (`sampling_params`); None: every row is greedy
     sampling: torch.Tensor | None = None
-    filters: bool = False  # some sampled row uses top-k or top-p (their sort runs)
+    filters: bool = False  # some sampled row uses top-k, top-p or min-p (`SamplingParams.filtered`)
     logprobs: bool = False  # some row reports log-probabilities (`sampling.token_logprobs` runs)
     # Logit rules, all three or none (one graph variant): min_tokens, the position before which a
     # sequence's stop ids [B, MAX_STOP_IDS] (padded with -1) are banned (`sampling.ban_early_stops`),
