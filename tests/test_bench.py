@@ -128,7 +128,12 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     assert widths["dflash_w3"] == widths["dspark_w3"] == 3 and widths["dflash"] > 3 and widths["plain"] == 1
     assert all(r[e]["first_pass_tok_per_s"] > 0 for r in rows for e in engines)  # two passes, both timed
     assert list(written["meta"]["engine_start_s"]) == list(engines)
-    assert "First pass over second pass" in "\n".join(report.section(out))
+    adaptive = [r[e] for r in rows for e in ("dflash_adaptive", "dspark_adaptive")]
+    # batch 1: a step per committed run of tokens, each counted at the width class it ran
+    assert all(sum(v["width_steps"].values()) == sum(v["histogram"].values()) for v in adaptive)
+    assert not any("width_steps" in r[e] for r in rows for e in engines if not e.endswith("_adaptive"))
+    rendered = "\n".join(report.section(out))
+    assert "First pass over second pass" in rendered and "Steps at each block width" in rendered
 
 
 def test_acceptance_refuses_a_block_without_drafts():

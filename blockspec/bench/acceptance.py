@@ -51,12 +51,16 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
 
 
 def two_passes(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """The same requests twice, from the engine as it started (`EngineConfig.warm_up`): the second
-    pass summarized, with the first pass's tok/s beside it (a capture or compile at request time,
-    or adaptive width still exploring, shows as a slower first pass)."""
+    """The same requests twice on one engine: the second pass summarized, with the first pass's
+    tok/s beside it (a capture or compile at request time, or adaptive width still exploring, shows
+    as a slower first pass), and with adaptive width the steps the second pass ran at each width."""
     first = summarize(*timed_generate(llm, prompts, params))
-    second = summarize(*timed_generate(llm, prompts, params))
-    return second | {"first_pass_tok_per_s": first["tok_per_s"]}
+    adaptive = llm.engine.adaptive
+    before = dict(adaptive.steps) if adaptive is not None else {}
+    second = summarize(*timed_generate(llm, prompts, params)) | {"first_pass_tok_per_s": first["tok_per_s"]}
+    if adaptive is None:
+        return second
+    return second | {"width_steps": {w: n - before[w] for w, n in adaptive.steps.items() if n > before[w]}}
 
 
 def summarize(outs: list, elapsed: float) -> dict:

@@ -204,7 +204,7 @@ def acceptance_tables(rows: list[dict]) -> list[str]:
     extra = sorted({k for r in rows for k, v in r.items() if not isinstance(v, dict)} - set(ACCEPTANCE_KNOWN))
     header = ["set", "T", "prompts", "plain tok/s"] + [f"{e} {c}" for e in engines for c in ("tau", "tok/s", "x plain")]
     header += [k.replace("_", " ") for k in extra]
-    body, hists = [], []
+    body, hists, widths = [], [], []
     for r in rows:
         plain = r["plain"].get("tok_per_s")
         row = [fmt(r["set"]), temperature(r["temperature"]), fmt(r.get("prompts")), fmt(plain, 1)]
@@ -214,9 +214,15 @@ def acceptance_tables(rows: list[dict]) -> list[str]:
             row += [fmt(v.get("tau")), fmt(v.get("tok_per_s"), 1), speed + "x" if speed else ""]
             if v.get("histogram"):
                 hists.append([fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["histogram"])])
+            if v.get("width_steps"):
+                widths.append([fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["width_steps"])])
         body.append(row + [fmt(r.get(k)) for k in extra])
     lines = table(header, body) + first_pass_table(rows, ["plain", *engines])
-    return lines + histograms(["set", "T", "proposer"], hists)
+    lines += histograms(["set", "T", "proposer"], hists)
+    if widths:
+        lines += ["", "Steps at each block width, adaptive width (width: steps):", ""]
+        lines += table(["set", "T", "proposer", "widths"], widths)
+    return lines
 
 
 def first_pass_table(rows: list[dict], engines: list[str]) -> list[str]:
@@ -229,7 +235,7 @@ def first_pass_table(rows: list[dict], engines: list[str]) -> list[str]:
         + [fmt(ratio((r.get(e) or {}).get("first_pass_tok_per_s"), (r.get(e) or {}).get("tok_per_s"))) for e in engines]
         for r in rows
     ]
-    return ["", "First pass over second pass, tok/s (the same requests, from a fresh engine):", ""] + table(
+    return ["", "First pass over second pass, tok/s (the same requests twice on one engine):", ""] + table(
         ["set", "T", *engines], body
     )
 
