@@ -56,7 +56,7 @@ class SpeculativeConfig:
 
 @dataclass
 class KernelConfig:
-    """Switches of the CUDA fast paths, all on by default; off, each falls back to its reference
+    """Switches of the fast paths (CUDA's, and the CPU's packed weights), all on by default; off, each falls back to its reference
     (for A/B runs). The engine puts them in force when it is built
     (`blockspec.layers.fast_path.use_kernels`), where BLOCKSPEC_TRITON_LINEAR, BLOCKSPEC_PDL and
     BLOCKSPEC_FP8_KERNEL (0 or 1) override them."""
@@ -64,6 +64,9 @@ class KernelConfig:
     triton_linear: bool = True  # few-row bf16/fp16 linears by the Triton skinny GEMM (off: cuBLAS, ops apart)
     pdl: bool = True  # the kernels that can launch with programmatic dependent launch do (Hopper+)
     fp8_kernel: bool = True  # FP8 linears on FP8 tensor cores (off: their reference, weights dequantized)
+    # CPU linears on weights packed once at load (`blockspec.layers.cpu_gemm`; off: F.linear, which
+    # repacks the weight each call, and no second copy of the weights in memory)
+    cpu_packed: bool = True
     # Every row's numbers independent of the rows beside it (`blockspec.layers.row_invariant`); the
     # engine sets it from EngineConfig.row_invariant.
     row_invariant: bool = False

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.activation import silu_mul
+from blockspec.layers.cpu_gemm import packed_linear, takes_packed
 from blockspec.layers.fast_path import active_kernels, fast_path
 from blockspec.layers.kernels import kernel_module, num_sms
 from blockspec.layers.norm import RMSNorm
@@ -38,14 +39,16 @@ def dense(
     residual: torch.Tensor | None,
     norm: RMSNorm | None = None,
     swiglu: bool = False,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unfused ops: residual + F.linear(norm(x), weight, bias), then SiLU(gate) * up of the
-    gate|up output with `swiglu`. Without a bias the residual add is cuBLAS's epilogue (addmm);
-    under row invariance the GEMM runs in fixed tiles of rows (`row_invariant.tiled_linear`)."""
+    gate|up output with `swiglu`. Without a bias the residual add is the GEMM's epilogue (addmm);
+    under row invariance the GEMM runs in fixed tiles of rows (`row_invariant.tiled_linear`); on
+    the CPU, on the weight's packed copy where it pays (`cpu_gemm.takes_packed`)."""
     assert not (swiglu and residual is not None), "SwiGLU's output takes no residual"
     x = x if norm is None else norm(x)
-    if row_invariant():
-        y = tiled_linear(x, weight, bias)
+    if row_invariant() or takes_packed(x, weight, packed):
+        y = tiled_linear(x, weight, bias) if row_invariant() else packed_linear(x, packed, bias)
         y = y if residual is None else residual + y
     elif residual is None or bias is not None:
         y = F.linear(x, weight, bias)
@@ -99,21 +102,26 @@ def linear(
     norm: RMSNorm | None = None,
     swiglu: bool = False,
     residual: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`dense`: residual + F.linear(norm(x), weight, bias), or SiLU(gate) * up of it with `swiglu`
     (residual None: no add); on CUDA, without grad, for bf16/fp16, the skinny kernel: at most
-    LINEAR_MAX_M rows (`fused_linear`), or any number under row invariance (`invariant_linear`)."""
+    LINEAR_MAX_M rows (`fused_linear`), or any number under row invariance (`invariant_linear`).
+    `packed`: the weight's packed copy for the CPU (`cpu_gemm.pack`)."""
     if fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and _skinny_on():
         if row_invariant():
             return invariant_linear(x, weight, bias, norm, swiglu, residual)
         if x.numel() <= LINEAR_MAX_M * x.shape[-1]:
             return fused_linear(x, weight, bias, norm, swiglu, residual)
-    return dense(x, weight, bias, residual, norm, swiglu)
+    return dense(x, weight, bias, residual, norm, swiglu, packed)
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) computed by `linear`, with its optional norm
-    prologue, SwiGLU epilogue (a gate|up projection) and residual add."""
+    prologue, SwiGLU epilogue (a gate|up projection) and residual add; on the CPU its weight's
+    packed copy, where loading made one (`cpu_gemm.pack_linears`), serves its GEMMs."""
+
+    packed: torch.Tensor | None = None
 
     def forward(
         self,
@@ -122,4 +130,4 @@ class Linear(nn.Linear):
         swiglu: bool = False,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, norm, swiglu, residual)
+        return linear(x, self.weight, self.bias, norm, swiglu, residual, self.packed)

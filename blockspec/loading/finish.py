@@ -1,6 +1,7 @@
 """A model's derived weights, made once when it is loaded or built with random weights, under
 explicit options (`LoadOptions`): a target's norm weights folded into the GEMMs after them and its
-MXFP4 experts kept as such, a drafter's stacked context K/V weight and its FP8 copies. The models record what was made
+MXFP4 experts kept as such, a drafter's stacked context K/V weight and its FP8 copies, and on the
+CPU each linear's packed weight. The models record what was made
 (`norms_folded`, `fp8`, both derived from the weights); nothing changes them afterwards."""
 
 from dataclasses import dataclass
@@ -9,7 +10,8 @@ import torch
 from transformers import PretrainedConfig
 
 from blockspec.config import SpeculativeConfig
-from blockspec.layers.linear import fused_gemms_on
+from blockspec.layers.cpu_gemm import pack, pack_linears, packing_supported
+from blockspec.layers.linear import Linear, fused_gemms_on
 from blockspec.layers.moe import Experts
 from blockspec.loading.fp8 import quantize_drafter, resolve_fp8
 from blockspec.models.causal_lm import CausalLM
@@ -29,6 +31,7 @@ class LoadOptions:
     # as stored, never in bf16 (gpt-oss-120b's bf16 experts would not fit one GPU), for the MoE
     # kernel to read a quarter of their bf16 bytes.
     mxfp4_experts: bool = False
+    cpu_packed: bool = False  # each linear's weight also packed for the CPU's GEMMs (`layers.cpu_gemm`)
 
 
 AS_STORED = LoadOptions()  # nothing derived
@@ -38,7 +41,9 @@ def target_options(fold_norms: bool | None, device: torch.device, mxfp4_experts:
     """A target's options: norms folded as asked, by default where the GEMMs that fuse them run;
     MXFP4 experts kept as asked. Call after `use_kernels`, which decides those GEMMs."""
     return LoadOptions(
-        fold_norms=fold_norms if fold_norms is not None else fused_gemms_on(device), mxfp4_experts=mxfp4_experts
+        fold_norms=fold_norms if fold_norms is not None else fused_gemms_on(device),
+        mxfp4_experts=mxfp4_experts,
+        cpu_packed=packing_supported(device),
     )
 
 
@@ -52,7 +57,7 @@ def stores_mxfp4(config: PretrainedConfig) -> bool:
 def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: int) -> LoadOptions:
     """A drafter's options: FP8 copies as `spec.fp8` resolves for a drafter of `hidden_size`."""
     fp8 = resolve_fp8(spec.fp8, device, hidden_size)
-    return LoadOptions(fp8=fp8, fp8_lm_head=fp8 and spec.fp8_lm_head)
+    return LoadOptions(fp8=fp8, fp8_lm_head=fp8 and spec.fp8_lm_head, cpu_packed=packing_supported(device))
 
 
 def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
@@ -62,6 +67,8 @@ def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
     if options.mxfp4_experts and stores_mxfp4(model.config):
         for experts in [m for m in model.modules() if isinstance(m, Experts) and not m.mxfp4]:
             experts.to_mxfp4()  # experts not loaded as MXFP4 (a preset's random ones): exactly requantized
+    if options.cpu_packed:
+        pack_linears(model, Linear)  # last: of the weights as they stay
     return model.eval()
 
 
@@ -76,4 +83,8 @@ def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> 
         quantize_drafter(drafter, head if options.fp8_lm_head else None)
         if options.fp8_lm_head and own is not None:
             drafter.lm_head = None
+    if options.cpu_packed:
+        pack_linears(drafter, Linear)
+        if drafter.fused_kv_weight is not None:  # None: an FP8 copy replaced it
+            drafter.fused_kv_packed = pack(drafter.fused_kv_weight)
     return drafter.eval()

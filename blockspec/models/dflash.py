@@ -138,6 +138,7 @@ class DFlashDrafter(nn.Module):
         self.fused_kv_bias = torch.cat([a.qkv_proj.bias[q:] for a in attns]) if biased else None
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])  # [L, D]
         self.fused_kv_fp8 = None  # an Fp8Linear of the same rows once `quantize_drafter` ran
+        self.fused_kv_packed = None  # its packed copy for the CPU (`layers.cpu_gemm`), where loading made one
 
     def context_rows(self, features: torch.Tensor) -> torch.Tensor:
         """Every layer's context k and v heads before k's norm and rope, [L, *lead, 2, Hkv, D] (a
@@ -148,7 +149,7 @@ class DFlashDrafter(nn.Module):
         if fp8 is not None:
             kv = fp8(c, norm=self.hidden_norm)
         else:
-            kv = linear(c, self.fused_kv_weight, self.fused_kv_bias, norm=self.hidden_norm)
+            kv = linear(c, self.fused_kv_weight, self.fused_kv_bias, self.hidden_norm, packed=self.fused_kv_packed)
         return kv.view(*c.shape[:-1], len(self.layers), 2, s.num_kv_heads, s.head_dim).movedim(-4, 0)
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
