@@ -227,16 +227,28 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """32 random bits a (seed, position, stream), int64 in [0, 2**32); seeds are any int64 (both
     halves of its bits count)."""
-    h = mix32((positions * 8 + stream) & MASK32)
+    return hash_bits(seeds, positions * 8 + stream)
+
+
+def hash_bits(seeds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`random_bits` of a key, position * 8 + stream."""
+    h = mix32(keys & MASK32)
     h = mix32(h ^ (seeds & MASK32))
     return mix32(h ^ (seeds >> 32 & MASK32))
 
 
-@cuda_compiled  # on CUDA one kernel, not the hash's ~70 elementwise launches
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Float64 uniforms in [0, 1) with 53 random bits, one per (seed, position) pair (broadcast)."""
-    high = random_bits(seeds, positions, stream)
-    low = random_bits(seeds, positions, stream + len(Stream)) >> 11
+    seeds, positions = torch.broadcast_tensors(seeds, positions)
+    keys = positions.reshape(-1) * 8 + stream
+    return uniform_of_keys(seeds.reshape(-1), keys).view(positions.shape)
+
+
+@cuda_compiled  # on CUDA one kernel, not the hash's ~70 elementwise launches; 1-D: compiled once
+def uniform_of_keys(seeds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`uniform` of 1-D seeds and keys (`hash_bits`)."""
+    high = hash_bits(seeds, keys)
+    low = hash_bits(seeds, keys + len(Stream)) >> 11  # the stream's second half (Stream + len(Stream))
     return (high * 2**21 + low).double() * 2**-53
 
 
