@@ -121,7 +121,9 @@ def run(args: argparse.Namespace) -> None:
     def engine(spec: dict | None) -> tuple[LLM, float]:
         """An engine, and the seconds it took to start (loading, and its warm-up)."""
         started = time.perf_counter()
-        llm = LLM(args.model, spec, args.device, args.dtype, max_num_seqs=args.batch_size)
+        # No prefix caching: the passes and the temperatures of a set repeat its prompts, and with the
+        # cache only a set's first pass would pay for their prefills.
+        llm = LLM(args.model, spec, args.device, args.dtype, max_num_seqs=args.batch_size, prefix_caching=False)
         return llm, round(time.perf_counter() - started, 2)
 
     engines, start_s = {}, {}
