@@ -15,6 +15,7 @@ from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target,
 from blockspec.bench import acceptance, arrival, bench, determinism, report
 from blockspec.config import EngineConfig
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
+from blockspec.layers.linear import Linear
 from blockspec.loading.hf import load_target
 
 
@@ -31,6 +32,17 @@ def run_bench(tmp_path, monkeypatch, model: str, *flags: str) -> tuple[argparse.
     )  # fmt: skip
     bench.run(args)
     return args, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_bench_loads_packed_cpu_weights_as_switched(switch):
+    """`--cpu-packed off` times the CPU's linears on F.linear: nothing packed at load."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--model", "random:small", "--draft", "random:small-DFlash", "--cpu-packed", switch])
+    target, drafter = bench.load(args, torch.device("cpu"), torch.float32)
+    linears = [m for model in (target.model, drafter) for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all((m.packed is not None) == (switch == "on") for m in linears)
 
 
 @dataclasses.dataclass

@@ -272,7 +272,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
 
 def load(args, device, dtype):
     """The target and drafter, ready as `LLM` loads them (kernels in force first: the options read them)."""
-    use_kernels(KernelConfig())
+    use_kernels(KernelConfig(cpu_packed=SWITCH_WORDS[args.cpu_packed]))
     options = target_options(None, device, args.mxfp4_experts)
     target = (
         random_target(args.model, dtype, device, options)
@@ -361,6 +361,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=SWITCH_WORDS,
         default="off",
         help="EngineConfig.row_invariant",
+    )
+    p.add_argument(
+        "--cpu-packed",
+        choices=SWITCH_WORDS,
+        default="on",
+        help="KernelConfig.cpu_packed: the CPU's linears on weights packed at load",
     )
     p.add_argument("--out", default="bench.json")
 
