@@ -244,7 +244,7 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.
     return uniform_of_keys(seeds.reshape(-1), keys).view(positions.shape)
 
 
-@cuda_compiled  # on CUDA one kernel, not the hash's ~70 elementwise launches; 1-D: compiled once
+@cuda_compiled  # on CUDA one kernel, not the hash's many elementwise launches; 1-D: no variant per rank
 def uniform_of_keys(seeds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """`uniform` of 1-D seeds and keys (`hash_bits`)."""
     high = hash_bits(seeds, keys)
@@ -254,16 +254,19 @@ def uniform_of_keys(seeds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of (unnormalized) p [..., V] by inverse CDF at u [...]: the first token whose
-    cumulative mass exceeds u times the total; tokens of zero mass are never drawn. The CDF is taken
-    in two levels, over chunks of DRAW_CHUNK tokens and then inside the chosen chunk (float64
-    sums): one scan along a whole row of the vocabulary runs for ~80 us on an H200, latency bound."""
-    chunks = F.pad(p, (0, -p.shape[-1] % DRAW_CHUNK)).unflatten(-1, (-1, DRAW_CHUNK))  # [..., C, DRAW_CHUNK]
+    cumulative mass exceeds u times the total; tokens of zero mass are never drawn (a row without
+    mass gives some index in range). The CDF is taken in two levels, over chunks of DRAW_CHUNK
+    tokens and then inside the chosen chunk (float64 sums): one scan along a whole vocabulary row
+    is latency bound on a GPU."""
+    pad = -p.shape[-1] % DRAW_CHUNK
+    chunks = (F.pad(p, (0, pad)) if pad else p).unflatten(-1, (-1, DRAW_CHUNK))  # [..., C, DRAW_CHUNK]
     mass = chunks.sum(-1, dtype=torch.float64)  # [..., C]
     cdf = mass.cumsum(-1)
     target = (u * cdf[..., -1])[..., None]
     # u * total can round up to the total: then the last chunk (token) of any mass
     chunk = torch.searchsorted(cdf, target, right=True).clamp_max(last_positive(mass))  # [..., 1]
-    rest = target - (cdf - mass).gather(-1, chunk)  # >= 0: the mass before the chunk is <= target
+    # >= 0 exactly: the chunk's cdf before it is <= target (cdf - mass could round above it)
+    rest = target - F.pad(cdf[..., :-1], (1, 0)).gather(-1, chunk)
     inside = chunks.gather(-2, chunk[..., None].expand(*chunk.shape, DRAW_CHUNK))[..., 0, :]
     # the chunk's own sum can round below `rest`: then its last token of any mass
     token = torch.searchsorted(inside.cumsum(-1, dtype=torch.float64), rest, right=True)

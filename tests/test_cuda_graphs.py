@@ -65,7 +65,7 @@ def test_graph_bookkeeping_matches_eager(tmp_path, async_steps):
 @pytest.mark.parametrize("async_steps", [False, True], ids=["lock-step", "launched-ahead"])
 def test_a_step_replays_one_graph_greedy_sampled_or_mixed(tmp_path, async_steps):
     """Every step is one forward, so one graph a step, named by what its rows need: "greedy", or
-    "sampled" / "filtered" (top-k or top-p) once a row samples, greedy rows riding along; the same
+    "sampled" / "filtered" (top-k, top-p or min-p) once a row samples, greedy rows riding along; the same
     tokens as eager, with the drafter and in plain decoding; launched ahead, each step reads the step
     before's outputs from that graph."""
     t = make_target(tmp_path / "t", "qwen3", vocab=128)

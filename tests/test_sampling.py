@@ -157,6 +157,23 @@ def test_tiny_temperatures_tend_to_greedy():
         assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 4).float()), t
 
 
+def test_a_min_p_only_request_keeps_its_filter(pair):
+    """min_p alone makes a step "filtered": at min_p 1 only the top token survives, so T=1 sampling
+    with drafts and without them is greedy decoding (it would sample freely if min_p were dropped)."""
+    t, d = pair
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    top_only = SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, seed=3, ignore_eos=True)
+    for spec in ({"model": str(d)}, None):
+        llm = LLM(str(t), spec, device="cpu")
+        assert llm.generate([PROMPT], top_only)[0].outputs[0].token_ids == (
+            llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
+        )
+    free = SamplingParams(temperature=1.0, max_tokens=12, seed=3, ignore_eos=True)
+    assert (
+        llm.generate([PROMPT], free)[0].outputs[0].token_ids != llm.generate([PROMPT], greedy)[0].outputs[0].token_ids
+    )
+
+
 def test_seeded_sampling_is_reproducible(pair):
     t, d = pair
     llm = LLM(str(t), {"model": str(d)}, device="cpu")
@@ -228,6 +245,12 @@ def test_draw_over_chunks_is_the_inverse_cdf_of_the_whole_row():
     assert torch.equal(tokens[4:], whole[4:])
     positive = [row.nonzero()[:, 0] for row in p[:4]]
     assert tokens[:4].tolist() == [positive[0][0], positive[1][-1], whole[2], positive[3][-1]]
+    # u * total on the first chunk's cdf, where the mass before chunk 1 taken as cdf - mass rounds
+    # above it: the draw is still chunk 1's token of mass
+    p = torch.zeros(2 * DRAW_CHUNK, dtype=torch.float64)
+    p[0], p[1], p[DRAW_CHUNK + 1] = 1, 2**-52, 2**-53
+    u = torch.tensor([(1 + 2**-52) / (1 + 2**-51)], dtype=torch.float64)
+    assert draw(p[None], u).tolist() == [DRAW_CHUNK + 1]
 
 
 def test_accept_mixes_greedy_and_sampled_rows():
