@@ -56,8 +56,8 @@ class SpeculativeConfig:
 
 @dataclass
 class KernelConfig:
-    """Switches of the fast paths (CUDA's, and the CPU's packed weights), all on by default; off, each falls back to its reference
-    (for A/B runs). The engine puts them in force when it is built
+    """Switches of the fast paths (CUDA's; the CPU's packed weights), all on by default; off, each
+    falls back to its reference (for A/B runs). The engine puts them in force when it is built
     (`blockspec.layers.fast_path.use_kernels`), where BLOCKSPEC_TRITON_LINEAR, BLOCKSPEC_PDL and
     BLOCKSPEC_FP8_KERNEL (0 or 1) override them."""
 

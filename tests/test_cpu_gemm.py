@@ -8,16 +8,19 @@ import torch.nn.functional as F
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig
+from blockspec.layers import linear
 from blockspec.layers.cpu_gemm import MIN_ROWS, pack, packed_linear, takes_packed
-from blockspec.layers.linear import Linear, linear
+from blockspec.layers.fast_path import use_kernels
+from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch's oneDNN")
 
 TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+DTYPES = [torch.float32] + [torch.bfloat16] * torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
 def test_packed_linear_equals_f_linear(dtype):
     gen = torch.Generator().manual_seed(0)
@@ -31,31 +34,36 @@ def test_packed_linear_equals_f_linear(dtype):
 
 @torch.inference_mode()
 def test_linear_with_a_packed_weight_keeps_its_norm_swiglu_and_residual():
+    """The packed copy serves the GEMM (a copy of 2 x the weight doubles it), the norm before it and
+    the SwiGLU or residual after it as without one."""
     gen = torch.Generator().manual_seed(1)
     norm = RMSNorm(64, 1e-6)
     norm.weight.data = torch.rand(64, generator=gen) + 0.5
     x, residual = torch.randn(5, 64, generator=gen), torch.randn(5, 48, generator=gen)
     up, down = torch.randn(96, 64, generator=gen), torch.randn(48, 64, generator=gen)
     for weight, options in ((up, {"swiglu": True}), (down, {"residual": residual})):
-        expected = linear(x, weight, None, norm, **options)
-        got = linear(x, weight, None, norm, **options, packed=pack(weight))
+        expected = linear.linear(x, 2 * weight, None, norm, **options)
+        got = linear.linear(x, weight, None, norm, **options, packed=pack(2 * weight))
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_the_packed_copy_serves_where_it_pays():
     """fp32 from 3 rows (MKL's own path is faster below), bf16 from one; never with grad, in another
-    dtype, off the CPU's copy, or without a copy."""
+    dtype than the copy's, without a copy, or with the switch off."""
     weight = torch.randn(8, 4)
     packed = pack(weight)
     assert MIN_ROWS[torch.float32] == 3
     with torch.inference_mode():
-        assert not takes_packed(torch.randn(2, 4), weight, packed)
-        assert takes_packed(torch.randn(3, 4), weight, packed) and takes_packed(torch.randn(1, 3, 4), weight, packed)
-        assert not takes_packed(torch.randn(3, 4), weight, None)
-        assert not takes_packed(torch.randn(3, 4).double(), weight, packed)
-        half = weight.bfloat16()
-        assert takes_packed(torch.randn(1, 4).bfloat16(), half, pack(half))
-    assert not takes_packed(torch.randn(3, 4), weight, packed)  # grad on: training's GEMMs
+        assert not takes_packed(torch.randn(2, 4), packed)
+        assert takes_packed(torch.randn(3, 4), packed) and takes_packed(torch.randn(1, 3, 4), packed)
+        assert not takes_packed(torch.randn(3, 4), None)
+        assert not takes_packed(torch.randn(3, 4).double(), packed)
+        assert not takes_packed(torch.randn(3, 4).bfloat16(), packed)
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            assert takes_packed(torch.randn(1, 4).bfloat16(), pack(weight.bfloat16()))
+        use_kernels(KernelConfig(cpu_packed=False))
+        assert not takes_packed(torch.randn(3, 4), packed)
+    assert not takes_packed(torch.randn(3, 4), packed)  # grad on: training's GEMMs
     assert pack(weight.double()) is None
 
 
@@ -64,15 +72,24 @@ def linears(llm: LLM) -> list[Linear]:
     return [m for model in models for m in model.modules() if isinstance(m, Linear)]
 
 
-def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair):
+def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair, monkeypatch):
+    """Every linear, and the drafter's context K/V GEMM, runs on its packed copy in a speculative
+    step; with the switch off none is made."""
     target, drafter = llama_pair
     llm = LLM(str(target), {"model": str(drafter)}, device="cpu")
     assert linears(llm) and all(m.packed is not None for m in linears(llm))
-    assert llm.engine.drafter.fused_kv_packed is not None
+    copies = {id(m.packed) for m in linears(llm)} | {id(llm.engine.drafter.fused_kv_packed)}
+    served = set()
+
+    def counted(x, packed, bias):
+        served.add(id(packed))
+        return packed_linear(x, packed, bias)
+
+    monkeypatch.setattr(linear, "packed_linear", counted)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = llm.generate([[1, 5, 9, 2]], params)[0].outputs[0].token_ids
+    assert served == copies  # the prompt's prefill, the verify's and the drafter's rows
     off = LLM(str(target), {"model": str(drafter)}, device="cpu", kernels=KernelConfig(cpu_packed=False))
     assert all(m.packed is None for m in linears(off)) and off.engine.drafter.fused_kv_packed is None
     # the same greedy tokens (fp32: the GEMMs round differently, and this tiny model has no near ties)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    assert [o.outputs[0].token_ids for o in llm.generate([[1, 5, 9, 2]], params)] == (
-        [o.outputs[0].token_ids for o in off.generate([[1, 5, 9, 2]], params)]
-    )
+    assert off.generate([[1, 5, 9, 2]], params)[0].outputs[0].token_ids == tokens

@@ -1,15 +1,16 @@
 """CPU linears on weights packed once, at load, into oneDNN's blocked layout. `F.linear` on the
 CPU lays its weight out anew on every call (MKL's fp32 GEMM packs it above two rows; oneDNN's bf16
-GEMM reorders it into AMX tiles), and for the few-row GEMMs of decoding that copy costs about what
-the GEMM itself does: packed once, a verify's rows cost little more than a decode row's, and bf16
-linears run faster at every row count. fp32 at one or two rows stays with `F.linear`, whose
-GEMV-like path reads the weight faster than the packed GEMM (`MIN_ROWS`).
+GEMM reorders it into AMX tiles), and for the few rows of a decode, verify or propose step that
+copy is a large part of the GEMM's time. Packed once, it is not made again. fp32 at one or two rows
+stays with `F.linear`, whose GEMV-like path reads the weight faster than the packed GEMM there
+(`MIN_ROWS`).
 
-The packed copy sits beside the weight (a `Linear`'s `packed`): one more copy of each linear's
-weight in memory. `KernelConfig.cpu_packed` off packs nothing (`F.linear` everywhere)."""
+The packed copy sits beside the weight (a `Linear`'s `packed`), made last at load
+(`loading.finish`): nothing changes the weight afterwards. It costs one more copy of each linear's
+weight in memory. `KernelConfig.cpu_packed` off makes no copies at load and leaves any made
+unused."""
 
 import torch
-from torch import nn
 
 from blockspec.layers.fast_path import active_kernels
 
@@ -23,27 +24,24 @@ def packing_supported(device: torch.device) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a [N, K] weight, or None for a dtype it is not used for."""
+    """oneDNN's packed copy of a [N, K] weight; None for a dtype it is not used for, or bf16 on a CPU
+    without bf16 instructions (oneDNN refuses to pack it there)."""
     if weight.dtype not in MIN_ROWS:
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def pack_linears(model: nn.Module, linear_type: type[nn.Linear]) -> None:
-    """Give every `linear_type` module of `model` its packed weight (`packed`)."""
-    for module in model.modules():
-        if isinstance(module, linear_type):
-            module.packed = pack(module.weight)
-
-
-def takes_packed(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether a linear of x on `weight` runs on its packed copy: on the CPU, without grad, in the
-    weight's dtype, from the dtype's MIN_ROWS."""
+def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether a linear of x runs on its weight's packed copy: on the CPU, without grad, the switch
+    on, in the copy's dtype, from the dtype's MIN_ROWS."""
     return (
         packed is not None
         and x.device.type == "cpu"
-        and x.dtype == weight.dtype
+        and x.dtype == packed.dtype
         and not torch.is_grad_enabled()
+        and active_kernels().cpu_packed
         and x.numel() >= MIN_ROWS[x.dtype] * x.shape[-1]
     )
 

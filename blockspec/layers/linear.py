@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.activation import silu_mul
-from blockspec.layers.cpu_gemm import packed_linear, takes_packed
+from blockspec.layers.cpu_gemm import pack, packed_linear, takes_packed
 from blockspec.layers.fast_path import active_kernels, fast_path
 from blockspec.layers.kernels import kernel_module, num_sms
 from blockspec.layers.norm import RMSNorm
@@ -42,21 +42,28 @@ def dense(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unfused ops: residual + F.linear(norm(x), weight, bias), then SiLU(gate) * up of the
-    gate|up output with `swiglu`. Without a bias the residual add is the GEMM's epilogue (addmm);
-    under row invariance the GEMM runs in fixed tiles of rows (`row_invariant.tiled_linear`); on
-    the CPU, on the weight's packed copy where it pays (`cpu_gemm.takes_packed`)."""
+    gate|up output with `swiglu`; the GEMM as `gemm` runs it. Without a bias, on F.linear's path,
+    the residual add is the GEMM's epilogue (addmm)."""
     assert not (swiglu and residual is not None), "SwiGLU's output takes no residual"
     x = x if norm is None else norm(x)
-    if row_invariant() or takes_packed(x, weight, packed):
-        y = tiled_linear(x, weight, bias) if row_invariant() else packed_linear(x, packed, bias)
-        y = y if residual is None else residual + y
-    elif residual is None or bias is not None:
-        y = F.linear(x, weight, bias)
-        y = y if residual is None else residual + y
-    else:
+    if residual is not None and bias is None and not row_invariant() and not takes_packed(x, packed):
         flat = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
         y = flat.view(residual.shape)
+    else:
+        y = gemm(x, weight, bias, packed)
+        y = y if residual is None else residual + y
     return silu_mul(y) if swiglu else y
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias): under row invariance in fixed tiles of rows
+    (`row_invariant.tiled_linear`); on the CPU on the weight's packed copy where it pays
+    (`cpu_gemm.takes_packed`)."""
+    if row_invariant():
+        return tiled_linear(x, weight, bias)
+    if takes_packed(x, packed):
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)
 
 
 def fused_linear(
@@ -116,10 +123,17 @@ def linear(
     return dense(x, weight, bias, residual, norm, swiglu, packed)
 
 
+def pack_linears(model: nn.Module) -> None:
+    """Give every `Linear` of `model` its weight's packed copy for the CPU (`cpu_gemm.pack`)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = pack(module.weight)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) computed by `linear`, with its optional norm
     prologue, SwiGLU epilogue (a gate|up projection) and residual add; on the CPU its weight's
-    packed copy, where loading made one (`cpu_gemm.pack_linears`), serves its GEMMs."""
+    packed copy, where loading made one (`pack_linears`), serves its GEMMs."""
 
     packed: torch.Tensor | None = None
 

@@ -1,8 +1,8 @@
 """A model's derived weights, made once when it is loaded or built with random weights, under
 explicit options (`LoadOptions`): a target's norm weights folded into the GEMMs after them and its
 MXFP4 experts kept as such, a drafter's stacked context K/V weight and its FP8 copies, and on the
-CPU each linear's packed weight. The models record what was made
-(`norms_folded`, `fp8`, both derived from the weights); nothing changes them afterwards."""
+CPU each linear's packed weight. The models record what was made (`norms_folded`, `fp8`, both
+derived from the weights); nothing changes them afterwards."""
 
 from dataclasses import dataclass
 
@@ -10,8 +10,8 @@ import torch
 from transformers import PretrainedConfig
 
 from blockspec.config import SpeculativeConfig
-from blockspec.layers.cpu_gemm import pack, pack_linears, packing_supported
-from blockspec.layers.linear import Linear, fused_gemms_on
+from blockspec.layers.cpu_gemm import pack, packing_supported
+from blockspec.layers.linear import fused_gemms_on, pack_linears
 from blockspec.layers.moe import Experts
 from blockspec.loading.fp8 import quantize_drafter, resolve_fp8
 from blockspec.models.causal_lm import CausalLM
@@ -68,7 +68,7 @@ def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
         for experts in [m for m in model.modules() if isinstance(m, Experts) and not m.mxfp4]:
             experts.to_mxfp4()  # experts not loaded as MXFP4 (a preset's random ones): exactly requantized
     if options.cpu_packed:
-        pack_linears(model, Linear)  # last: of the weights as they stay
+        pack_linears(model)  # last: of the weights as they stay
     return model.eval()
 
 
@@ -84,7 +84,7 @@ def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> 
         if options.fp8_lm_head and own is not None:
             drafter.lm_head = None
     if options.cpu_packed:
-        pack_linears(drafter, Linear)
+        pack_linears(drafter)
         if drafter.fused_kv_weight is not None:  # None: an FP8 copy replaced it
             drafter.fused_kv_packed = pack(drafter.fused_kv_weight)
     return drafter.eval()

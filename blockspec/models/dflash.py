@@ -104,6 +104,7 @@ class DFlashDrafter(nn.Module):
             "draft_to_target", torch.empty(self.draft_vocab_size, dtype=torch.long) if reduced else None
         )
         self.fused_kv_weight = self.fused_kv_bias = self.fused_kv_fp8 = self.lm_head_fp8 = None  # made at load
+        self.fused_kv_packed = None  # made at load on the CPU (`layers.cpu_gemm`)
         self.build_heads(config)
 
     def build_heads(self, config: PretrainedConfig) -> None:
