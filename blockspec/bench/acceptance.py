@@ -56,11 +56,11 @@ def two_passes(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> di
     as a slower first pass), and with adaptive width the steps the second pass ran at each width."""
     first = summarize(*timed_generate(llm, prompts, params))
     adaptive = llm.engine.adaptive
-    before = dict(adaptive.steps) if adaptive is not None else {}
+    before = dict(adaptive.width_steps) if adaptive is not None else {}
     second = summarize(*timed_generate(llm, prompts, params)) | {"first_pass_tok_per_s": first["tok_per_s"]}
     if adaptive is None:
         return second
-    return second | {"width_steps": {w: n - before[w] for w, n in adaptive.steps.items() if n > before[w]}}
+    return second | {"width_steps": {w: n - before[w] for w, n in adaptive.width_steps.items() if n > before[w]}}
 
 
 def summarize(outs: list, elapsed: float) -> dict:

@@ -379,7 +379,7 @@ def run(args: argparse.Namespace) -> None:
     bandwidth = copy_bandwidth(device)
     meta = run_meta(
         "blockspec.bench.bench", device, dtype, model=args.model, draft=args.draft, bandwidth_Bps=bandwidth,
-        simulated_tau=args.simulate_tau,
+        simulated_tau=args.simulate_tau, cpu_packed=args.cpu_packed,
     )  # fmt: skip
     results = []
     for prompt_len in [int(n) for n in args.prompt_len.split(",")]:

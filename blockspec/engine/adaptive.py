@@ -38,7 +38,7 @@ class AdaptiveWidth:
         # (bucket, width) -> steps timed; the first is warm-up (graph capture), left out of the cost
         self.timed_steps: dict[tuple[int, int], int] = {}
         self.since_full = 0.0  # seconds of steps since the last full-width one
-        self.steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
+        self.width_steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
 
     def expected_tokens(self) -> np.ndarray:
         """E(w) for every width w = 1 .. max (index w - 1)."""
@@ -71,7 +71,7 @@ class AdaptiveWidth:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
         that width), and per sequence the drafts offered and accepted."""
         self.since_full = 0.0 if width == self.classes[-1] else self.since_full + (seconds or 0.0)
-        self.steps[width] += 1
+        self.width_steps[width] += 1
         key = (round_up(batch, BATCH_BUCKETS), width)
         if seconds is not None:
             n = self.timed_steps.get(key, 0)
