@@ -39,7 +39,8 @@ AS_STORED = LoadOptions()  # nothing derived
 
 def target_options(fold_norms: bool | None, device: torch.device, mxfp4_experts: bool = False) -> LoadOptions:
     """A target's options: norms folded as asked, by default where the GEMMs that fuse them run;
-    MXFP4 experts kept as asked. Call after `use_kernels`, which decides those GEMMs."""
+    MXFP4 experts kept as asked; on the CPU its linears' weights packed (`packing_supported`). Call
+    after `use_kernels`, which decides those GEMMs and the packing."""
     return LoadOptions(
         fold_norms=fold_norms if fold_norms is not None else fused_gemms_on(device),
         mxfp4_experts=mxfp4_experts,
@@ -55,7 +56,8 @@ def stores_mxfp4(config: PretrainedConfig) -> bool:
 
 
 def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: int) -> LoadOptions:
-    """A drafter's options: FP8 copies as `spec.fp8` resolves for a drafter of `hidden_size`."""
+    """A drafter's options: FP8 copies as `spec.fp8` resolves for a drafter of `hidden_size`; on the
+    CPU its linears' weights packed (`packing_supported`)."""
     fp8 = resolve_fp8(spec.fp8, device, hidden_size)
     return LoadOptions(fp8=fp8, fp8_lm_head=fp8 and spec.fp8_lm_head, cpu_packed=packing_supported(device))
 
