@@ -3,7 +3,7 @@
 import gc
 import re
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -121,7 +121,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
         config = EngineConfig(**engine_args)
-        use_kernels(config.kernels)  # before the load options: they depend on the kernels in force
+        # before the load options: they depend on the kernels in force, which the engine's will be
+        use_kernels(replace(config.kernels, row_invariant=config.row_invariant))
         target = load_target(
             model, self.dtype, self.device, target_options(config.fold_norms, self.device, config.mxfp4_experts)
         )

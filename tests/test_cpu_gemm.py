@@ -74,7 +74,7 @@ def linears(llm: LLM) -> list[Linear]:
 
 def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair, monkeypatch):
     """Every linear, and the drafter's context K/V GEMM, runs on its packed copy in a speculative
-    step; with the switch off none is made."""
+    step; with the switch off, or under row invariance, none is made."""
     target, drafter = llama_pair
     llm = LLM(str(target), {"model": str(drafter)}, device="cpu")
     assert linears(llm) and all(m.packed is not None for m in linears(llm))
@@ -91,5 +91,7 @@ def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair, m
     assert served == copies  # the prompt's prefill, the verify's and the drafter's rows
     off = LLM(str(target), {"model": str(drafter)}, device="cpu", kernels=KernelConfig(cpu_packed=False))
     assert all(m.packed is None for m in linears(off)) and off.engine.drafter.fused_kv_packed is None
+    invariant = LLM(str(target), {"model": str(drafter)}, device="cpu", row_invariant=True)
+    assert all(m.packed is None for m in linears(invariant))  # its tiles of rows would not read them
     # the same greedy tokens (fp32: the GEMMs round differently, and this tiny model has no near ties)
     assert off.generate([[1, 5, 9, 2]], params)[0].outputs[0].token_ids == tokens

@@ -19,8 +19,15 @@ MIN_ROWS = {torch.float32: 3, torch.bfloat16: 1}
 
 
 def packing_supported(device: torch.device) -> bool:
-    """The CPU with torch's oneDNN, and the switch on."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and active_kernels().cpu_packed
+    """The CPU with torch's oneDNN, the switch on, and no row invariance (its fixed tiles of rows
+    would leave the copies unused)."""
+    kernels = active_kernels()
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and kernels.cpu_packed
+        and not kernels.row_invariant
+    )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
