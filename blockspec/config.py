@@ -1,6 +1,6 @@
 """Engine configuration."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DRAFTER_METHODS = ("dflash", "dflash2", "dspark")  # speculative methods that run a drafter model
 
@@ -115,7 +115,7 @@ class EngineConfig:
     # Off by default: its cost is not small yet on either device (docs/benchmarks.md,
     # *row-invariant*). Not for linear-attention targets, nor MoE ones on CUDA.
     row_invariant: bool = False
-    # The CUDA fast paths' switches, put in force for the process when the engine is built.
+    # The fast paths' switches, put in force for the process when the engine is built (`engine_kernels`).
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
@@ -128,3 +128,8 @@ class EngineConfig:
             raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
         if self.kernels.row_invariant:  # the engine sets it from row_invariant: it would be overridden
             raise ValueError("set EngineConfig.row_invariant, not kernels.row_invariant (the engine sets that one)")
+
+    @property
+    def engine_kernels(self) -> KernelConfig:
+        """The switches an engine of this config runs with: `kernels`, row invariance as asked."""
+        return replace(self.kernels, row_invariant=self.row_invariant)

@@ -3,7 +3,7 @@
 import gc
 import re
 from collections.abc import Iterator
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -121,8 +121,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
         config = EngineConfig(**engine_args)
-        # before the load options: they depend on the kernels in force, which the engine's will be
-        use_kernels(replace(config.kernels, row_invariant=config.row_invariant))
+        use_kernels(config.engine_kernels)  # before the load options: they depend on the kernels in force
         target = load_target(
             model, self.dtype, self.device, target_options(config.fold_norms, self.device, config.mxfp4_experts)
         )

@@ -75,7 +75,7 @@ class LLMEngine:
     ) -> None:
         if config.row_invariant:
             check_row_invariance(target.model)
-        self.kernels = use_kernels(replace(config.kernels, row_invariant=config.row_invariant))
+        self.kernels = use_kernels(config.engine_kernels)
         if config.fold_norms is not None and config.fold_norms != target.model.norms_folded:
             raise ValueError(
                 f"fold_norms={config.fold_norms} is a load option: this target was loaded with its norms "
