@@ -41,29 +41,33 @@ def dense(
     swiglu: bool = False,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The unfused ops: residual + F.linear(norm(x), weight, bias), then SiLU(gate) * up of the
-    gate|up output with `swiglu`; the GEMM as `gemm` runs it. Without a bias, on F.linear's path,
-    the residual add is the GEMM's epilogue (addmm)."""
+    """The unfused ops: residual + F.linear(norm(x), weight, bias) (`gemm`), then SiLU(gate) * up of
+    the gate|up output with `swiglu`."""
     assert not (swiglu and residual is not None), "SwiGLU's output takes no residual"
-    x = x if norm is None else norm(x)
-    if residual is not None and bias is None and not row_invariant() and not takes_packed(x, packed):
-        flat = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
-        y = flat.view(residual.shape)
-    else:
-        y = gemm(x, weight, bias, packed)
-        y = y if residual is None else residual + y
+    y = gemm(x if norm is None else norm(x), weight, bias, residual, packed)
     return silu_mul(y) if swiglu else y
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias): under row invariance in fixed tiles of rows
+def gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    packed: torch.Tensor | None,
+) -> torch.Tensor:
+    """residual + F.linear(x, weight, bias): under row invariance in fixed tiles of rows
     (`row_invariant.tiled_linear`); on the CPU on the weight's packed copy where it pays
-    (`cpu_gemm.takes_packed`)."""
+    (`cpu_gemm.takes_packed`); else without a bias the residual add is the GEMM's epilogue (addmm)."""
     if row_invariant():
-        return tiled_linear(x, weight, bias)
-    if takes_packed(x, packed):
-        return packed_linear(x, packed, bias)
-    return F.linear(x, weight, bias)
+        y = tiled_linear(x, weight, bias)
+    elif takes_packed(x, packed):
+        y = packed_linear(x, packed, bias)
+    elif residual is not None and bias is None:
+        flat = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
+        return flat.view(residual.shape)
+    else:
+        y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
 
 
 def fused_linear(

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.fast_path import cuda_compiled, fast_kernels
-from blockspec.layers.linear import Linear
+from blockspec.layers.linear import Linear, gemm
 from blockspec.layers.mlp import MLP
 from blockspec.layers.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.row_invariant import elementwise, row_invariant, tiled_linear
+from blockspec.layers.row_invariant import elementwise
 
 if TYPE_CHECKING:
     from blockspec.layers.decoder import LayerSpec
@@ -108,7 +108,6 @@ def experts_ref(
     order = ids.flatten().argsort(stable=True)
     counts = torch.bincount(ids.flatten(), minlength=m.num_experts).tolist()
     flat_weights = weights.flatten()
-    gemm = tiled_linear if row_invariant() else F.linear
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -116,8 +115,10 @@ def experts_ref(
         pairs = order[start : start + n]
         start += n
         rows = pairs // ids.shape[1]
-        h = expert_activation(gemm(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]), m)
-        y = gemm(h, down[e], None if down_bias is None else down_bias[e])
+        h = expert_activation(
+            gemm(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e], None, None), m
+        )
+        y = gemm(h, down[e], None if down_bias is None else down_bias[e], None, None)
         out.index_add_(0, rows, (y * flat_weights[pairs, None]).to(x.dtype))
     return out if residual is None else residual + out
 
