@@ -227,11 +227,16 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """32 random bits a (seed, position, stream), int64 in [0, 2**32); seeds are any int64 (both
     halves of its bits count)."""
-    return hash_bits(seeds, positions * 8 + stream)
+    return hash_bits(seeds, stream_key(positions, stream))
+
+
+def stream_key(positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """What a (position, stream) pair hashes as: position * 8 + stream."""
+    return positions * 8 + stream
 
 
 def hash_bits(seeds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """`random_bits` of a key, position * 8 + stream."""
+    """`random_bits` of a key (`stream_key`)."""
     h = mix32(keys & MASK32)
     h = mix32(h ^ (seeds & MASK32))
     return mix32(h ^ (seeds >> 32 & MASK32))
@@ -240,15 +245,15 @@ def hash_bits(seeds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Float64 uniforms in [0, 1) with 53 random bits, one per (seed, position) pair (broadcast)."""
     seeds, positions = torch.broadcast_tensors(seeds, positions)
-    keys = positions.reshape(-1) * 8 + stream
+    keys = stream_key(positions.reshape(-1), stream)
     return uniform_of_keys(seeds.reshape(-1), keys).view(positions.shape)
 
 
 @cuda_compiled  # on CUDA one kernel, not the hash's many elementwise launches; 1-D: no variant per rank
 def uniform_of_keys(seeds: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """`uniform` of 1-D seeds and keys (`hash_bits`)."""
+    """`uniform` of 1-D seeds and keys (`stream_key`)."""
     high = hash_bits(seeds, keys)
-    low = hash_bits(seeds, keys + len(Stream)) >> 11  # the stream's second half (Stream + len(Stream))
+    low = hash_bits(seeds, keys + len(Stream)) >> 11  # the low bits hash as stream + len(Stream)
     return (high * 2**21 + low).double() * 2**-53
 
 
