@@ -25,7 +25,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next_mod
 
 import blockspec.engine.engine as engine_module
 from blockspec import LLM
-from blockspec.layers.gated_deltanet import GatedDeltaNet, fla_kernels, gated_delta_rule_ref
+from blockspec.layers.gated_deltanet import fla_kernels, gated_delta_rule_ref, masked
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError, check_tensors
 from blockspec.models.registry import family_for
@@ -143,7 +143,7 @@ def test_replayed_state_equals_the_state_after_the_accepted_rows():
     g, beta = -torch.rand(B, T, Hv, generator=gen), torch.rand(B, T, Hv, generator=gen)
     state = torch.randn(B, Hv, D, D, generator=gen)
     rows = torch.tensor([0, 2, 6])
-    gm, bm = GatedDeltaNet.masked(g, beta, rows)
+    gm, bm = masked(g, beta, rows)
     _, replayed = gated_delta_rule_ref(q, k, v, gm, bm, state)
     for b, n in enumerate(rows.tolist()):
         _, alone = gated_delta_rule_ref(

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.layers.fast_path import fast_path
+from blockspec.layers.fast_path import cuda_compiled, fast_kernels, fast_path
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm, fold_norm_weight
 from blockspec.layers.recurrent_state import RecurrentStates
@@ -120,6 +120,41 @@ def gated_delta_rule(
     return op(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=final, use_qk_l2norm_in_kernel=True)
 
 
+def gated_delta_rule_in_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    states: RecurrentStates,
+    rows: torch.Tensor,
+    write: bool,
+    outputs: bool = True,
+) -> torch.Tensor | None:
+    """The gated delta rule from each sequence's state in `pool` [slots, Hv, Dk, Dv] (at
+    states.slots, zero where it starts at position 0) over its first rows[b] rows (later rows
+    leave the state as it is); with `write`, the state after them stored back at its slot. Returns
+    every row's outputs (None without `outputs`). On CUDA up to RECURRENT_MAX_ROWS rows, one Triton
+    kernel reading and writing the pool in place (`kernels.gated_delta`)."""
+    kernels = fast_kernels(q, "gated_delta") if q.shape[1] <= RECURRENT_MAX_ROWS else None
+    if kernels is not None:
+        return kernels.recurrent_in_slots(
+            q, k, v, g, beta, pool, states.slots, states.starts, rows, outputs=outputs, write=write
+        )
+    g, beta = masked(g, beta, rows)
+    out, final = gated_delta_rule(q, k, v, g, beta, states.initial(pool), final=write)
+    if write:
+        pool.index_copy_(0, states.slots, final)
+    return out if outputs else None
+
+
+def masked(g: torch.Tensor, beta: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """g and beta [B, T, Hv] zero at each sequence's rows past rows[b]: the state stays there."""
+    past = (torch.arange(g.shape[1], device=g.device) >= rows[:, None])[..., None]
+    return g.masked_fill(past, 0), beta.masked_fill(past, 0)
+
+
 def fla_kernels() -> tuple:
     """fla's recurrent and chunked gated delta rule kernels; where fla-core is missing, a ValueError
     naming the pip command (the CLI's one-line error, as for its other optional packages)."""
@@ -133,6 +168,15 @@ def fla_kernels() -> tuple:
     return fused_recurrent_gated_delta_rule, chunk_gated_delta_rule
 
 
+@cuda_compiled
+def decay_and_beta(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-head log-decay g (fp32) and write strength beta of each row from its a and b logits."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+@cuda_compiled
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each head's output, then the gate SiLU(z), as transformers' RMSNormGated rounds."""
     dtype = x.dtype
@@ -145,6 +189,11 @@ def conv_windows(x_ext: torch.Tensor, rows: torch.Tensor, width: int) -> torch.T
     inputs) -> its `width` columns ending before column width + rows[b]: [B, C, width]."""
     index = rows[:, None] + torch.arange(width, device=rows.device)
     return x_ext.gather(2, index[:, None, :].expand(-1, x_ext.shape[1], -1))
+
+
+def store_conv_states(pool: torch.Tensor, slots: torch.Tensor, x_ext: torch.Tensor, rows: torch.Tensor) -> None:
+    """Each sequence's conv state after its first rows[b] rows into `pool` [slots, C, width] at its slot."""
+    pool.index_copy_(0, slots, conv_windows(x_ext, rows, pool.shape[-1]).to(pool.dtype))
 
 
 class GatedDeltaNet(nn.Module):
@@ -188,19 +237,16 @@ class GatedDeltaNet(nn.Module):
         qkv = F.silu(F.conv1d(x_ext, self.conv1d.weight, groups=la.conv_dim)).transpose(1, 2)
         q, k, v = qkv.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q, k = q.view(B, T, la.num_key_heads, -1), k.view(B, T, la.num_key_heads, -1)
-        v = v.reshape(B, T, la.num_value_heads, -1)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        beta = b.sigmoid()
-        if states is not None:  # padding rows leave the state as it is
-            g, beta = self.masked(g, beta, states.lengths)
-        state = (
-            states.initial(cache[1]) if states is not None else x.new_zeros(B, *self.cache_shapes[1], dtype=torch.float)
-        )
-        writes_now = states is not None and states.pending is None
-        out, final = gated_delta_rule(q, k, v, g, beta, state, final=writes_now)
-        if writes_now:
-            self.write(cache, states.slots, conv_windows(x_ext, states.lengths, width), final)
-        elif states is not None:
+        v = v.unflatten(-1, (la.num_value_heads, -1))
+        g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
+        if states is None:
+            zero = x.new_zeros(B, *self.cache_shapes[1], dtype=torch.float)
+            out, _ = gated_delta_rule(q, k, v, g, beta, zero, final=False)
+        elif states.pending is None:  # padding rows leave the state as it is
+            out = gated_delta_rule_in_slots(q, k, v, g, beta, cache[1], states, states.lengths, write=True)
+            store_conv_states(cache[0], states.slots, x_ext, states.lengths)
+        else:
+            out = gated_delta_rule_in_slots(q, k, v, g, beta, cache[1], states, states.lengths, write=False)
             states.pending.append(PendingReplay(self, cache, states, x_ext, (q, k, v, g, beta)))
         o = gated_rms_norm(out, z.view(B, T, la.num_value_heads, -1), self.norm.weight, self.eps)
         return self.out_proj(o.flatten(-2), residual=x if residual else None)
@@ -212,17 +258,6 @@ class GatedDeltaNet(nn.Module):
         return torch.Size([la.conv_dim, la.conv_kernel - 1]), torch.Size(
             [la.num_value_heads, la.key_head_dim, la.value_head_dim]
         )
-
-    @staticmethod
-    def masked(g: torch.Tensor, beta: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """g and beta [B, T, Hv] zero at each sequence's rows past rows[b]: the state stays there."""
-        past = (torch.arange(g.shape[1], device=g.device) >= rows[:, None])[..., None]
-        return g.masked_fill(past, 0), beta.masked_fill(past, 0)
-
-    @staticmethod
-    def write(cache, slots: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor) -> None:
-        cache[0].index_copy_(0, slots, conv_state.to(cache[0].dtype))
-        cache[1].index_copy_(0, slots, state)
 
     def fold_norm(self, norm: RMSNorm) -> None:
         fold_norm_weight(norm, self.in_proj)
@@ -241,8 +276,5 @@ class PendingReplay:
     inputs: tuple[torch.Tensor, ...]  # q, k, v, g, beta
 
     def commit(self, rows: torch.Tensor) -> None:
-        q, k, v, g, beta = self.inputs
-        g, beta = self.layer.masked(g, beta, rows)
-        _, final = gated_delta_rule(q, k, v, g, beta, self.states.initial(self.cache[1]))
-        width = self.layer.spec.conv_kernel - 1
-        self.layer.write(self.cache, self.states.slots, conv_windows(self.x_ext, rows, width), final)
+        gated_delta_rule_in_slots(*self.inputs, self.cache[1], self.states, rows, write=True, outputs=False)
+        store_conv_states(self.cache[0], self.states.slots, self.x_ext, rows)

@@ -1,0 +1,98 @@
+"""The gated delta rule's recurrence on states kept in a slot-indexed pool: the CUDA implementation
+of `blockspec.layers.gated_deltanet.gated_delta_rule_in_slots` for a few rows a sequence (decode,
+verify, the rollback's replay). fla's recurrent kernel takes the states as a dense batch, so around
+it each layer gathered its sequences' states, zeroed the fresh ones, masked the gates of rows past
+a sequence's count and scattered the final states back, about ten small launches a layer for a few
+microseconds of work each. Here program (v-block, sequence x value head) reads its state tile from
+the pool at the sequence's slot (zero where it starts at position 0), advances it row by row (rows
+past the count leave it as it is) and, where asked, stores it back at the slot. q, k and v are read
+through their strides (the convolution's output is channel-major); q and k are L2-normed here."""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 8  # value columns a program holds: a [key_dim, 8] fp32 tile, one warp (as fla's recurrent kernel)
+
+
+@triton.jit(do_not_specialize=["T", "sq_b", "sq_t", "sq_c", "sk_b", "sk_t", "sk_c", "sv_b", "sv_t", "sv_c"])
+def _recurrent_kernel(
+    q, k, v, g, beta, o, pool, row_states, slots, starts, rows,
+    T, sq_b, sq_t, sq_c, sk_b, sk_t, sk_c, sv_b, sv_t, sv_c, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    OUTPUTS: tl.constexpr, WRITE: tl.constexpr, ROW_STATES: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    slot, n = tl.load(slots + i_n).to(tl.int64), tl.load(rows + i_n)
+    carried = tl.load(starts + i_n) != 0  # a sequence at position 0 starts from the zero state
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = o_k < K, o_v < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+    tile = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    h = tl.load(pool + slot * HV * K * V + tile, mask=mask_h & carried, other=0.0).to(tl.float32)
+    p_q = q + i_n * sq_b + (i_h * K + o_k) * sq_c
+    p_k = k + i_n * sk_b + (i_h * K + o_k) * sk_c
+    p_v = v + i_n * sv_b + (i_hv * V + o_v) * sv_c
+    at_g = i_n * T * HV + i_hv
+    p_o = o + (i_n * T * HV + i_hv) * V + o_v
+    t = T * 0  # a while loop: Triton's interpreter cannot range over a runtime argument
+    while t < T:
+        live = t < n
+        b_k = tl.load(p_k + t * sk_t, mask=mask_k, other=0.0).to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_v = tl.load(p_v + t * sv_t, mask=mask_v, other=0.0).to(tl.float32)
+        b_g = tl.where(live, tl.load(g + at_g + t * HV).to(tl.float32), 0.0)
+        b_beta = tl.where(live, tl.load(beta + at_g + t * HV).to(tl.float32), 0.0)
+        h *= tl.exp(b_g)
+        delta = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
+        h += b_k[:, None] * delta[None, :]
+        if OUTPUTS:
+            b_q = tl.load(p_q + t * sq_t, mask=mask_k, other=0.0).to(tl.float32)
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+            tl.store(p_o + t * HV * V, tl.sum(h * b_q[:, None], 0).to(o.dtype.element_ty), mask=mask_v)
+        if ROW_STATES:
+            tl.store(row_states + ((i_n * T + t) * HV) * K * V + tile, h, mask=mask_h)
+        t += 1
+    if WRITE:
+        tl.store(pool + slot * HV * K * V + tile, h, mask=mask_h)
+
+
+def recurrent_in_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    rows: torch.Tensor,
+    outputs: bool = True,
+    write: bool = False,
+    row_states: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] (any strides whose last dim is a view of channels
+    h * D + d); g fp32, beta [B, T, Hv] contiguous; pool [slots, Hv, Dk, Dv] fp32; slots, starts,
+    rows [B] int64. Each sequence's state from pool[slots[b]] (zero where starts[b] == 0), advanced
+    over its first rows[b] rows; with `write`, stored back there. Returns the outputs of every row
+    [B, T, Hv, Dv] in v's dtype (None without `outputs`). `row_states` [B, T, Hv, Dk, Dv] fp32: the
+    state after each row stored there too (the per-row alternative to the rollback's replay, timed
+    by `blockspec.bench.rollback_bench`)."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2:]
+    assert g.is_contiguous() and beta.is_contiguous() and g.shape == beta.shape == (B, T, HV)
+    assert pool.is_contiguous() and pool.dtype == torch.float32 and pool.shape[1:] == (HV, K, V)
+    assert all(x.stride(3) == x.stride(2) // x.shape[3] for x in (q, k, v)), "heads x dims must be one channel axis"
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device) if outputs else None
+    BV = min(BLOCK_V, triton.next_power_of_2(V))
+    _recurrent_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, g, beta, o if outputs else v, pool, row_states if row_states is not None else pool,
+        slots, starts, rows, T,
+        q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
+        v.stride(3), K**-0.5,
+        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        OUTPUTS=outputs, WRITE=write, ROW_STATES=row_states is not None, num_warps=1,
+    )  # fmt: skip
+    return o
