@@ -234,6 +234,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
         async_steps=False if args.lock_step else None,
         num_pages=batch * (-(-max_len // 16) + 2) + 1,
         row_invariant=SWITCH_WORDS[args.row_invariant],
+        warm_up=False,  # graphs hold the phase marks in place when they are captured: `measure` warms up
     )
     engine = LLMEngine(target, drafter, spec, config)
     marks = engine.runner.phase_marks = PhaseMarks(cuda)  # before any step: graphs capture the marks
