@@ -1,7 +1,7 @@
 """The Triton gated delta rule on slot-indexed states (`gated_delta_rule_in_slots` on CUDA)
 against the reference: outputs, the states written back at their slots, fresh sequences, rows past
-a sequence's count, channel-major inputs, and the per-row states of the rollback bench. On the CPU
-it runs in Triton's interpreter (test_kernels_in_interpreter)."""
+a sequence's count, inputs that are views of one convolution output, and the per-row states of
+the rollback bench. On the CPU it runs in Triton's interpreter (test_kernels_in_interpreter)."""
 
 import pytest
 import torch
@@ -20,9 +20,9 @@ B, HK, HV, DK, DV, SLOTS = 4, 2, 4, 16, 8, 6
 
 
 def inputs(T: int, dtype: torch.dtype, seed: int = 0):
-    """q, k, v as views of one channel-major convolution output [B, C, T] (as the layer has them)."""
+    """q, k, v as views of one convolution output [B, T, C] (as the layer has them)."""
     gen = torch.Generator().manual_seed(seed)
-    conv = torch.randn(B, 2 * HK * DK + HV * DV, T, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    conv = torch.randn(B, T, 2 * HK * DK + HV * DV, generator=gen).to(DEVICE, dtype)
     q, k, v = conv.split([HK * DK, HK * DK, HV * DV], dim=-1)
     q, k, v = q.unflatten(-1, (HK, DK)), k.unflatten(-1, (HK, DK)), v.unflatten(-1, (HV, DV))
     g = (-torch.rand(B, T, HV, generator=gen)).to(DEVICE)

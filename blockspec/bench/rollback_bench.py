@@ -39,10 +39,10 @@ def linear_attention(name: str) -> tuple[LinearAttentionSpec, int]:
 
 
 def make_inputs(la: LinearAttentionSpec, B: int, T: int, seed: int = 0) -> dict:
-    """q, k, v as views of the channel-major convolution output (as the layer has them), the gates,
+    """q, k, v as views of the convolution output [B, T, C] (as the layer has them), the gates,
     a pool of B + 1 slots (slot 0 the trash slot), and each sequence's accepted rows."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    conv = torch.randn(B, la.conv_dim, T, device="cuda", generator=gen).bfloat16().transpose(1, 2)
+    conv = torch.randn(B, T, la.conv_dim, device="cuda", generator=gen).bfloat16()
     q, k, v = conv.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
     heads = (la.num_key_heads, la.num_key_heads, la.num_value_heads)
     q, k, v = (x.unflatten(-1, (h, -1)) for x, h in zip((q, k, v), heads))

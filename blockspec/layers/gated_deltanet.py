@@ -184,20 +184,35 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (weight * normed.to(dtype) * F.silu(z.float())).to(dtype)
 
 
+@cuda_compiled
+def causal_conv(x_ext: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU of the depthwise causal convolution over rows, in fp32: x_ext [B, width + T, C] (the conv
+    state, then the rows' inputs), weight [C, 1, K = width + 1] -> [B, T, C] row-major in x_ext's
+    dtype (the recurrence reads each row's channels contiguously). Written as K shifted
+    multiply-adds, so that on CUDA it compiles to one kernel with the SiLU."""
+    K = weight.shape[-1]
+    T = x_ext.shape[1] - K + 1
+    w = weight.view(-1, K).float()
+    out = x_ext[:, :T].float() * w[:, 0]
+    for i in range(1, K):
+        out = out + x_ext[:, i : i + T].float() * w[:, i]
+    return F.silu(out).to(x_ext.dtype)
+
+
 def conv_windows(x_ext: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """The conv state after rows[b] rows: x_ext [B, C, width + T] (the state, then the rows'
-    inputs) -> its `width` columns ending before column width + rows[b]: [B, C, width]."""
+    """The conv state after rows[b] rows: x_ext [B, width + T, C] (the state, then the rows'
+    inputs) -> its `width` rows ending before row width + rows[b]: [B, width, C]."""
     index = rows[:, None] + torch.arange(width, device=rows.device)
-    return x_ext.gather(2, index[:, None, :].expand(-1, x_ext.shape[1], -1))
+    return x_ext.gather(1, index[:, :, None].expand(-1, -1, x_ext.shape[2]))
 
 
 def store_conv_states(pool: torch.Tensor, slots: torch.Tensor, x_ext: torch.Tensor, rows: torch.Tensor) -> None:
-    """Each sequence's conv state after its first rows[b] rows into `pool` [slots, C, width] at its slot."""
-    pool.index_copy_(0, slots, conv_windows(x_ext, rows, pool.shape[-1]).to(pool.dtype))
+    """Each sequence's conv state after its first rows[b] rows into `pool` [slots, width, C] at its slot."""
+    pool.index_copy_(0, slots, conv_windows(x_ext, rows, pool.shape[1]).to(pool.dtype))
 
 
 class GatedDeltaNet(nn.Module):
-    """The `linear_attention` mixer; its cache per layer is (conv_state [slots, conv_dim, K-1] in
+    """The `linear_attention` mixer; its cache per layer is (conv_state [slots, K-1, conv_dim] in
     the model's dtype, recurrent_state [slots, Hv, Dk, Dv] fp32), indexed by state slot."""
 
     def __init__(self, s: "LayerSpec", layer_type: str) -> None:
@@ -231,10 +246,9 @@ class GatedDeltaNet(nn.Module):
         la, (B, T) = self.spec, x.shape[:2]
         mixed, z, b, a = self.in_proj(x, norm=norm).split(self.splits, dim=-1)
         states: RecurrentStates | None = attn.states if cache is not None else None
-        width = la.conv_kernel - 1
-        conv_state = states.initial(cache[0]) if states is not None else x.new_zeros(B, la.conv_dim, width)
-        x_ext = torch.cat([conv_state, mixed.transpose(1, 2)], dim=2)  # [B, C, K-1 + T]
-        qkv = F.silu(F.conv1d(x_ext, self.conv1d.weight, groups=la.conv_dim)).transpose(1, 2)
+        conv_state = states.initial(cache[0]) if states is not None else x.new_zeros(B, *self.cache_shapes[0])
+        x_ext = torch.cat([conv_state, mixed], dim=1)  # [B, K-1 + T, C]
+        qkv = causal_conv(x_ext, self.conv1d.weight)
         q, k, v = qkv.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q, k = q.view(B, T, la.num_key_heads, -1), k.view(B, T, la.num_key_heads, -1)
         v = v.unflatten(-1, (la.num_value_heads, -1))
@@ -255,7 +269,7 @@ class GatedDeltaNet(nn.Module):
     def cache_shapes(self) -> tuple[torch.Size, torch.Size]:
         """A sequence's conv state and recurrence state."""
         la = self.spec
-        return torch.Size([la.conv_dim, la.conv_kernel - 1]), torch.Size(
+        return torch.Size([la.conv_kernel - 1, la.conv_dim]), torch.Size(
             [la.num_value_heads, la.key_head_dim, la.value_head_dim]
         )
 

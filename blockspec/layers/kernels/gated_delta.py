@@ -6,7 +6,7 @@ a sequence's count and scattered the final states back, about ten small launches
 microseconds of work each. Here program (v-block, sequence x value head) reads its state tile from
 the pool at the sequence's slot (zero where it starts at position 0), advances it row by row (rows
 past the count leave it as it is) and, where asked, stores it back at the slot. q, k and v are read
-through their strides (the convolution's output is channel-major); q and k are L2-normed here."""
+through their strides (views of the convolution's output); q and k are L2-normed here."""
 
 import torch
 import triton
