@@ -99,10 +99,10 @@ def qk_norm_rope_ref(
     `norm_rope_ref` and the v heads as they are; with `kv_write` = (k_cache, v_cache,
     slot_mapping) the new k and v heads are also written to their cache slots (`write_kv`)."""
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=-2)
-    k = norm_rope_ref(k, k_weight, eps, cos, sin)
+    k = norm_rope(k, k_weight, eps, cos, sin)  # on CUDA one compiled kernel (partial rotary takes this path)
     if kv_write is not None:
         write_kv(kv_write[0], kv_write[1], k, v, kv_write[2])
-    return torch.cat([norm_rope_ref(q, q_weight, eps, cos, sin), k, v], -2)
+    return torch.cat([norm_rope(q, q_weight, eps, cos, sin), k, v], -2)
 
 
 norm_rope = cuda_compiled(norm_rope_ref)
