@@ -15,6 +15,21 @@ import triton.language as tl
 BLOCK_V = 8  # value columns a program holds: a [key_dim, 8] fp32 tile, one warp (as fla's recurrent kernel)
 
 
+@triton.jit
+def _row(p_q, p_k, p_v, p_g, p_beta, t, T, n, mask_k, mask_v, OUTPUTS: tl.constexpr):
+    """Row t's q (zeros without OUTPUTS), k, v, g and beta in fp32; g and beta zero past the
+    sequence's n rows (the state stays), everything zero past the block's T."""
+    there, live = t < T, t < n
+    q = tl.zeros(mask_k.shape, tl.float32)
+    if OUTPUTS:
+        q = tl.load(p_q, mask=mask_k & there, other=0.0).to(tl.float32)
+    k = tl.load(p_k, mask=mask_k & there, other=0.0).to(tl.float32)
+    v = tl.load(p_v, mask=mask_v & there, other=0.0).to(tl.float32)
+    g = tl.load(p_g, mask=live & there, other=0.0).to(tl.float32)
+    beta = tl.load(p_beta, mask=live & there, other=0.0).to(tl.float32)
+    return q, k, v, g, beta
+
+
 @triton.jit(do_not_specialize=["T", "sq_b", "sq_t", "sq_c", "sk_b", "sk_t", "sk_c", "sv_b", "sv_t", "sv_c"])
 def _recurrent_kernel(
     q, k, v, g, beta, o, pool, row_states, slots, starts, rows,
@@ -35,26 +50,28 @@ def _recurrent_kernel(
     p_q = q + i_n * sq_b + (i_h * K + o_k) * sq_c
     p_k = k + i_n * sk_b + (i_h * K + o_k) * sk_c
     p_v = v + i_n * sv_b + (i_hv * V + o_v) * sv_c
-    at_g = i_n * T * HV + i_hv
-    p_o = o + (i_n * T * HV + i_hv) * V + o_v
+    p_g = i_n * T * HV + i_hv  # g's and beta's offset
+    p_o = o + p_g * V + o_v
+    # Row t + 1 is loaded before row t is computed: its loads' latency hides behind that work
+    b_q, b_k, b_v, b_g, b_beta = _row(p_q, p_k, p_v, g + p_g, beta + p_g, 0, T, n, mask_k, mask_v, OUTPUTS)
     t = T * 0  # a while loop: Triton's interpreter cannot range over a runtime argument
     while t < T:
-        live = t < n
-        b_k = tl.load(p_k + t * sk_t, mask=mask_k, other=0.0).to(tl.float32)
+        nxt = t + 1
+        n_q, n_k, n_v, n_g, n_beta = _row(
+            p_q + nxt * sq_t, p_k + nxt * sk_t, p_v + nxt * sv_t, g + p_g + nxt * HV, beta + p_g + nxt * HV,
+            nxt, T, n, mask_k, mask_v, OUTPUTS,
+        )  # fmt: skip
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_v = tl.load(p_v + t * sv_t, mask=mask_v, other=0.0).to(tl.float32)
-        b_g = tl.where(live, tl.load(g + at_g + t * HV).to(tl.float32), 0.0)
-        b_beta = tl.where(live, tl.load(beta + at_g + t * HV).to(tl.float32), 0.0)
         h *= tl.exp(b_g)
         delta = (b_v - tl.sum(h * b_k[:, None], 0)) * b_beta
         h += b_k[:, None] * delta[None, :]
         if OUTPUTS:
-            b_q = tl.load(p_q + t * sq_t, mask=mask_k, other=0.0).to(tl.float32)
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale
             tl.store(p_o + t * HV * V, tl.sum(h * b_q[:, None], 0).to(o.dtype.element_ty), mask=mask_v)
         if ROW_STATES:
             tl.store(row_states + ((i_n * T + t) * HV) * K * V + tile, h, mask=mask_h)
-        t += 1
+        b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
+        t = nxt
     if WRITE:
         tl.store(pool + slot * HV * K * V + tile, h, mask=mask_h)
 
