@@ -54,8 +54,9 @@ def _recurrent_kernel(
     p_o = o + p_g * V + o_v
     # Row t + 1 is loaded before row t is computed: its loads' latency hides behind that work
     b_q, b_k, b_v, b_g, b_beta = _row(p_q, p_k, p_v, g + p_g, beta + p_g, 0, T, n, mask_k, mask_v, OUTPUTS)
+    last = tl.where(OUTPUTS, T, n)  # without outputs, only the rows that move the state
     t = T * 0  # a while loop: Triton's interpreter cannot range over a runtime argument
-    while t < T:
+    while t < last:
         nxt = t + 1
         n_q, n_k, n_v, n_g, n_beta = _row(
             p_q + nxt * sq_t, p_k + nxt * sk_t, p_v + nxt * sv_t, g + p_g + nxt * HV, beta + p_g + nxt * HV,
