@@ -19,6 +19,10 @@ class SpeculativeConfig:
     # "auto": on for Hopper+ GPUs and drafters of hidden size >= 2048 (BLOCKSPEC_FP8=0/1 overrides).
     fp8: bool | str = "auto"
     fp8_lm_head: bool = True  # with fp8, the drafter reads an FP8 copy of the target's LM head
+    # On the CPU, a float32 engine's drafter reads bfloat16 packed copies of its weights and of the LM
+    # head it reads (`layers.cpu_gemm`): drafts need no fp32, the target verifies them in fp32. "auto":
+    # on where the CPU has bf16 instructions; on where it has none is an error.
+    cpu_bf16: bool | str = "auto"
     # DSpark drafters with a confidence head: only the leading drafts whose confidence (the predicted
     # chance each is accepted, given the ones before it were) is at least this are verified; 0: off.
     confidence_threshold: float = 0.0

@@ -13,11 +13,15 @@ from blockspec.layers.cpu_gemm import MIN_ROWS, pack, packed_linear, takes_packe
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
+from blockspec.loading import finish
+from blockspec.loading.finish import cpu_packed_dtype
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch's oneDNN")
 
 TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
-DTYPES = [torch.float32] + [torch.bfloat16] * torch.ops.mkldnn._is_mkldnn_bf16_supported()
+BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+needs_bf16 = pytest.mark.skipif(not BF16, reason="a CPU with bf16 instructions")
+DTYPES = [torch.float32] + [torch.bfloat16] * BF16
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -49,7 +53,7 @@ def test_linear_with_a_packed_weight_keeps_its_norm_swiglu_and_residual():
 
 def test_the_packed_copy_serves_where_it_pays():
     """fp32 from 3 rows (MKL's own path is faster below), bf16 from one; never with grad, in another
-    dtype than the copy's, without a copy, or with the switch off."""
+    dtype than the copy's (float32 rows on a bf16 copy aside), without a copy, or with the switch off."""
     weight = torch.randn(8, 4)
     packed = pack(weight)
     assert MIN_ROWS[torch.float32] == 3
@@ -96,3 +100,53 @@ def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair, m
     assert all(m.packed is None for m in linears(invariant))  # its tiles of rows would not read them
     # the same greedy tokens (fp32: the GEMMs round differently, and this tiny model has no near ties)
     assert off.generate([[1, 5, 9, 2]], params)[0].outputs[0].token_ids == tokens
+
+
+@needs_bf16
+@torch.inference_mode()
+def test_a_bf16_copy_serves_float32_rows_in_bf16():
+    """A float32 engine's drafter on bf16 copies: its rows rounded to bf16, the GEMM in bf16, the
+    result back in float32, from one row."""
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    packed = pack(weight, torch.bfloat16)
+    assert packed.dtype == torch.bfloat16
+    for rows in (1, 5):
+        x = torch.randn(rows, 64, generator=gen)
+        assert takes_packed(x, packed)
+        got = packed_linear(x, packed, bias)
+        assert got.dtype == torch.float32
+        expected = F.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()).float()
+        torch.testing.assert_close(got, expected, **TOLERANCE[torch.bfloat16])
+
+
+def test_a_float32_drafters_copies_are_bf16_where_asked_and_supported(monkeypatch):
+    """`SpeculativeConfig.cpu_bf16`: auto means bf16 where the CPU has bf16 instructions, for a
+    float32 engine only; on where it has none is refused, naming the setting."""
+    assert cpu_packed_dtype("auto", torch.float32) == (torch.bfloat16 if BF16 else None)
+    assert cpu_packed_dtype("auto", torch.bfloat16) is None  # a bf16 engine's copies are bf16 already
+    assert cpu_packed_dtype(False, torch.float32) is None and cpu_packed_dtype("off", torch.float32) is None
+    monkeypatch.setattr(finish, "bf16_supported", lambda: False)
+    assert cpu_packed_dtype("auto", torch.float32) is None
+    with pytest.raises(ValueError, match="cpu_bf16 is on, but this CPU has no bf16 instructions"):
+        cpu_packed_dtype(True, torch.float32)
+    with pytest.raises(ValueError, match="cpu_bf16"):
+        cpu_packed_dtype("sometimes", torch.float32)
+
+
+@needs_bf16
+def test_a_float32_engines_drafter_reads_bf16_copies_and_stays_lossless(llama_pair):
+    """The drafter's linears, context K/V GEMM and its copy of the target's LM head in bf16, the
+    target's in float32; greedy output as plain decoding's, and as with float32 copies."""
+    target, drafter = llama_pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 1]]
+    plain = [o.outputs[0].token_ids for o in LLM(str(target), device="cpu").generate(prompts, params)]
+    for setting, dtype in (("auto", torch.bfloat16), ("off", torch.float32)):
+        llm = LLM(str(target), {"model": str(drafter), "cpu_bf16": setting}, device="cpu")
+        d = llm.engine.drafter
+        assert {m.packed.dtype for m in d.modules() if isinstance(m, Linear)} == {dtype}
+        assert d.fused_kv_packed.dtype == dtype
+        assert (d.lm_head_packed is not None) == (dtype == torch.bfloat16) and d.lm_head is None
+        assert {m.packed.dtype for m in llm.engine.target.model.modules() if isinstance(m, Linear)} == {torch.float32}
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain

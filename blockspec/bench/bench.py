@@ -282,7 +282,9 @@ def load(args, device, dtype):
     )
     if args.draft is None:
         return target, None
-    options = drafter_options(SpeculativeConfig(fp8=args.fp8), device, target.model.spec.hidden_size)
+    options = drafter_options(
+        SpeculativeConfig(fp8=args.fp8, cpu_bf16=args.cpu_bf16), device, target.model.spec.hidden_size, dtype
+    )
     if is_preset(args.draft):
         return target, random_drafter(args.draft, target.model, dtype, device, options)
     return target, load_drafter(args.draft, target.model, dtype, device, options)
@@ -369,6 +371,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="on",
         help="KernelConfig.cpu_packed: the CPU's linears on weights packed at load",
     )
+    p.add_argument(
+        "--cpu-bf16",
+        choices=("auto", *SWITCH_WORDS),
+        default="auto",
+        help="SpeculativeConfig.cpu_bf16: a float32 engine's drafter on bf16 packed copies on the CPU",
+    )
     p.add_argument("--out", default="bench.json")
 
 
@@ -380,7 +388,7 @@ def run(args: argparse.Namespace) -> None:
     bandwidth = copy_bandwidth(device)
     meta = run_meta(
         "blockspec.bench.bench", device, dtype, model=args.model, draft=args.draft, bandwidth_Bps=bandwidth,
-        simulated_tau=args.simulate_tau, cpu_packed=args.cpu_packed,
+        simulated_tau=args.simulate_tau, cpu_packed=args.cpu_packed, cpu_bf16=args.cpu_bf16,
     )  # fmt: skip
     results = []
     for prompt_len in [int(n) for n in args.prompt_len.split(",")]:

@@ -8,7 +8,8 @@ stays with `F.linear`, whose GEMV-like path reads the weight faster than the pac
 The packed copy sits beside the weight (a `Linear`'s `packed`), made last at load
 (`loading.finish`): nothing changes the weight afterwards. It costs one more copy of each linear's
 weight in memory. `KernelConfig.cpu_packed` off makes no copies at load and leaves any made
-unused."""
+unused. A float32 engine's drafter may hold bfloat16 copies (`SpeculativeConfig.cpu_bf16`): its
+float32 rows are rounded to bf16 on the way in and its outputs come back in float32."""
 
 import torch
 
@@ -30,30 +31,37 @@ def packing_supported(device: torch.device) -> bool:
     )
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a [N, K] weight; None for a dtype it is not used for, or bf16 on a CPU
-    without bf16 instructions (oneDNN refuses to pack it there)."""
-    if weight.dtype not in MIN_ROWS:
+def bf16_supported() -> bool:
+    """The CPU has the bf16 instructions that oneDNN packs bf16 weights for."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """oneDNN's packed copy of a [N, K] weight, in `dtype` (None: the weight's); None for a dtype it
+    is not used for, or bf16 on a CPU without bf16 instructions (oneDNN refuses to pack it there)."""
+    dtype = dtype or weight.dtype
+    if dtype not in MIN_ROWS or (dtype == torch.bfloat16 and not bf16_supported()):
         return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype))
 
 
 def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether a linear of x runs on its weight's packed copy: on the CPU, without grad, the switch
-    on, in the copy's dtype, from the dtype's MIN_ROWS."""
+    on, x in the copy's dtype (or float32 for a bf16 copy), from the copy dtype's MIN_ROWS."""
     return (
         packed is not None
         and x.device.type == "cpu"
-        and x.dtype == packed.dtype
+        and (x.dtype == packed.dtype or (x.dtype == torch.float32 and packed.dtype == torch.bfloat16))
         and not torch.is_grad_enabled()
         and active_kernels().cpu_packed
-        and x.numel() >= MIN_ROWS[x.dtype] * x.shape[-1]
+        and x.numel() >= MIN_ROWS[packed.dtype] * x.shape[-1]
     )
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) on the weight's packed copy (`pack`)."""
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-    return y.view(*x.shape[:-1], y.shape[-1])
+    """F.linear(x, weight, bias) on the weight's packed copy (`pack`), in the copy's dtype; the
+    result in x's."""
+    rows = x.reshape(-1, x.shape[-1]).to(packed.dtype)
+    bias = bias.to(packed.dtype) if bias is not None else None
+    y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)

@@ -44,6 +44,15 @@ def parse_flag(value: str, what: str) -> bool:
     return _FLAG_WORDS[word]
 
 
+def auto_flag(setting: bool | str | None, what: str) -> bool | None:
+    """A switch that may be "auto" (or None): None for auto, else as `parse_flag` reads it."""
+    if isinstance(setting, str):
+        return None if setting.strip().lower() == "auto" else parse_flag(setting, f"{what} (or auto)")
+    if setting is not None and not isinstance(setting, bool):
+        raise TypeError(f"{what} must be True, False or 'auto', got {setting!r}")
+    return setting
+
+
 def env_flag(name: str) -> bool | None:
     """The environment variable `name` as a switch (`parse_flag`), None where it is not set."""
     value = os.environ.get(name)

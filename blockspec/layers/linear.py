@@ -127,11 +127,12 @@ def linear(
     return dense(x, weight, bias, residual, norm, swiglu, packed)
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Give every `Linear` of `model` its weight's packed copy for the CPU (`cpu_gemm.pack`)."""
+def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Give every `Linear` of `model` its weight's packed copy for the CPU (`cpu_gemm.pack`), in
+    `dtype` (None: the weight's)."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.packed = pack(module.weight)
+            module.packed = pack(module.weight, dtype)
 
 
 class Linear(nn.Linear):

@@ -10,7 +10,8 @@ import torch
 from transformers import PretrainedConfig
 
 from blockspec.config import SpeculativeConfig
-from blockspec.layers.cpu_gemm import pack, packing_supported
+from blockspec.layers.cpu_gemm import bf16_supported, pack, packing_supported
+from blockspec.layers.fast_path import auto_flag
 from blockspec.layers.linear import fused_gemms_on, pack_linears
 from blockspec.layers.moe import Experts
 from blockspec.loading.fp8 import quantize_drafter, resolve_fp8
@@ -32,6 +33,8 @@ class LoadOptions:
     # kernel to read a quarter of their bf16 bytes.
     mxfp4_experts: bool = False
     cpu_packed: bool = False  # each linear's weight also packed for the CPU's GEMMs (`layers.cpu_gemm`)
+    # the packed copies' dtype (None: the weights'); a drafter's, with one of the target's LM head too
+    cpu_packed_dtype: torch.dtype | None = None
 
 
 AS_STORED = LoadOptions()  # nothing derived
@@ -55,11 +58,26 @@ def stores_mxfp4(config: PretrainedConfig) -> bool:
     return method == "mxfp4"
 
 
-def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: int) -> LoadOptions:
+def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: int, dtype: torch.dtype) -> LoadOptions:
     """A drafter's options: FP8 copies as `spec.fp8` resolves for a drafter of `hidden_size`; on the
-    CPU its linears' weights packed (`packing_supported`)."""
+    CPU its linears' weights packed (`packing_supported`), in bf16 for a float32 engine as
+    `spec.cpu_bf16` resolves (`cpu_packed_dtype`)."""
     fp8 = resolve_fp8(spec.fp8, device, hidden_size)
-    return LoadOptions(fp8=fp8, fp8_lm_head=fp8 and spec.fp8_lm_head, cpu_packed=packing_supported(device))
+    packed = packing_supported(device)
+    packed_dtype = cpu_packed_dtype(spec.cpu_bf16, dtype) if packed else None
+    return LoadOptions(fp8=fp8, fp8_lm_head=fp8 and spec.fp8_lm_head, cpu_packed=packed, cpu_packed_dtype=packed_dtype)
+
+
+def cpu_packed_dtype(setting: bool | str, dtype: torch.dtype) -> torch.dtype | None:
+    """bf16 for the packed copies of a float32 engine's drafter where `setting` (`cpu_bf16`) is on, or
+    auto and the CPU has bf16 instructions; None (the weights' dtype) otherwise. On where the CPU has
+    none is a ValueError."""
+    on = auto_flag(setting, "cpu_bf16")
+    if dtype != torch.float32 or on is False:
+        return None
+    if on and not bf16_supported():
+        raise ValueError("cpu_bf16 is on, but this CPU has no bf16 instructions for oneDNN: set it to 'auto' or off")
+    return torch.bfloat16 if bf16_supported() else None
 
 
 def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
@@ -86,7 +104,14 @@ def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> 
         if options.fp8_lm_head and own is not None:
             drafter.lm_head = None
     if options.cpu_packed:
-        pack_linears(drafter)
+        dtype = options.cpu_packed_dtype
+        pack_linears(drafter, dtype)
         if drafter.fused_kv_weight is not None:  # None: an FP8 copy replaced it
-            drafter.fused_kv_packed = pack(drafter.fused_kv_weight)
+            drafter.fused_kv_packed = pack(drafter.fused_kv_weight, dtype)
+        reads_target_head = drafter.lm_head is None and drafter.lm_head_fp8 is None
+        if reads_target_head and dtype not in (
+            None,
+            target.lm_head.weight.dtype,
+        ):  # the target's own copy serves otherwise
+            drafter.lm_head_packed = pack(target.lm_head.weight, dtype)
     return drafter.eval()

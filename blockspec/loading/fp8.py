@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from blockspec.layers.fast_path import env_flag, parse_flag
+from blockspec.layers.fast_path import auto_flag, env_flag
 from blockspec.layers.quantization import Fp8Linear, fp8_supported
 from blockspec.models.dflash import DFlashDrafter
 
@@ -31,14 +31,11 @@ def resolve_fp8(setting: bool | str | None, device: torch.device | str, hidden_s
     `fp8_supported`, else ValueError: there the reference would dequantize every weight each call);
     None/"auto" means on where `fp8_supported` for drafters at least AUTO_MIN_HIDDEN wide, unless
     the environment sets BLOCKSPEC_FP8 (0/off or 1/on)."""
-    if isinstance(setting, str):
-        setting = None if setting.strip().lower() == "auto" else parse_flag(setting, "fp8 setting (or auto)")
+    setting = auto_flag(setting, "fp8 setting")
     if setting is None:
         setting = env_flag("BLOCKSPEC_FP8")
     if setting is None:
         return fp8_supported(device) and hidden_size >= AUTO_MIN_HIDDEN
-    if not isinstance(setting, bool):
-        raise TypeError(f"fp8 setting must be True, False or 'auto', got {setting!r}")
     if setting and torch.device(device).type == "cuda" and not fp8_supported(device):
         raise ValueError(f"an FP8 drafter on {device} needs FP8 tensor cores (compute capability 9.0+) and triton")
     return setting

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from blockspec.layers.attention import AttentionMetadata
+from blockspec.layers.cpu_gemm import packed_linear, takes_packed
 from blockspec.layers.decoder import DecoderLayer, KVCache, LayerKind, decoder_stack
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
@@ -105,6 +106,7 @@ class DFlashDrafter(nn.Module):
         )
         self.fused_kv_weight = self.fused_kv_bias = self.fused_kv_fp8 = self.lm_head_fp8 = None  # made at load
         self.fused_kv_packed = None  # made at load on the CPU (`layers.cpu_gemm`)
+        self.lm_head_packed = None  # a packed copy of the target's LM head in another dtype (`cpu_gemm`)
         self.build_heads(config)
 
     def build_heads(self, config: PretrainedConfig) -> None:
@@ -190,12 +192,17 @@ class DFlashDrafter(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor:
         """Logits over the draft vocabulary [..., Vd] through its LM head (its own, else the target's;
-        or the FP8 copy of it), in the head's dtype; in fp32 where the config scales or caps them."""
+        or the FP8 copy or the CPU's packed copy of it), in the head's dtype; in fp32 where the config
+        scales or caps them."""
         fp8 = self.lm_head_fp8
         if fp8 is not None:
             logits = fp8(hidden)
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif takes_packed(hidden, self.lm_head_packed):
+            logits = packed_linear(hidden, self.lm_head_packed, None)
         else:
-            logits = self.lm_head(hidden) if self.lm_head is not None else target.compute_logits(hidden)
+            logits = target.compute_logits(hidden)
         if self.output_multiplier != 1.0:
             logits = logits.float() * self.output_multiplier
         if self.logit_softcap:
