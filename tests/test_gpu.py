@@ -25,7 +25,14 @@ from blockspec.engine.batch import batch_rows, causal_range, window_range
 from blockspec.engine.engine import LLMEngine
 from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
-from blockspec.layers.gated_deltanet import RECURRENT_MAX_ROWS, gated_delta_rule, gated_delta_rule_ref
+from blockspec.layers.gated_deltanet import (
+    RECURRENT_MAX_ROWS,
+    causal_conv,
+    decay_and_beta,
+    gated_delta_rule,
+    gated_delta_rule_ref,
+    gated_rms_norm,
+)
 from blockspec.layers.norm import rms_norm_compiled
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.layers.rotary import norm_rope, rope_tables
@@ -72,9 +79,9 @@ def test_fp32_moe_fast_path_equals_cpu_reference(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_fp32_hybrid_fast_path_equals_cpu_reference(tmp_path, family):
-    """Hybrid targets in CUDA graphs, the Gated DeltaNet recurrence in fla's recurrent kernel (these
-    prompts, the steps and the rollback's replay), partial rotary by the reference: greedy output as
-    the CPU reference's, plain and speculative."""
+    """Hybrid targets, in CUDA graphs and eager, the Gated DeltaNet recurrence in the pool's Triton kernel
+    (these prompts, the steps and the rollback's replay), partial rotary by the compiled reference:
+    greedy output as the CPU reference's, plain and speculative."""
     t = hybrid_target(tmp_path, family)
     d = make_drafter(tmp_path / "d", t, block_size=8)
     # prompts of at most RECURRENT_MAX_ROWS rows: the chunked kernel's fp32 dots run in TF32, and its
@@ -82,7 +89,8 @@ def test_fp32_hybrid_fast_path_equals_cpu_reference(tmp_path, family):
     prompts = [p for p in PROMPTS if len(p) <= RECURRENT_MAX_ROWS]
     for spec in (None, {"model": str(d)}):
         cpu = outputs(LLM(str(t), spec, device="cpu", fold_norms=True), prompts)
-        assert outputs(LLM(str(t), spec, device="cuda", dtype="float32"), prompts) == cpu
+        for graphs in (True, False):  # without graphs a step launched ahead reads its starts strided
+            assert outputs(LLM(str(t), spec, device="cuda", dtype="float32", cuda_graphs=graphs), prompts) == cpu
 
 
 @pytest.mark.parametrize("rows", [1, 16, 300])  # decode, verify (recurrent kernel); a prompt (chunked)
@@ -183,6 +191,10 @@ def test_fused_elementwise_ops_match_their_eager_reference():
         (norm_rope, (heads, weight[:128], 1e-6, cos, sin)),
         (rope_tables, (torch.randint(0, 40960, (3, 16), device="cuda"), angles[0, 0, :64], 1.0, torch.bfloat16)),
         (rope_tables, (torch.tensor([[40000]], device="cuda"), angles[0, 0, :64], 1.0, torch.bfloat16)),
+        (norm_rope, (heads, weight[:128], 1e-6, cos[..., :32], sin[..., :32])),  # partial rotary
+        (decay_and_beta, (x[..., :32], delta[..., :32], torch.randn(32, device="cuda"), weight[:32])),
+        (gated_rms_norm, (heads, heads.flip(-1), weight[:128], 1e-6)),
+        (causal_conv, (x, torch.randn(4096, 1, 4, device="cuda", dtype=torch.bfloat16))),
     ]
     for op, args in cases:
         fused, eager = op.compiled(*args), op.eager(*args)

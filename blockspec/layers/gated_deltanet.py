@@ -12,10 +12,11 @@ beta = sigmoid(b); value heads share key heads in groups. The output is RMS-norm
 by SiLU(z) and projected back. A row past a sequence's length gets g = 0 and beta = 0, which leaves
 the state exactly as it is, so padded batches and a verify's rejected rows never move it.
 
-`gated_delta_rule` is one function for both devices: the sequential reference on the CPU (each
-row's arithmetic the same whatever rows follow, so a verify's rows equal plain decoding's), and on
-CUDA the kernels of flash-linear-attention (`fla-core`): recurrent up to RECURRENT_MAX_ROWS rows a
-sequence (decode, verify, the commit's replay, short prompts), chunked past them (long prompts)."""
+The recurrence is one function for both devices (`gated_delta_rule_in_slots`, on states in the
+pool): the sequential reference on the CPU (each row's arithmetic the same whatever rows follow,
+so a verify's rows equal plain decoding's); on CUDA up to RECURRENT_MAX_ROWS rows a sequence
+(decode, verify, the commit's replay, short prompts) the Triton kernel of `kernels.gated_delta`,
+past them (long prompts) flash-linear-attention's chunked kernel (`fla-core`)."""
 
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,7 +34,9 @@ from blockspec.layers.recurrent_state import RecurrentStates
 if TYPE_CHECKING:
     from blockspec.layers.decoder import LayerSpec
 
-RECURRENT_MAX_ROWS = 64  # up to these rows a sequence, fla's recurrent kernel; past them its chunked one
+RECURRENT_MAX_ROWS = (
+    64  # up to these rows a sequence, the pool's kernel (`kernels.gated_delta`); past them fla's chunked one
+)
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,9 @@ def gated_delta_rule(
     state: torch.Tensor,
     final: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`gated_delta_rule_ref`; on CUDA without grad, fla's recurrent kernel (few rows) or chunked
-    one (prefill), which write the final state only where `final` asks (None otherwise: a verify's
-    is the replay's to write). Outputs in v's dtype."""
+    """`gated_delta_rule_ref` on a batch of states (not the pool's), the final state only where
+    `final` asks (None otherwise); on CUDA without grad fla's recurrent kernel (few rows) or chunked
+    one (prompts). Outputs in v's dtype."""
     if not fast_path(q):
         out, state = gated_delta_rule_ref(q, k, v, g, beta, state)
         return out.to(v.dtype), state if final else None
@@ -178,7 +181,8 @@ def decay_and_beta(
 
 @cuda_compiled
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each head's output, then the gate SiLU(z), as transformers' RMSNormGated rounds."""
+    """RMSNorm of each head's output, then the gate SiLU(z), as transformers' RMSNormGated rounds
+    (on CUDA one compiled kernel, which may skip a rounding of an intermediate)."""
     dtype = x.dtype
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return (weight * normed.to(dtype) * F.silu(z.float())).to(dtype)

@@ -3,7 +3,8 @@
 Each running sequence holds a state slot (`engine.kv_cache.SlotAllocator`); a layer keeps its
 states in pools indexed by slot (slot 0 is the trash slot of padding sequences). A forward reads
 each sequence's state at its first row (zero where the sequence starts at position 0) and advances
-it over the sequence's rows. A prefill writes the state after all of them at once. A verify
+it over the sequence's rows. A prefill, and a step of one row (always committed), writes the state
+after all of them at once. A verify
 cannot: only its accepted prefix may advance the state, and that is known after the forward. So
 a verify defers the write (`RecurrentStates.pending`): each layer leaves what it needs to redo
 its recurrence, and `commit` replays the accepted rows from the step's initial state, inside the
@@ -29,7 +30,7 @@ class RecurrentStates:
     slots: torch.Tensor  # [B] each sequence's state slot (trash slot 0 for padding sequences)
     starts: torch.Tensor  # [B] position of each sequence's first row: 0 starts from the zero state
     lengths: torch.Tensor  # [B] each sequence's real rows (those past it are padding)
-    # None: write each sequence's state after its `lengths` rows now (prefill); a list: the layers'
+    # None: write each sequence's state after its `lengths` rows now (a prefill, a lone-row step); a list: the layers'
     # deferred writes, for `commit` once the accepted rows are known (verify)
     pending: list[PendingState] | None = None
 

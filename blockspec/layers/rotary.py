@@ -95,8 +95,8 @@ def qk_norm_rope_ref(
     num_kv_heads: int,
     kv_write: KVWrite | None = None,
 ) -> torch.Tensor:
-    """qkv [..., Hq + 2*Hkv, D] -> the same layout with the q and the k heads through
-    `norm_rope_ref` and the v heads as they are; with `kv_write` = (k_cache, v_cache,
+    """qkv [..., Hq + 2*Hkv, D] -> the same layout with the q and the k heads through `norm_rope`
+    (eager: `norm_rope_ref`) and the v heads as they are; with `kv_write` = (k_cache, v_cache,
     slot_mapping) the new k and v heads are also written to their cache slots (`write_kv`)."""
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=-2)
     k = norm_rope(k, k_weight, eps, cos, sin)  # on CUDA one compiled kernel (partial rotary takes this path)
@@ -110,8 +110,8 @@ norm_rope = cuda_compiled(norm_rope_ref)
 
 def qk_norm_rope(qkv: torch.Tensor, *args, kv_write: KVWrite | None = None) -> torch.Tensor:
     """`qk_norm_rope_ref`; on CUDA without grad one Triton launch that rewrites qkv in place and
-    writes the cache (torch.compile makes three kernels of the reference: one per part of its cat),
-    where the whole head rotates (partial rotary: the reference)."""
+    writes the cache, where the whole head rotates (partial rotary: the reference, its q and k
+    each one compiled kernel)."""
     kernels = fast_kernels(qkv, "qk_norm_rope")
     whole = args[3].shape[-1] == qkv.shape[-1]  # args: q_weight, k_weight, eps, cos, ...
     op = kernels.qk_norm_rope_triton if kernels is not None and whole else qk_norm_rope_ref

@@ -1,12 +1,11 @@
 """The gated delta rule's recurrence on states kept in a slot-indexed pool: the CUDA implementation
 of `blockspec.layers.gated_deltanet.gated_delta_rule_in_slots` for a few rows a sequence (decode,
-verify, the rollback's replay). fla's recurrent kernel takes the states as a dense batch, so around
-it each layer gathered its sequences' states, zeroed the fresh ones, masked the gates of rows past
-a sequence's count and scattered the final states back, about ten small launches a layer for a few
-microseconds of work each. Here program (v-block, sequence x value head) reads its state tile from
-the pool at the sequence's slot (zero where it starts at position 0), advances it row by row (rows
-past the count leave it as it is) and, where asked, stores it back at the slot. q, k and v are read
-through their strides (views of the convolution's output); q and k are L2-normed here."""
+verify, the rollback's replay, short prompts). Program (v-block, sequence x value head) reads its
+state tile from the pool at the sequence's slot (zero where it starts at position 0), advances it
+row by row (rows past the sequence's count leave it as it is) and, where asked, stores it back at
+the slot: no gather of the states before, no scatter after, no masked copies of the gates. q, k
+and v are read through their strides (views of the convolution's output); q and k are L2-normed
+here."""
 
 import torch
 import triton
@@ -30,9 +29,12 @@ def _row(p_q, p_k, p_v, p_g, p_beta, t, T, n, mask_k, mask_v, OUTPUTS: tl.conste
     return q, k, v, g, beta
 
 
-@triton.jit(do_not_specialize=["T", "sq_b", "sq_t", "sq_c", "sk_b", "sk_t", "sk_c", "sv_b", "sv_t", "sv_c"])
+# no variant per stride or row count: the launch-ahead path passes strided `starts`, prompts any T
+@triton.jit(do_not_specialize=[
+    "s_slots", "s_starts", "s_rows", "T", "sq_b", "sq_t", "sq_c", "sk_b", "sk_t", "sk_c", "sv_b", "sv_t", "sv_c",
+])  # fmt: skip
 def _recurrent_kernel(
-    q, k, v, g, beta, o, pool, row_states, slots, starts, rows,
+    q, k, v, g, beta, o, pool, row_states, slots, starts, rows, s_slots, s_starts, s_rows,
     T, sq_b, sq_t, sq_c, sk_b, sk_t, sk_c, sv_b, sv_t, sv_c, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     OUTPUTS: tl.constexpr, WRITE: tl.constexpr, ROW_STATES: tl.constexpr,
@@ -40,8 +42,8 @@ def _recurrent_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    slot, n = tl.load(slots + i_n).to(tl.int64), tl.load(rows + i_n)
-    carried = tl.load(starts + i_n) != 0  # a sequence at position 0 starts from the zero state
+    slot, n = tl.load(slots + i_n * s_slots).to(tl.int64), tl.load(rows + i_n * s_rows)
+    carried = tl.load(starts + i_n * s_starts) != 0  # a sequence at position 0 starts from the zero state
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
@@ -54,7 +56,7 @@ def _recurrent_kernel(
     p_o = o + p_g * V + o_v
     # Row t + 1 is loaded before row t is computed: its loads' latency hides behind that work
     b_q, b_k, b_v, b_g, b_beta = _row(p_q, p_k, p_v, g + p_g, beta + p_g, 0, T, n, mask_k, mask_v, OUTPUTS)
-    last = tl.where(OUTPUTS, T, n)  # without outputs, only the rows that move the state
+    last = T if OUTPUTS else n  # without outputs, only the rows that move the state
     t = T * 0  # a while loop: Triton's interpreter cannot range over a runtime argument
     while t < last:
         nxt = t + 1
@@ -95,19 +97,20 @@ def recurrent_in_slots(
     h * D + d); g fp32, beta [B, T, Hv] contiguous; pool [slots, Hv, Dk, Dv] fp32; slots, starts,
     rows [B] int64. Each sequence's state from pool[slots[b]] (zero where starts[b] == 0), advanced
     over its first rows[b] rows; with `write`, stored back there. Returns the outputs of every row
-    [B, T, Hv, Dv] in v's dtype (None without `outputs`). `row_states` [B, T, Hv, Dk, Dv] fp32: the
-    state after each row stored there too (the per-row alternative to the rollback's replay, timed
-    by `blockspec.bench.rollback_bench`)."""
+    [B, T, Hv, Dv] in v's dtype (None without `outputs`). `row_states` [B, T, Hv, Dk, Dv] fp32, with
+    `outputs`: the state after each row stored there too (the per-row alternative to the rollback's
+    replay, timed by `blockspec.bench.rollback_bench`)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2:]
     assert g.is_contiguous() and beta.is_contiguous() and g.shape == beta.shape == (B, T, HV)
     assert pool.is_contiguous() and pool.dtype == torch.float32 and pool.shape[1:] == (HV, K, V)
-    assert all(x.stride(3) == x.stride(2) // x.shape[3] for x in (q, k, v)), "heads x dims must be one channel axis"
+    assert all(x.stride(2) == x.shape[3] * x.stride(3) for x in (q, k, v)), "heads x dims must be one channel axis"
+    assert slots.shape == starts.shape == rows.shape == (B,)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device) if outputs else None
     BV = min(BLOCK_V, triton.next_power_of_2(V))
     _recurrent_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, g, beta, o if outputs else v, pool, row_states if row_states is not None else pool,
-        slots, starts, rows, T,
+        slots, starts, rows, slots.stride(0), starts.stride(0), rows.stride(0), T,
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
         v.stride(3), K**-0.5,
         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
