@@ -20,9 +20,11 @@ class SpeculativeConfig:
     fp8: bool | str = "auto"
     fp8_lm_head: bool = True  # with fp8, the drafter reads an FP8 copy of the target's LM head
     # On the CPU, a float32 engine's drafter reads bfloat16 packed copies of its weights and of the LM
-    # head it reads (`layers.cpu_gemm`): drafts need no fp32, the target verifies them in fp32. "auto":
-    # on where the CPU has bf16 instructions; on where it has none is an error.
-    cpu_bf16: bool | str = "auto"
+    # head it reads (`layers.cpu_gemm`): drafts need no fp32, the target verifies them in fp32, so
+    # greedy output is unchanged; but at bf16's rounding a row's drafts depend on the rows beside it,
+    # and so a seeded sampled request's text on its batch. Off by default for that; "auto": on where
+    # the CPU multiplies bf16 natively (AVX512-BF16, AMX); on where oneDNN has no bf16 GEMM is an error.
+    cpu_bf16: bool | str = False
     # DSpark drafters with a confidence head: only the leading drafts whose confidence (the predicted
     # chance each is accepted, given the ones before it were) is at least this are verified; 0: off.
     confidence_threshold: float = 0.0
@@ -47,6 +49,8 @@ class SpeculativeConfig:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.simulate_tau is not None and (self.method not in DRAFTER_METHODS or self.simulate_tau < 1):
             raise ValueError("simulate_tau is a mean acceptance length (>= 1) of a drafter model")
+        auto_flag(self.fp8, "fp8 setting")  # a word it does not know fails here, not at load
+        auto_flag(self.cpu_bf16, "cpu_bf16")
 
     @classmethod
     def from_dict(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -78,6 +82,26 @@ class KernelConfig:
 
 # The command lines' words for a switch (--row-invariant, --warm-up) -> EngineConfig's bool
 SWITCH_WORDS = {"off": False, "on": True}
+
+_FLAG_WORDS = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False, "": False}
+
+
+def parse_flag(value: str, what: str) -> bool:
+    """A switch's word: 1/on/true or 0/off/false (empty: off); anything else is a ValueError
+    naming `what`."""
+    word = value.strip().lower()
+    if word not in _FLAG_WORDS:
+        raise ValueError(f"{what} must be 0 or 1 (on or off), got {value!r}")
+    return _FLAG_WORDS[word]
+
+
+def auto_flag(setting: bool | str | None, what: str) -> bool | None:
+    """A switch that may be "auto" (or None): None for auto, else as `parse_flag` reads it."""
+    if isinstance(setting, str):
+        return None if setting.strip().lower() == "auto" else parse_flag(setting, f"{what} (or auto)")
+    if setting is not None and not isinstance(setting, bool):
+        raise TypeError(f"{what} must be True, False or 'auto', got {setting!r}")
+    return setting
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 from blockspec.config import DRAFTER_METHODS, EngineConfig, SpeculativeConfig
 from blockspec.engine.detokenizer import streamable_text
 from blockspec.engine.engine import LLMEngine
+from blockspec.layers.cpu_gemm import native_cpu_bf16
 from blockspec.layers.fast_path import use_kernels
 from blockspec.loading.drafters import load_drafter
 from blockspec.loading.finish import drafter_options, target_options
@@ -60,13 +61,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but this torch sees no CUDA GPU")
     return resolved
-
-
-def native_cpu_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 decoding is
-    faster than fp32."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

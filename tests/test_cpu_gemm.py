@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec import LLM, SamplingParams
-from blockspec.config import KernelConfig
+from blockspec.config import KernelConfig, SpeculativeConfig
 from blockspec.layers import linear
 from blockspec.layers.cpu_gemm import MIN_ROWS, pack, packed_linear, takes_packed
 from blockspec.layers.fast_path import use_kernels
@@ -15,6 +15,7 @@ from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.loading import finish
 from blockspec.loading.finish import cpu_packed_dtype
+from blockspec.models import dflash
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch's oneDNN")
 
@@ -121,24 +122,38 @@ def test_a_bf16_copy_serves_float32_rows_in_bf16():
 
 
 def test_a_float32_drafters_copies_are_bf16_where_asked_and_supported(monkeypatch):
-    """`SpeculativeConfig.cpu_bf16`: auto means bf16 where the CPU has bf16 instructions, for a
-    float32 engine only; on where it has none is refused, naming the setting."""
+    """`SpeculativeConfig.cpu_bf16`: auto means bf16 where the CPU multiplies bf16 natively, for a
+    float32 engine only; on where oneDNN has no bf16 GEMM is refused, and a bad value with the
+    config, each naming the setting."""
+    monkeypatch.setattr(finish, "native_cpu_bf16", lambda: True)
     assert cpu_packed_dtype("auto", torch.float32) == (torch.bfloat16 if BF16 else None)
     assert cpu_packed_dtype("auto", torch.bfloat16) is None  # a bf16 engine's copies are bf16 already
     assert cpu_packed_dtype(False, torch.float32) is None and cpu_packed_dtype("off", torch.float32) is None
-    monkeypatch.setattr(finish, "bf16_supported", lambda: False)
+    monkeypatch.setattr(finish, "native_cpu_bf16", lambda: False)  # AVX-512 without bf16: oneDNN emulates it
     assert cpu_packed_dtype("auto", torch.float32) is None
-    with pytest.raises(ValueError, match="cpu_bf16 is on, but this CPU has no bf16 instructions"):
+    monkeypatch.setattr(finish, "bf16_supported", lambda: False)
+    with pytest.raises(ValueError, match="cpu_bf16 is on, but oneDNN has no bf16 GEMM on this CPU"):
         cpu_packed_dtype(True, torch.float32)
     with pytest.raises(ValueError, match="cpu_bf16"):
-        cpu_packed_dtype("sometimes", torch.float32)
+        SpeculativeConfig(cpu_bf16="sometimes")  # refused with the config, before anything loads
+    with pytest.raises(TypeError, match="cpu_bf16"):
+        SpeculativeConfig(cpu_bf16=3)
 
 
 @needs_bf16
-def test_a_float32_engines_drafter_reads_bf16_copies_and_stays_lossless(llama_pair):
-    """The drafter's linears, context K/V GEMM and its copy of the target's LM head in bf16, the
-    target's in float32; greedy output as plain decoding's, and as with float32 copies."""
+def test_a_float32_engines_drafter_reads_bf16_copies_and_stays_lossless(llama_pair, monkeypatch):
+    """The drafter's linears, context K/V GEMM and its copy of the target's LM head in bf16 (that
+    copy serving its logits), the target's in float32; greedy output as plain decoding's, and as
+    with float32 copies."""
     target, drafter = llama_pair
+    head_rows = []
+
+    def counted(x, packed, bias):
+        head_rows.append(x.shape[:-1].numel())
+        return packed_linear(x, packed, bias)
+
+    monkeypatch.setattr(dflash, "packed_linear", counted)
+    monkeypatch.setattr(finish, "native_cpu_bf16", lambda: True)  # auto: as on a CPU with AVX512-BF16
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 1]]
     plain = [o.outputs[0].token_ids for o in LLM(str(target), device="cpu").generate(prompts, params)]
@@ -149,4 +164,6 @@ def test_a_float32_engines_drafter_reads_bf16_copies_and_stays_lossless(llama_pa
         assert d.fused_kv_packed.dtype == dtype
         assert (d.lm_head_packed is not None) == (dtype == torch.bfloat16) and d.lm_head is None
         assert {m.packed.dtype for m in llm.engine.target.model.modules() if isinstance(m, Linear)} == {torch.float32}
+        head_rows.clear()
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+        assert bool(head_rows) == (dtype == torch.bfloat16)  # the drafter's logits on the bf16 copy

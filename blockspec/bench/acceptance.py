@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from blockspec.bench.meta import run_meta
+from blockspec.config import SWITCH_WORDS
 from blockspec.llm import DEFAULT_DRAFTER, LLM
 from blockspec.sampling import SamplingParams
 from blockspec.structured_output import StructuredOutput
@@ -102,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--compare-fp8", action="store_true", help="also run the drafter with FP8 weights")
     p.add_argument(
+        "--cpu-bf16",
+        choices=("auto", *SWITCH_WORDS),
+        default="off",
+        help="SpeculativeConfig.cpu_bf16: a float32 engine's drafter on bf16 packed copies on the CPU",
+    )
+    p.add_argument(
         "--widths",
         type=block_widths,
         default=[],
@@ -140,7 +147,7 @@ def run(args: argparse.Namespace) -> None:
         variants[f"_w{width}"] = {"fp8": False, "adaptive_width": False, "num_speculative_tokens": width - 1}
     for draft in drafts:
         for suffix, options in variants.items():
-            llm, seconds = engine({"model": draft, **options})
+            llm, seconds = engine({"model": draft, "cpu_bf16": args.cpu_bf16, **options})
             name = llm.engine.drafter.proposer + suffix  # named by its kind: dflash, dspark
             if name in engines:
                 raise ValueError(
@@ -179,6 +186,7 @@ def run(args: argparse.Namespace) -> None:
         engine_start_s=start_s,
         max_width={name: llm.engine.max_width for name, llm in engines.items()},
         response_format=args.response_format,
+        cpu_bf16=args.cpu_bf16,
     )
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 

@@ -134,7 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     if 0 < args.system_prompt < EngineConfig.page_size:
         p.error(f"--system-prompt ({args.system_prompt}) must fill a cache page ({EngineConfig.page_size} tokens)")
     args.draft = None if args.draft == "none" else args.draft
-    args.mxfp4_experts, args.fp8, args.cpu_packed = False, "auto", "on"  # what `bench.load` reads
+    args.mxfp4_experts, args.fp8, args.cpu_packed, args.cpu_bf16 = (
+        False,
+        "auto",
+        "on",
+        "auto",
+    )  # what `bench.load` reads
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     target, drafter = load(args, device, dtype)

@@ -374,7 +374,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-bf16",
         choices=("auto", *SWITCH_WORDS),
-        default="auto",
+        default="off",
         help="SpeculativeConfig.cpu_bf16: a float32 engine's drafter on bf16 packed copies on the CPU",
     )
     p.add_argument("--out", default="bench.json")

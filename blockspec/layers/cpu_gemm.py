@@ -8,8 +8,9 @@ stays with `F.linear`, whose GEMV-like path reads the weight faster than the pac
 The packed copy sits beside the weight (a `Linear`'s `packed`), made last at load
 (`loading.finish`): nothing changes the weight afterwards. It costs one more copy of each linear's
 weight in memory. `KernelConfig.cpu_packed` off makes no copies at load and leaves any made
-unused. A float32 engine's drafter may hold bfloat16 copies (`SpeculativeConfig.cpu_bf16`): its
-float32 rows are rounded to bf16 on the way in and its outputs come back in float32."""
+unused; so does row invariance, whose fixed tiles of rows oneDNN's GEMM would not keep. A float32
+engine's drafter may hold bfloat16 copies (`SpeculativeConfig.cpu_bf16`): its float32 rows are
+rounded to bf16 on the way in and its outputs come back in float32."""
 
 import torch
 
@@ -32,8 +33,15 @@ def packing_supported(device: torch.device) -> bool:
 
 
 def bf16_supported() -> bool:
-    """The CPU has the bf16 instructions that oneDNN packs bf16 weights for."""
+    """oneDNN runs bf16 GEMMs here (and packs their weights): natively, or emulated on AVX-512."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 GEMMs are faster
+    than fp32."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
@@ -47,13 +55,16 @@ def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether a linear of x runs on its weight's packed copy: on the CPU, without grad, the switch
-    on, x in the copy's dtype (or float32 for a bf16 copy), from the copy dtype's MIN_ROWS."""
+    on and row invariance off, x in the copy's dtype (or float32 for a bf16 copy), from the copy
+    dtype's MIN_ROWS."""
+    kernels = active_kernels()
     return (
         packed is not None
         and x.device.type == "cpu"
         and (x.dtype == packed.dtype or (x.dtype == torch.float32 and packed.dtype == torch.bfloat16))
         and not torch.is_grad_enabled()
-        and active_kernels().cpu_packed
+        and kernels.cpu_packed
+        and not kernels.row_invariant
         and x.numel() >= MIN_ROWS[packed.dtype] * x.shape[-1]
     )
 

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from blockspec.config import KernelConfig
+from blockspec.config import KernelConfig, parse_flag
 from blockspec.layers.kernels import kernel_module
 
 # KernelConfig field -> the environment variable that overrides it (0 or 1) when the engine is built.
@@ -29,28 +29,9 @@ ENV_OVERRIDES = {
     "pdl": "BLOCKSPEC_PDL",
     "fp8_kernel": "BLOCKSPEC_FP8_KERNEL",
 }
-_FLAG_WORDS = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False, "": False}
 
 _kernels = KernelConfig()  # the switches in force (`use_kernels`)
 _references_only = False  # inside `reference_ops`
-
-
-def parse_flag(value: str, what: str) -> bool:
-    """A switch's word: 1/on/true or 0/off/false (empty: off); anything else is a ValueError
-    naming `what`."""
-    word = value.strip().lower()
-    if word not in _FLAG_WORDS:
-        raise ValueError(f"{what} must be 0 or 1 (on or off), got {value!r}")
-    return _FLAG_WORDS[word]
-
-
-def auto_flag(setting: bool | str | None, what: str) -> bool | None:
-    """A switch that may be "auto" (or None): None for auto, else as `parse_flag` reads it."""
-    if isinstance(setting, str):
-        return None if setting.strip().lower() == "auto" else parse_flag(setting, f"{what} (or auto)")
-    if setting is not None and not isinstance(setting, bool):
-        raise TypeError(f"{what} must be True, False or 'auto', got {setting!r}")
-    return setting
 
 
 def env_flag(name: str) -> bool | None:

@@ -1,7 +1,8 @@
 """A model's derived weights, made once when it is loaded or built with random weights, under
 explicit options (`LoadOptions`): a target's norm weights folded into the GEMMs after them and its
 MXFP4 experts kept as such, a drafter's stacked context K/V weight and its FP8 copies, and on the
-CPU each linear's packed weight. The models record what was made (`norms_folded`, `fp8`, both
+CPU each linear's packed weight (a float32 engine's drafter's in bf16, with one of the target's LM
+head). The models record what was made (`norms_folded`, `fp8`, both
 derived from the weights); nothing changes them afterwards."""
 
 from dataclasses import dataclass
@@ -9,9 +10,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from blockspec.config import SpeculativeConfig
-from blockspec.layers.cpu_gemm import bf16_supported, pack, packing_supported
-from blockspec.layers.fast_path import auto_flag
+from blockspec.config import SpeculativeConfig, auto_flag
+from blockspec.layers.cpu_gemm import bf16_supported, native_cpu_bf16, pack, packing_supported
 from blockspec.layers.linear import fused_gemms_on, pack_linears
 from blockspec.layers.moe import Experts
 from blockspec.loading.fp8 import quantize_drafter, resolve_fp8
@@ -69,15 +69,17 @@ def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: 
 
 
 def cpu_packed_dtype(setting: bool | str, dtype: torch.dtype) -> torch.dtype | None:
-    """bf16 for the packed copies of a float32 engine's drafter where `setting` (`cpu_bf16`) is on, or
-    auto and the CPU has bf16 instructions; None (the weights' dtype) otherwise. On where the CPU has
-    none is a ValueError."""
+    """bf16 for the packed copies of a float32 engine's drafter where `setting` (`cpu_bf16`) is on,
+    or auto and the CPU multiplies bf16 natively; None (the weights' dtype) otherwise. On where
+    oneDNN has no bf16 GEMM is a ValueError."""
     on = auto_flag(setting, "cpu_bf16")
-    if dtype != torch.float32 or on is False:
+    if on is None:
+        on = native_cpu_bf16() and bf16_supported()
+    if dtype != torch.float32 or not on:
         return None
-    if on and not bf16_supported():
-        raise ValueError("cpu_bf16 is on, but this CPU has no bf16 instructions for oneDNN: set it to 'auto' or off")
-    return torch.bfloat16 if bf16_supported() else None
+    if not bf16_supported():
+        raise ValueError("cpu_bf16 is on, but oneDNN has no bf16 GEMM on this CPU: set it to 'auto' or off")
+    return torch.bfloat16
 
 
 def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
@@ -93,9 +95,9 @@ def finish_target(model: CausalLM, options: LoadOptions) -> CausalLM:
 
 
 def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> Drafter:
-    """`drafter` ready for inference: its context K/V weight stacked (`fuse_kv`) and its FP8 copies
+    """`drafter` ready for inference: its context K/V weight stacked (`fuse_kv`), its FP8 copies
     made as `options` ask, of the LM head it reads too (the target keeps its own; its own is
-    replaced)."""
+    replaced), and on the CPU its packed copies (`pack_drafter`)."""
     drafter.fuse_kv()
     if options.fp8:
         own = drafter.lm_head
@@ -104,14 +106,17 @@ def finish_drafter(drafter: Drafter, target: CausalLM, options: LoadOptions) -> 
         if options.fp8_lm_head and own is not None:
             drafter.lm_head = None
     if options.cpu_packed:
-        dtype = options.cpu_packed_dtype
-        pack_linears(drafter, dtype)
-        if drafter.fused_kv_weight is not None:  # None: an FP8 copy replaced it
-            drafter.fused_kv_packed = pack(drafter.fused_kv_weight, dtype)
-        reads_target_head = drafter.lm_head is None and drafter.lm_head_fp8 is None
-        if reads_target_head and dtype not in (
-            None,
-            target.lm_head.weight.dtype,
-        ):  # the target's own copy serves otherwise
-            drafter.lm_head_packed = pack(target.lm_head.weight, dtype)
+        pack_drafter(drafter, target, options.cpu_packed_dtype)
     return drafter.eval()
+
+
+def pack_drafter(drafter: Drafter, target: CausalLM, dtype: torch.dtype | None) -> None:
+    """The drafter's packed CPU copies in `dtype` (None: its weights'): its linears', its context K/V
+    weight's and, in a dtype other than the target's, the target's LM head where it reads that (the
+    target's own copy serves it otherwise)."""
+    pack_linears(drafter, dtype)
+    if drafter.fused_kv_weight is not None:  # None: an FP8 copy replaced it
+        drafter.fused_kv_packed = pack(drafter.fused_kv_weight, dtype)
+    reads_target_head = drafter.lm_head is None and drafter.lm_head_fp8 is None
+    if reads_target_head and dtype not in (None, target.lm_head.weight.dtype):
+        drafter.lm_head_packed = pack(target.lm_head.weight, dtype)

@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from blockspec.layers.fast_path import auto_flag, env_flag
+from blockspec.config import auto_flag
+from blockspec.layers.fast_path import env_flag
 from blockspec.layers.quantization import Fp8Linear, fp8_supported
 from blockspec.models.dflash import DFlashDrafter
 
