@@ -153,12 +153,8 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
         proposal = proposer.propose(runner, inputs)
     runner.mark("drafter")
     block = torch.cat([inputs.tokens[:, :1], proposal.drafts], dim=1)
-    # the linear-attention layers' states advance over the accepted rows only: a block's are written
-    # after `accept`; a lone row (plain decoding) is always committed, so the forward writes its own
-    lone_row = block.shape[1] == 1
-    states = (RecurrentStates if lone_row else RecurrentStates.deferred)(
-        inputs.state_slots, inputs.starts, inputs.lengths
-    )
+    # the linear-attention layers' states advance over the accepted rows only (`commit`, after `accept`)
+    states = RecurrentStates.for_block(inputs.state_slots, inputs.starts, inputs.lengths, block.shape[1])
     hidden, features = runner.target_forward(block, inputs.starts, inputs.lengths, inputs.block_tables, states)
     logits = runner.target.compute_logits(hidden)
     runner.mark("verify")
@@ -172,8 +168,7 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     accepted, bonus = accept(proposal, rule_logits, inputs)
     committed = accepted + 1
     runner.mark("accept")
-    if not lone_row:
-        states.commit(committed)
+    states.commit(committed)
     if inputs.penalties is not None:
         runner.penalty_state.commit(inputs.state_slots, committed_tokens(proposal.drafts, accepted, bonus), committed)
     runner.mark("rollback")

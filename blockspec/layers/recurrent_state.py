@@ -30,13 +30,16 @@ class RecurrentStates:
     slots: torch.Tensor  # [B] each sequence's state slot (trash slot 0 for padding sequences)
     starts: torch.Tensor  # [B] position of each sequence's first row: 0 starts from the zero state
     lengths: torch.Tensor  # [B] each sequence's real rows (those past it are padding)
-    # None: write each sequence's state after its `lengths` rows now (a prefill, a lone-row step); a list: the layers'
-    # deferred writes, for `commit` once the accepted rows are known (verify)
+    # None: write each sequence's state after its `lengths` rows now (a prefill, a lone-row step); a
+    # list: the layers' deferred writes, for `commit` once the accepted rows are known (verify)
     pending: list[PendingState] | None = None
 
     @staticmethod
-    def deferred(slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> "RecurrentStates":
-        return RecurrentStates(slots, starts, lengths, pending=[])
+    def for_block(slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, rows: int) -> "RecurrentStates":
+        """A step's, for a block of `rows` rows a sequence: several defer their writes to `commit`
+        (only the accepted rows may advance the states); a lone row is always committed, so its
+        forward writes them."""
+        return RecurrentStates(slots, starts, lengths, pending=[] if rows > 1 else None)
 
     def initial(self, pool: torch.Tensor) -> torch.Tensor:
         """Each sequence's state from `pool` [num_slots, ...] (a copy), zero where it starts at 0."""
@@ -44,7 +47,9 @@ class RecurrentStates:
         return pool.index_select(0, self.slots).masked_fill_(fresh, 0)  # in place: the select is a copy
 
     def commit(self, rows: torch.Tensor) -> None:
-        """The deferred writes, each sequence's state advanced over its first rows[b] rows."""
-        for p in self.pending:
+        """The deferred writes, each sequence's state advanced over its first rows[b] rows (none
+        where the forward wrote them)."""
+        for p in self.pending or ():
             p.commit(rows)
-        self.pending.clear()
+        if self.pending:
+            self.pending.clear()
