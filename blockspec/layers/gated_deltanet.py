@@ -260,12 +260,13 @@ class GatedDeltaNet(nn.Module):
         if states is None:
             zero = x.new_zeros(B, *self.cache_shapes[1], dtype=torch.float)
             out, _ = gated_delta_rule(q, k, v, g, beta, zero, final=False)
-        elif states.pending is None:  # padding rows leave the state as it is
-            out = gated_delta_rule_in_slots(q, k, v, g, beta, cache[1], states, states.lengths, write=True)
-            store_conv_states(cache[0], states.slots, x_ext, states.lengths)
-        else:
-            out = gated_delta_rule_in_slots(q, k, v, g, beta, cache[1], states, states.lengths, write=False)
-            states.pending.append(PendingReplay(self, cache, states, x_ext, (q, k, v, g, beta)))
+        else:  # padding rows leave the state as it is
+            writes_now = states.pending is None
+            out = gated_delta_rule_in_slots(q, k, v, g, beta, cache[1], states, states.lengths, write=writes_now)
+            if writes_now:
+                store_conv_states(cache[0], states.slots, x_ext, states.lengths)
+            else:
+                states.pending.append(PendingReplay(cache, states, x_ext, (q, k, v, g, beta)))
         o = gated_rms_norm(out, z.view(B, T, la.num_value_heads, -1), self.norm.weight, self.eps)
         return self.out_proj(o.flatten(-2), residual=x if residual else None)
 
@@ -287,7 +288,6 @@ class PendingReplay:
     at commit from the initial states, still in the pool (read again there rather than held: a
     verify's states of every layer at once would be the step's largest buffers)."""
 
-    layer: GatedDeltaNet
     cache: tuple[torch.Tensor, torch.Tensor]
     states: RecurrentStates
     x_ext: torch.Tensor
