@@ -4,6 +4,8 @@ The inverse frequencies of scaled variants (linear, llama3, yarn) come from tran
 own `ROPE_INIT_FUNCTIONS`, so a checkpoint's rope settings mean here what they mean there.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -94,15 +96,16 @@ def qk_norm_rope_ref(
     num_heads: int,
     num_kv_heads: int,
     kv_write: KVWrite | None = None,
+    per_head: Callable = norm_rope_ref,
 ) -> torch.Tensor:
-    """qkv [..., Hq + 2*Hkv, D] -> the same layout with the q and the k heads through `norm_rope`
-    (eager: `norm_rope_ref`) and the v heads as they are; with `kv_write` = (k_cache, v_cache,
+    """qkv [..., Hq + 2*Hkv, D] -> the same layout with the q and the k heads through `per_head`
+    (`norm_rope_ref`) and the v heads as they are; with `kv_write` = (k_cache, v_cache,
     slot_mapping) the new k and v heads are also written to their cache slots (`write_kv`)."""
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=-2)
-    k = norm_rope(k, k_weight, eps, cos, sin)  # on CUDA one compiled kernel (partial rotary takes this path)
+    k = per_head(k, k_weight, eps, cos, sin)
     if kv_write is not None:
         write_kv(kv_write[0], kv_write[1], k, v, kv_write[2])
-    return torch.cat([norm_rope(q, q_weight, eps, cos, sin), k, v], -2)
+    return torch.cat([per_head(q, q_weight, eps, cos, sin), k, v], -2)
 
 
 norm_rope = cuda_compiled(norm_rope_ref)
@@ -113,9 +116,9 @@ def qk_norm_rope(qkv: torch.Tensor, *args, kv_write: KVWrite | None = None) -> t
     writes the cache, where the whole head rotates (partial rotary: the reference, its q and k
     each one compiled kernel)."""
     kernels = fast_kernels(qkv, "qk_norm_rope")
-    whole = args[3].shape[-1] == qkv.shape[-1]  # args: q_weight, k_weight, eps, cos, ...
-    op = kernels.qk_norm_rope_triton if kernels is not None and whole else qk_norm_rope_ref
-    return op(qkv, *args, kv_write=kv_write)
+    if kernels is not None and args[3].shape[-1] == qkv.shape[-1]:  # args: q_weight, k_weight, eps, cos, ...
+        return kernels.qk_norm_rope_triton(qkv, *args, kv_write=kv_write)
+    return qk_norm_rope_ref(qkv, *args, kv_write=kv_write, per_head=norm_rope)
 
 
 def layers_kv_write(
