@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from blockspec.bench.bench import load, sync
+from blockspec.bench.bench import add_load_arguments, load, sync
 from blockspec.bench.meta import run_meta
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.engine import LLMEngine
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    add_load_arguments(p)
     p.add_argument("--out", default="arrival.json")
     args = p.parse_args(argv)
     if args.system_prompt >= args.long_prompt:
@@ -134,12 +135,6 @@ def main(argv: list[str] | None = None) -> None:
     if 0 < args.system_prompt < EngineConfig.page_size:
         p.error(f"--system-prompt ({args.system_prompt}) must fill a cache page ({EngineConfig.page_size} tokens)")
     args.draft = None if args.draft == "none" else args.draft
-    args.mxfp4_experts, args.fp8, args.cpu_packed, args.cpu_bf16 = (
-        False,
-        "auto",
-        "on",
-        "auto",
-    )  # what `bench.load` reads
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     target, drafter = load(args, device, dtype)

@@ -347,23 +347,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lock-step", action="store_true", help="read each step before launching the next (no launch ahead)"
     )
     p.add_argument(
-        "--fp8",
-        default="auto",
-        help="FP8 drafter: on, off, auto (the engine's default: on for Hopper+ and drafters of hidden size >= 2048)",
-    )
-    p.add_argument(
         "--adaptive-width", action="store_true", help="let steps narrow the block (default: every step at full width)"
-    )
-    p.add_argument(
-        "--mxfp4-experts",
-        action="store_true",
-        help="keep an MXFP4 target's experts in MXFP4 (EngineConfig.mxfp4_experts)",
     )
     p.add_argument(
         "--row-invariant",
         choices=SWITCH_WORDS,
         default="off",
         help="EngineConfig.row_invariant",
+    )
+    add_load_arguments(p)
+    p.add_argument("--out", default="bench.json")
+
+
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `load` reads besides --model and --draft (the arrival bench loads through it too)."""
+    p.add_argument(
+        "--fp8",
+        default="auto",
+        help="FP8 drafter: on, off, auto (the engine's default: on for Hopper+ and drafters of hidden size >= 2048)",
+    )
+    p.add_argument(
+        "--mxfp4-experts",
+        action="store_true",
+        help="keep an MXFP4 target's experts in MXFP4 (EngineConfig.mxfp4_experts)",
     )
     p.add_argument(
         "--cpu-packed",
@@ -377,7 +383,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="off",
         help="SpeculativeConfig.cpu_bf16: a float32 engine's drafter on bf16 packed copies on the CPU",
     )
-    p.add_argument("--out", default="bench.json")
 
 
 def run(args: argparse.Namespace) -> None:
