@@ -124,9 +124,7 @@ class LLM:
         if spec is not None and spec.method in DRAFTER_METHODS:
             if spec.model is None:
                 raise ValueError("speculative_config needs 'model': the drafter directory")
-            options = drafter_options(
-                spec, self.device, target.model.spec.hidden_size, self.dtype
-            )  # a drafter's is its target's
+            options = drafter_options(spec, self.device, target.model.spec.hidden_size, self.dtype)
             drafter = load_drafter(spec.model, target.model, self.dtype, self.device, options)
             if spec.method != "dflash" and drafter.proposer != spec.method:
                 raise ValueError(

@@ -52,8 +52,8 @@ def gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    packed: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """residual + F.linear(x, weight, bias): under row invariance in fixed tiles of rows
     (`row_invariant.tiled_linear`); on the CPU on the weight's packed copy where it pays

@@ -115,10 +115,8 @@ def experts_ref(
         pairs = order[start : start + n]
         start += n
         rows = pairs // ids.shape[1]
-        h = expert_activation(
-            gemm(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e], None, None), m
-        )
-        y = gemm(h, down[e], None if down_bias is None else down_bias[e], None, None)
+        h = expert_activation(gemm(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]), m)
+        y = gemm(h, down[e], None if down_bias is None else down_bias[e])
         out.index_add_(0, rows, (y * flat_weights[pairs, None]).to(x.dtype))
     return out if residual is None else residual + out
 

@@ -2,8 +2,8 @@
 explicit options (`LoadOptions`): a target's norm weights folded into the GEMMs after them and its
 MXFP4 experts kept as such, a drafter's stacked context K/V weight and its FP8 copies, and on the
 CPU each linear's packed weight (a float32 engine's drafter's in bf16, with one of the target's LM
-head). The models record what was made (`norms_folded`, `fp8`, both
-derived from the weights); nothing changes them afterwards."""
+head). The models record what was made (`norms_folded`, `fp8`, both derived from the weights);
+nothing changes them afterwards."""
 
 from dataclasses import dataclass
 
