@@ -54,7 +54,8 @@ def test_linear_with_a_packed_weight_keeps_its_norm_swiglu_and_residual():
 
 def test_the_packed_copy_serves_where_it_pays():
     """fp32 from 3 rows (MKL's own path is faster below), bf16 from one; never with grad, in another
-    dtype than the copy's (float32 rows on a bf16 copy aside), without a copy, or with the switch off."""
+    dtype than the copy's (float32 rows on a bf16 copy aside), without a copy, under row invariance,
+    or with the switch off."""
     weight = torch.randn(8, 4)
     packed = pack(weight)
     assert MIN_ROWS[torch.float32] == 3
@@ -68,6 +69,9 @@ def test_the_packed_copy_serves_where_it_pays():
             assert takes_packed(torch.randn(1, 4).bfloat16(), pack(weight.bfloat16()))
     assert not takes_packed(torch.randn(3, 4), packed)  # grad on: training's GEMMs
     assert pack(weight.double()) is None
+    use_kernels(KernelConfig(row_invariant=True))  # its fixed tiles of rows: oneDNN's GEMM would not keep them
+    with torch.inference_mode():
+        assert not takes_packed(torch.randn(3, 4), packed)
     use_kernels(KernelConfig(cpu_packed=False))
     with torch.inference_mode():
         assert not takes_packed(torch.randn(3, 4), packed)
