@@ -701,12 +701,14 @@ def test_tokenizing_does_not_block_other_connections(live: Live, monkeypatch) ->
     tokenize = engine.tokenize
     monkeypatch.setattr(engine, "tokenize", lambda prompt: (time.sleep(2), tokenize(prompt))[1])
     with ThreadPoolExecutor(1) as pool:
-        slow = pool.submit(live.client().completions.create, model=NAME, prompt="w7", max_tokens=2)
+        create = live.client().completions.create
+        slow = pool.submit(create, model=NAME, prompt="w7 w8", max_tokens=4, temperature=0)
         time.sleep(0.3)
         start = time.monotonic()
         assert httpx.get(f"{live.url}/health").status_code == 200
         assert time.monotonic() - start < 1
-        assert slow.result().choices[0].text
+        expected = live.reference.generate("w7 w8", greedy(4))[0].outputs[0].text
+        assert slow.result().choices[0].text == expected
 
 
 def test_newest_output_replaces_unread_ones() -> None:
