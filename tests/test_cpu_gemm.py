@@ -1,6 +1,6 @@
 """CPU linears on packed weights (`blockspec.layers.cpu_gemm`): the same results as F.linear, taken
 where they pay, made at load for every linear of a target and its drafter, none with the switch
-off."""
+off; under row invariance float32 copies that give a row the same bits at any row count."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig, SpeculativeConfig
-from blockspec.layers import linear
-from blockspec.layers.cpu_gemm import MIN_ROWS, pack, packed_linear, takes_packed
+from blockspec.layers import linear, row_invariant
+from blockspec.layers.cpu_gemm import CHECK_ROWS, MIN_ROWS, invariant_rows, pack, packed_linear, takes_packed
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
@@ -54,8 +54,8 @@ def test_linear_with_a_packed_weight_keeps_its_norm_swiglu_and_residual():
 
 def test_the_packed_copy_serves_where_it_pays():
     """fp32 from 3 rows (MKL's own path is faster below), bf16 from one; never with grad, in another
-    dtype than the copy's (float32 rows on a bf16 copy aside), without a copy, under row invariance,
-    or with the switch off."""
+    dtype than the copy's (float32 rows on a bf16 copy aside), without a copy, or with the switch
+    off; under row invariance a float32 copy at any rows, and never a bf16 one."""
     weight = torch.randn(8, 4)
     packed = pack(weight)
     assert MIN_ROWS[torch.float32] == 3
@@ -65,16 +65,38 @@ def test_the_packed_copy_serves_where_it_pays():
         assert not takes_packed(torch.randn(3, 4), None)
         assert not takes_packed(torch.randn(3, 4).double(), packed)
         assert not takes_packed(torch.randn(3, 4).bfloat16(), packed)
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if BF16:
             assert takes_packed(torch.randn(1, 4).bfloat16(), pack(weight.bfloat16()))
     assert not takes_packed(torch.randn(3, 4), packed)  # grad on: training's GEMMs
     assert pack(weight.double()) is None
-    use_kernels(KernelConfig(row_invariant=True))  # its fixed tiles of rows: oneDNN's GEMM would not keep them
+    use_kernels(KernelConfig(row_invariant=True))
     with torch.inference_mode():
-        assert not takes_packed(torch.randn(3, 4), packed)
+        assert takes_packed(torch.randn(1, 4), packed) == invariant_rows(8, 4)
+        if BF16:  # bf16 copies serve row invariance's tiles (`tiled_linear`), never one call
+            assert not takes_packed(torch.randn(3, 4).bfloat16(), pack(weight.bfloat16()))
     use_kernels(KernelConfig(cpu_packed=False))
     with torch.inference_mode():
         assert not takes_packed(torch.randn(3, 4), packed)
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (576, 1536), (49152, 576)])
+@torch.inference_mode()
+def test_under_row_invariance_a_packed_copy_gives_a_row_the_same_bits_at_any_row_count(shape):
+    """Where the check on this CPU says oneDNN keeps a row's bits at the shape (it compares the
+    counts of CHECK_ROWS), a row's result is the same at counts the check does not try; where it
+    does not, the copy serves only fixed tiles."""
+    use_kernels(KernelConfig(row_invariant=True))
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(*shape, generator=gen) / 8, torch.randn(shape[0], generator=gen)
+    packed, x = pack(weight), torch.randn(300, shape[1], generator=gen)
+    assert takes_packed(x, packed) == invariant_rows(*shape)
+    if not invariant_rows(*shape):
+        return
+    whole = packed_linear(x, packed, bias)
+    torch.testing.assert_close(whole, F.linear(x, weight, bias), **TOLERANCE[torch.float32])
+    for m in [m for m in (6, 7, 9, 12, 31, 47, 200, 300) if m not in CHECK_ROWS]:
+        assert torch.equal(packed_linear(x[:m], packed, bias), whole[:m])
+    assert torch.equal(packed_linear(x[299:], packed, bias), whole[299:])  # a lone row, padded
 
 
 def linears(llm: LLM) -> list[Linear]:
@@ -84,7 +106,7 @@ def linears(llm: LLM) -> list[Linear]:
 
 def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair, monkeypatch):
     """Every linear, and the drafter's context K/V GEMM, runs on its packed copy in a speculative
-    step; with the switch off, or under row invariance, none is made."""
+    step, with row invariance too; with the switch off none is made."""
     target, drafter = llama_pair
     llm = LLM(str(target), {"model": str(drafter)}, device="cpu")
     assert linears(llm) and all(m.packed is not None for m in linears(llm))
@@ -101,10 +123,17 @@ def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair, m
     assert served == copies  # the prompt's prefill, the verify's and the drafter's rows
     off = LLM(str(target), {"model": str(drafter)}, device="cpu", kernels=KernelConfig(cpu_packed=False))
     assert all(m.packed is None for m in linears(off)) and off.engine.drafter.fused_kv_packed is None
-    invariant = LLM(str(target), {"model": str(drafter)}, device="cpu", row_invariant=True)
-    assert all(m.packed is None for m in linears(invariant))  # its tiles of rows would not read them
     # the same greedy tokens (fp32: the GEMMs round differently, and this tiny model has no near ties)
     assert off.generate([[1, 5, 9, 2]], params)[0].outputs[0].token_ids == tokens
+    for dtype in DTYPES:  # under row invariance the copies serve too: in one call or in fixed tiles
+        invariant = LLM(str(target), {"model": str(drafter)}, device="cpu", dtype=dtype, row_invariant=True)
+        copies = {id(m.packed) for m in linears(invariant)} | {id(invariant.engine.drafter.fused_kv_packed)}
+        monkeypatch.setattr(row_invariant, "packed_linear", counted)
+        served.clear()
+        out = invariant.generate([[1, 5, 9, 2]], params)[0].outputs[0].token_ids
+        assert served == copies
+        if dtype == torch.float32:
+            assert out == tokens
 
 
 @needs_bf16

@@ -19,6 +19,7 @@ from conftest import (
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig
 from blockspec.layers.attention import paged_attention_ref
+from blockspec.layers.cpu_gemm import pack
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.row_invariant import ROW_TILE, elementwise, tiled_attention, tiled_linear
 
@@ -30,14 +31,19 @@ DTYPES = [torch.float32, torch.bfloat16]
 TWIN_GAP = 1e-5
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["mm", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tiled_linear_gives_a_row_the_same_bits_at_any_row_count(dtype):
+@torch.inference_mode()
+def test_tiled_linear_gives_a_row_the_same_bits_at_any_row_count(dtype, packed):
+    """Also on the CPU's packed copy (oneDNN's bf16 GEMM picks its kernel by the row count: the
+    fixed tile keeps it)."""
     torch.manual_seed(0)
     w, b = torch.randn(1536, 576, dtype=dtype), torch.randn(1536, dtype=dtype)
+    copy = pack(w) if packed and torch.backends.mkldnn.is_available() else None
     x = torch.randn(300, 576, dtype=dtype)
-    alone = torch.cat([tiled_linear(x[i : i + 1], w, b) for i in range(300)])
+    alone = torch.cat([tiled_linear(x[i : i + 1], w, b, copy) for i in range(300)])
     for start, rows in [(0, 2), (0, ROW_TILE), (3, ROW_TILE + 1), (5, 33), (0, 300)]:
-        together = tiled_linear(x[start : start + rows], w, b)
+        together = tiled_linear(x[start : start + rows], w, b, copy)
         assert torch.equal(together, alone[start : start + rows]), (start, rows)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(alone, F.linear(x, w, b), rtol=tol, atol=tol)

@@ -8,28 +8,32 @@ stays with `F.linear`, whose GEMV-like path reads the weight faster than the pac
 The packed copy sits beside the weight (a `Linear`'s `packed`), made last at load
 (`loading.finish`): nothing changes the weight afterwards. It costs one more copy of each linear's
 weight in memory. `KernelConfig.cpu_packed` off makes no copies at load and leaves any made
-unused; so does row invariance, whose fixed tiles of rows oneDNN's GEMM would not keep. A float32
-engine's drafter may hold bfloat16 copies (`SpeculativeConfig.cpu_bf16`): its float32 rows are
-rounded to bf16 on the way in and its outputs come back in float32."""
+unused. A float32 engine's drafter may hold bfloat16 copies (`SpeculativeConfig.cpu_bf16`): its
+float32 rows are rounded to bf16 on the way in and its outputs come back in float32.
+
+Under row invariance a float32 copy serves every call: oneDNN's float32 GEMM on a packed weight
+computes each row in the same order at any number of rows but one (a lone row takes another
+path, so it is padded to two). That is a property of oneDNN's kernels, not a promise, so it is
+checked on this CPU, once per weight shape and thread count (`invariant_rows`). Its bf16 GEMM
+does not keep a row's bits (its kernels follow the row count): a bf16 copy, or a float32 one
+whose shape fails the check, serves `row_invariant.tiled_linear`'s fixed tiles of rows instead."""
+
+import functools
 
 import torch
+import torch.nn.functional as F
 
 from blockspec.layers.fast_path import active_kernels
 
 # Rows from which the packed GEMM beats F.linear, per dtype (fp32: MKL's path at 1-2 rows is faster)
 MIN_ROWS = {torch.float32: 3, torch.bfloat16: 1}
+# Row counts whose rows `invariant_rows` compares with the same rows of one call of CHECK_ROWS[-1]
+CHECK_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 33, 64, 100, 128)
 
 
 def packing_supported(device: torch.device) -> bool:
-    """The CPU with torch's oneDNN, the switch on, and no row invariance (its fixed tiles of rows
-    would leave the copies unused)."""
-    kernels = active_kernels()
-    return (
-        device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and kernels.cpu_packed
-        and not kernels.row_invariant
-    )
+    """The CPU with torch's oneDNN and the switch on."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and active_kernels().cpu_packed
 
 
 def bf16_supported() -> bool:
@@ -53,26 +57,62 @@ def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype))
 
 
-def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether a linear of x runs on its weight's packed copy: on the CPU, without grad, the switch
-    on and row invariance off, x in the copy's dtype (or float32 for a bf16 copy), from the copy
-    dtype's MIN_ROWS."""
-    kernels = active_kernels()
+def invariant_rows(n: int, k: int) -> bool:
+    """Whether oneDNN's float32 GEMM on a packed [n, k] weight, at this process's threads, gives each
+    row the same bits at every row count of CHECK_ROWS (a lone row padded, as `packed_linear` does)
+    and at an offset, as one call of them all."""
+    return _invariant_rows(n, k, torch.get_num_threads())
+
+
+@functools.cache
+def _invariant_rows(n: int, k: int, threads: int) -> bool:  # threads: a key, oneDNN splits work by it
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(n, k, generator=generator), torch.randn(n, generator=generator)
+    x = torch.randn(CHECK_ROWS[-1], k, generator=generator)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    whole = invariant_gemm(x, packed, bias)
+    parts = [(x[:m], whole[:m]) for m in CHECK_ROWS] + [(x[7:40], whole[7:40])]
+    return all(torch.equal(invariant_gemm(rows, packed, bias), want) for rows, want in parts)
+
+
+def invariant_gemm(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, K] times a packed weight, a lone row padded with a zero row (oneDNN's GEMM takes
+    another path at one row)."""
+    lone = rows.shape[0] == 1
+    y = torch.ops.mkldnn._linear_pointwise(F.pad(rows, (0, 0, 0, 1)) if lone else rows, packed, bias, "none", [], "")
+    return y[:1] if lone else y
+
+
+def usable(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether a packed copy can serve a linear of x: on the CPU, without grad, the switch on, x in
+    the copy's dtype (or float32 rows on a bf16 copy)."""
     return (
         packed is not None
         and x.device.type == "cpu"
-        and (x.dtype == packed.dtype or (x.dtype == torch.float32 and packed.dtype == torch.bfloat16))
         and not torch.is_grad_enabled()
-        and kernels.cpu_packed
-        and not kernels.row_invariant
-        and x.numel() >= MIN_ROWS[packed.dtype] * x.shape[-1]
+        and active_kernels().cpu_packed
+        and (x.dtype == packed.dtype or (x.dtype == torch.float32 and packed.dtype == torch.bfloat16))
     )
+
+
+def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether a linear of x runs in one call on its weight's packed copy: where the copy is
+    `usable`, from the copy dtype's MIN_ROWS; under row invariance a float32 copy whose rows oneDNN
+    keeps (`invariant_rows`) at any rows, and no other."""
+    if not usable(x, packed):
+        return False
+    if active_kernels().row_invariant:  # a copy made before row invariance was put in force is checked too
+        return packed.dtype == torch.float32 and invariant_rows(*packed.shape)
+    return x.numel() >= MIN_ROWS[packed.dtype] * x.shape[-1]
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) on the weight's packed copy (`pack`), in the copy's dtype; the
-    result in x's."""
+    result in x's. Under row invariance a lone row is padded (`invariant_gemm`)."""
     rows = x.reshape(-1, x.shape[-1]).to(packed.dtype)
     bias = bias.to(packed.dtype) if bias is not None else None
-    y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    if active_kernels().row_invariant:
+        y = invariant_gemm(rows, packed, bias)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)

@@ -55,13 +55,14 @@ def gemm(
     residual: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """residual + F.linear(x, weight, bias): under row invariance in fixed tiles of rows
-    (`row_invariant.tiled_linear`); on the CPU on the weight's packed copy where it pays
-    (`cpu_gemm.takes_packed`); else without a bias the residual add is the GEMM's epilogue (addmm)."""
-    if row_invariant():
-        y = tiled_linear(x, weight, bias)
-    elif takes_packed(x, packed):
+    """residual + F.linear(x, weight, bias): on the CPU in one call on the weight's packed copy where
+    it pays or keeps a row's bits (`cpu_gemm.takes_packed`); else under row invariance in fixed
+    tiles of rows (`row_invariant.tiled_linear`); else without a bias the residual add is the GEMM's
+    epilogue (addmm)."""
+    if takes_packed(x, packed):
         y = packed_linear(x, packed, bias)
+    elif row_invariant():
+        y = tiled_linear(x, weight, bias, packed)
     elif residual is not None and bias is None:
         flat = torch.addmm(residual.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight.t())
         return flat.view(residual.shape)

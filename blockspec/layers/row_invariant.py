@@ -7,7 +7,9 @@ and attention kernels split the keys by the batch. A token's logits then move wi
 size, the draft width and the prefill chunking, near-ties flip, and bf16 speculative decoding
 leaves plain decoding. With `KernelConfig.row_invariant` in force every product runs at shapes
 that do not depend on the call:
-- linear: the rows in tiles of ROW_TILE (the last one padded with zeros), one GEMM a tile;
+- linear: the rows in tiles of ROW_TILE (the last one padded with zeros), one GEMM a tile, on the
+  weight's packed copy where the CPU has one; all rows in one GEMM on a float32 packed copy
+  instead where oneDNN keeps a row's bits at any row count (`cpu_gemm.invariant_rows`);
 - attention: the query rows in tiles of ROW_TILE and the keys in chunks of KEY_CHUNK positions
   counted from position 0, each (tile, chunk) one fixed-shape GEMM for the scores and one for the
   weighted values; the chunks' sums meet in order (cumsum, a sequential scan) under one max per
@@ -27,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from blockspec.layers.cpu_gemm import packed_linear, usable
 from blockspec.layers.fast_path import active_kernels
 
 ROW_TILE = 16  # rows per GEMM: a verify block of up to 16 tokens is one tile
@@ -39,15 +42,22 @@ def row_invariant() -> bool:
     return active_kernels().row_invariant
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear(x, weight, bias), ROW_TILE rows of x a GEMM (the last tile padded with zero rows),
-    the bias added after it."""
+    on the weight's packed copy where it is usable (`cpu_gemm.usable`: at a fixed shape any
+    kernel keeps a row's bits), the bias added after it."""
     x2 = x.reshape(-1, x.shape[-1])
     M, N = x2.shape[0], weight.shape[0]
     padded = F.pad(x2, (0, 0, 0, -M % ROW_TILE))
-    y = torch.empty((padded.shape[0], N), dtype=x.dtype, device=x.device)
-    for start in range(0, padded.shape[0], ROW_TILE):
-        torch.mm(padded[start : start + ROW_TILE], weight.t(), out=y[start : start + ROW_TILE])
+    if usable(x, packed):
+        tiles = [packed_linear(padded[s : s + ROW_TILE], packed, None) for s in range(0, padded.shape[0], ROW_TILE)]
+        y = torch.cat(tiles)
+    else:
+        y = torch.empty((padded.shape[0], N), dtype=x.dtype, device=x.device)
+        for start in range(0, padded.shape[0], ROW_TILE):
+            torch.mm(padded[start : start + ROW_TILE], weight.t(), out=y[start : start + ROW_TILE])
     y = y[:M] if bias is None else y[:M] + bias
     return y.view(*x.shape[:-1], N)
 
