@@ -8,14 +8,13 @@ import torch.nn.functional as F
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig, SpeculativeConfig
-from blockspec.layers import linear, row_invariant
-from blockspec.layers.cpu_gemm import CHECK_ROWS, MIN_ROWS, invariant_rows, pack, packed_linear, takes_packed
+from blockspec.layers import cpu_gemm, linear, row_invariant
+from blockspec.layers.cpu_gemm import MIN_ROWS, invariant_rows, pack, packed_linear, takes_packed
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.loading import finish
 from blockspec.loading.finish import cpu_packed_dtype
-from blockspec.models import dflash
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch's oneDNN")
 
@@ -71,7 +70,8 @@ def test_the_packed_copy_serves_where_it_pays():
     assert pack(weight.double()) is None
     use_kernels(KernelConfig(row_invariant=True))
     with torch.inference_mode():
-        assert takes_packed(torch.randn(1, 4), packed) == invariant_rows(8, 4)
+        chosen = {takes_packed(torch.randn(rows, 4), packed) for rows in (1, 2, 3, 300)}
+        assert chosen == {invariant_rows(packed)}  # whatever the rows: a row's GEMM must not change
         if BF16:  # bf16 copies serve row invariance's tiles (`tiled_linear`), never one call
             assert not takes_packed(torch.randn(3, 4).bfloat16(), pack(weight.bfloat16()))
     use_kernels(KernelConfig(cpu_packed=False))
@@ -79,24 +79,42 @@ def test_the_packed_copy_serves_where_it_pays():
         assert not takes_packed(torch.randn(3, 4), packed)
 
 
+def same_bits_at_any_row_count(weight: torch.Tensor, packed: torch.Tensor) -> None:
+    """`linear.gemm` on the copy gives each row of 300 (bias and residual added) the same bits alone,
+    at counts around the tile and call sizes, and at offsets, as in one call of them all."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(300, weight.shape[1], generator=gen)
+    bias, residual = torch.randn(weight.shape[0], generator=gen), torch.randn(300, weight.shape[0], generator=gen)
+    whole = linear.gemm(x, weight, bias, residual, packed)
+    torch.testing.assert_close(whole, residual + F.linear(x, weight, bias), **TOLERANCE[torch.float32])
+    for start, rows in [(0, 1), (299, 1), (0, 6), (3, 17), (0, 47), (5, 128), (0, 129), (40, 200)]:
+        part = slice(start, start + rows)
+        assert torch.equal(linear.gemm(x[part], weight, bias, residual[part], packed), whole[part]), (start, rows)
+
+
 @pytest.mark.parametrize("shape", [(96, 64), (576, 1536), (49152, 576)])
 @torch.inference_mode()
-def test_under_row_invariance_a_packed_copy_gives_a_row_the_same_bits_at_any_row_count(shape):
-    """Where the check on this CPU says oneDNN keeps a row's bits at the shape (it compares the
-    counts of CHECK_ROWS), a row's result is the same at counts the check does not try; where it
-    does not, the copy serves only fixed tiles."""
+def test_under_row_invariance_a_float32_copy_keeps_a_rows_bits_in_one_call(shape):
+    """Where the check finds oneDNN keeping a row's bits at the shape on this CPU (it tries counts up
+    to INVARIANT_CALL_ROWS), whole calls keep them at other counts and offsets too, past a call's
+    rows (split) as well."""
     use_kernels(KernelConfig(row_invariant=True))
-    gen = torch.Generator().manual_seed(3)
-    weight, bias = torch.randn(*shape, generator=gen) / 8, torch.randn(shape[0], generator=gen)
-    packed, x = pack(weight), torch.randn(300, shape[1], generator=gen)
-    assert takes_packed(x, packed) == invariant_rows(*shape)
-    if not invariant_rows(*shape):
-        return
-    whole = packed_linear(x, packed, bias)
-    torch.testing.assert_close(whole, F.linear(x, weight, bias), **TOLERANCE[torch.float32])
-    for m in [m for m in (6, 7, 9, 12, 31, 47, 200, 300) if m not in CHECK_ROWS]:
-        assert torch.equal(packed_linear(x[:m], packed, bias), whole[:m])
-    assert torch.equal(packed_linear(x[299:], packed, bias), whole[299:])  # a lone row, padded
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) / 8
+    packed = pack(weight)
+    if not invariant_rows(packed):
+        pytest.skip("oneDNN's float32 GEMM does not keep a row's bits at this shape here: tiles serve it")
+    assert takes_packed(torch.randn(1, shape[1]), packed)
+    same_bits_at_any_row_count(weight, packed)
+
+
+@torch.inference_mode()
+def test_under_row_invariance_a_copy_that_fails_the_check_serves_fixed_tiles(monkeypatch):
+    use_kernels(KernelConfig(row_invariant=True))
+    monkeypatch.setattr(cpu_gemm, "invariant_rows", lambda packed: False)
+    weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(5)) / 8
+    packed = pack(weight)
+    assert not takes_packed(torch.randn(3, 1536), packed)
+    same_bits_at_any_row_count(weight, packed)
 
 
 def linears(llm: LLM) -> list[Linear]:
@@ -176,16 +194,18 @@ def test_a_float32_drafters_copies_are_bf16_where_asked_and_supported(monkeypatc
 @needs_bf16
 def test_a_float32_engines_drafter_reads_bf16_copies_and_stays_lossless(llama_pair, monkeypatch):
     """The drafter's linears, context K/V GEMM and its copy of the target's LM head in bf16 (that
-    copy serving its logits), the target's in float32; greedy output as plain decoding's, and as
-    with float32 copies."""
+    copy serving its logits, in row invariance's tiles too), the target's in float32; greedy output
+    as plain decoding's, and as with float32 copies."""
     target, drafter = llama_pair
-    head_rows = []
+    head_rows, head = [], {}
 
     def counted(x, packed, bias):
-        head_rows.append(x.shape[:-1].numel())
+        if packed is head.get("copy"):
+            head_rows.append(x.shape[:-1].numel())
         return packed_linear(x, packed, bias)
 
-    monkeypatch.setattr(dflash, "packed_linear", counted)
+    monkeypatch.setattr(linear, "packed_linear", counted)
+    monkeypatch.setattr(row_invariant, "packed_linear", counted)
     monkeypatch.setattr(finish, "native_cpu_bf16", lambda: True)  # auto: as on a CPU with AVX512-BF16
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 1]]
@@ -198,5 +218,11 @@ def test_a_float32_engines_drafter_reads_bf16_copies_and_stays_lossless(llama_pa
         assert (d.lm_head_packed is not None) == (dtype == torch.bfloat16) and d.lm_head is None
         assert {m.packed.dtype for m in llm.engine.target.model.modules() if isinstance(m, Linear)} == {torch.float32}
         head_rows.clear()
+        head["copy"] = d.lm_head_packed
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
         assert bool(head_rows) == (dtype == torch.bfloat16)  # the drafter's logits on the bf16 copy
+    invariant = LLM(str(target), {"model": str(drafter), "cpu_bf16": "auto"}, device="cpu", row_invariant=True)
+    head_rows.clear()
+    head["copy"] = invariant.engine.drafter.lm_head_packed
+    assert [o.outputs[0].token_ids for o in invariant.generate(prompts, params)] == plain
+    assert head_rows and set(head_rows) == {16}  # in row invariance's fixed tiles

@@ -40,6 +40,8 @@ def test_tiled_linear_gives_a_row_the_same_bits_at_any_row_count(dtype, packed):
     torch.manual_seed(0)
     w, b = torch.randn(1536, 576, dtype=dtype), torch.randn(1536, dtype=dtype)
     copy = pack(w) if packed and torch.backends.mkldnn.is_available() else None
+    if packed and copy is None:
+        pytest.skip("no packed copy of this dtype on this CPU")
     x = torch.randn(300, 576, dtype=dtype)
     alone = torch.cat([tiled_linear(x[i : i + 1], w, b, copy) for i in range(300)])
     for start, rows in [(0, 2), (0, ROW_TILE), (3, ROW_TILE + 1), (5, 33), (0, 300)]:

@@ -11,14 +11,14 @@ weight in memory. `KernelConfig.cpu_packed` off makes no copies at load and leav
 unused. A float32 engine's drafter may hold bfloat16 copies (`SpeculativeConfig.cpu_bf16`): its
 float32 rows are rounded to bf16 on the way in and its outputs come back in float32.
 
-Under row invariance a float32 copy serves every call: oneDNN's float32 GEMM on a packed weight
-computes each row in the same order at any number of rows but one (a lone row takes another
-path, so it is padded to two). That is a property of oneDNN's kernels, not a promise, so it is
-checked on this CPU, once per weight shape and thread count (`invariant_rows`). Its bf16 GEMM
-does not keep a row's bits (its kernels follow the row count): a bf16 copy, or a float32 one
-whose shape fails the check, serves `row_invariant.tiled_linear`'s fixed tiles of rows instead."""
-
-import functools
+Under row invariance a float32 copy serves whole calls where oneDNN keeps a row's bits: its
+float32 GEMM on a packed weight computes each row in the same order at any number of rows but one
+(a lone row takes another path, so it is padded to two). That is a property of oneDNN's kernels,
+not a promise, so `invariant_rows` checks it on this CPU, once per weight shape and thread count
+(set the threads before the engine starts), over calls of up to INVARIANT_CALL_ROWS rows, and
+larger calls are split into calls of that many. Its bf16 GEMM does not keep a row's bits (its
+kernels follow the row count): a bf16 copy, or a float32 one that fails the check, serves
+`row_invariant.tiled_linear`'s fixed tiles of rows instead."""
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,11 @@ from blockspec.layers.fast_path import active_kernels
 
 # Rows from which the packed GEMM beats F.linear, per dtype (fp32: MKL's path at 1-2 rows is faster)
 MIN_ROWS = {torch.float32: 3, torch.bfloat16: 1}
-# Row counts whose rows `invariant_rows` compares with the same rows of one call of CHECK_ROWS[-1]
-CHECK_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 33, 64, 100, 128)
+# Rows of a oneDNN call at most, under row invariance: the calls `invariant_rows` checks go up to it
+INVARIANT_CALL_ROWS = 128
+# Row counts whose rows `invariant_rows` compares with the same rows of one call of INVARIANT_CALL_ROWS
+CHECK_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 33, 64, 100)
+_checked: dict[tuple[int, int, int], bool] = {}  # (N, K, threads) -> what `invariant_rows` found
 
 
 def packing_supported(device: torch.device) -> bool:
@@ -57,30 +60,30 @@ def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype))
 
 
-def invariant_rows(n: int, k: int) -> bool:
-    """Whether oneDNN's float32 GEMM on a packed [n, k] weight, at this process's threads, gives each
-    row the same bits at every row count of CHECK_ROWS (a lone row padded, as `packed_linear` does)
-    and at an offset, as one call of them all."""
-    return _invariant_rows(n, k, torch.get_num_threads())
+def invariant_rows(packed: torch.Tensor) -> bool:
+    """Whether oneDNN's float32 GEMM on a packed [N, K] weight, at this process's threads, gives each
+    row the same bits at every row count of CHECK_ROWS and at an offset as in one call of
+    INVARIANT_CALL_ROWS (random rows, `invariant_gemm`'s calls), found once per shape and threads."""
+    key = (*packed.shape, torch.get_num_threads())
+    if key not in _checked:
+        x = torch.randn(INVARIANT_CALL_ROWS, packed.shape[1], generator=torch.Generator().manual_seed(0))
+        whole = invariant_gemm(x, packed)
+        parts = [(x[:m], whole[:m]) for m in CHECK_ROWS] + [(x[7:40], whole[7:40])]
+        _checked[key] = all(torch.equal(invariant_gemm(rows, packed), want) for rows, want in parts)
+    return _checked[key]
 
 
-@functools.cache
-def _invariant_rows(n: int, k: int, threads: int) -> bool:  # threads: a key, oneDNN splits work by it
-    generator = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(n, k, generator=generator), torch.randn(n, generator=generator)
-    x = torch.randn(CHECK_ROWS[-1], k, generator=generator)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    whole = invariant_gemm(x, packed, bias)
-    parts = [(x[:m], whole[:m]) for m in CHECK_ROWS] + [(x[7:40], whole[7:40])]
-    return all(torch.equal(invariant_gemm(rows, packed, bias), want) for rows, want in parts)
-
-
-def invariant_gemm(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [M, K] times a packed weight, a lone row padded with a zero row (oneDNN's GEMM takes
-    another path at one row)."""
-    lone = rows.shape[0] == 1
-    y = torch.ops.mkldnn._linear_pointwise(F.pad(rows, (0, 0, 0, 1)) if lone else rows, packed, bias, "none", [], "")
-    return y[:1] if lone else y
+def invariant_gemm(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] times a packed weight in calls of at most INVARIANT_CALL_ROWS rows, a lone row
+    padded with a zero row (oneDNN's GEMM takes another path at one row)."""
+    outputs = []
+    for part in rows.split(INVARIANT_CALL_ROWS):
+        lone = part.shape[0] == 1
+        y = torch.ops.mkldnn._linear_pointwise(
+            F.pad(part, (0, 0, 0, 1)) if lone else part, packed, None, "none", [], ""
+        )
+        outputs.append(y[:1] if lone else y)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def usable(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
@@ -101,18 +104,19 @@ def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
     keeps (`invariant_rows`) at any rows, and no other."""
     if not usable(x, packed):
         return False
-    if active_kernels().row_invariant:  # a copy made before row invariance was put in force is checked too
-        return packed.dtype == torch.float32 and invariant_rows(*packed.shape)
+    if active_kernels().row_invariant:
+        return packed.dtype == torch.float32 and invariant_rows(packed)
     return x.numel() >= MIN_ROWS[packed.dtype] * x.shape[-1]
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) on the weight's packed copy (`pack`), in the copy's dtype; the
-    result in x's. Under row invariance a lone row is padded (`invariant_gemm`)."""
+    result in x's. Under row invariance by `invariant_gemm`, the bias added after it."""
     rows = x.reshape(-1, x.shape[-1]).to(packed.dtype)
     bias = bias.to(packed.dtype) if bias is not None else None
     if active_kernels().row_invariant:
-        y = invariant_gemm(rows, packed, bias)
+        y = invariant_gemm(rows, packed)
+        y = y if bias is None else y + bias
     else:
         y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)

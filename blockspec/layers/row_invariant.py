@@ -46,18 +46,19 @@ def tiled_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), ROW_TILE rows of x a GEMM (the last tile padded with zero rows),
-    on the weight's packed copy where it is usable (`cpu_gemm.usable`: at a fixed shape any
-    kernel keeps a row's bits), the bias added after it."""
+    on the weight's packed copy where it is usable (`cpu_gemm.usable`; a row's bits then must not
+    depend on the other rows of the tile, which the tests check), the bias added after it."""
     x2 = x.reshape(-1, x.shape[-1])
     M, N = x2.shape[0], weight.shape[0]
     padded = F.pad(x2, (0, 0, 0, -M % ROW_TILE))
-    if usable(x, packed):
-        tiles = [packed_linear(padded[s : s + ROW_TILE], packed, None) for s in range(0, padded.shape[0], ROW_TILE)]
-        y = torch.cat(tiles)
-    else:
-        y = torch.empty((padded.shape[0], N), dtype=x.dtype, device=x.device)
-        for start in range(0, padded.shape[0], ROW_TILE):
-            torch.mm(padded[start : start + ROW_TILE], weight.t(), out=y[start : start + ROW_TILE])
+    copy = packed if usable(x, packed) else None
+    y = torch.empty((padded.shape[0], N), dtype=x.dtype, device=x.device)
+    for start in range(0, padded.shape[0], ROW_TILE):
+        tile = padded[start : start + ROW_TILE]
+        if copy is None:
+            torch.mm(tile, weight.t(), out=y[start : start + ROW_TILE])
+        else:
+            y[start : start + ROW_TILE] = packed_linear(tile, copy, None)
     y = y[:M] if bias is None else y[:M] + bias
     return y.view(*x.shape[:-1], N)
 

@@ -20,9 +20,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from blockspec.layers.attention import AttentionMetadata
-from blockspec.layers.cpu_gemm import packed_linear, takes_packed
 from blockspec.layers.decoder import DecoderLayer, KVCache, LayerKind, decoder_stack
-from blockspec.layers.linear import Linear, linear
+from blockspec.layers.linear import Linear, gemm, linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, layers_k, layers_kv_write
 from blockspec.models.causal_lm import CausalLM
@@ -199,8 +198,8 @@ class DFlashDrafter(nn.Module):
             logits = fp8(hidden)
         elif self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif takes_packed(hidden, self.lm_head_packed):
-            logits = packed_linear(hidden, self.lm_head_packed, None)
+        elif self.lm_head_packed is not None:  # `gemm` runs it as the target's head runs its own
+            logits = gemm(hidden, target.lm_head.weight, None, packed=self.lm_head_packed)
         else:
             logits = target.compute_logits(hidden)
         if self.output_multiplier != 1.0:
