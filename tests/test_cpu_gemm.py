@@ -111,10 +111,18 @@ def test_under_row_invariance_a_float32_copy_keeps_a_rows_bits_in_one_call(shape
 def test_under_row_invariance_a_copy_that_fails_the_check_serves_fixed_tiles(monkeypatch):
     use_kernels(KernelConfig(row_invariant=True))
     monkeypatch.setattr(cpu_gemm, "invariant_rows", lambda packed: False)
+    tiles = []
+
+    def counted(x, packed, bias):
+        tiles.append(x.shape[0])
+        return packed_linear(x, packed, bias)
+
+    monkeypatch.setattr(row_invariant, "packed_linear", counted)
     weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(5)) / 8
     packed = pack(weight)
     assert not takes_packed(torch.randn(3, 1536), packed)
     same_bits_at_any_row_count(weight, packed)
+    assert tiles and set(tiles) == {16}  # every GEMM a 16-row tile on the copy
 
 
 def linears(llm: LLM) -> list[Linear]:

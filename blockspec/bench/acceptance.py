@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from blockspec.bench.bench import add_cpu_bf16_argument
 from blockspec.bench.meta import run_meta
-from blockspec.config import SWITCH_WORDS
 from blockspec.llm import DEFAULT_DRAFTER, LLM
 from blockspec.sampling import SamplingParams
 from blockspec.structured_output import StructuredOutput
@@ -102,12 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--compare-fp8", action="store_true", help="also run the drafter with FP8 weights")
-    p.add_argument(
-        "--cpu-bf16",
-        choices=("auto", *SWITCH_WORDS),
-        default="off",
-        help="SpeculativeConfig.cpu_bf16: a float32 engine's drafter on bf16 packed copies on the CPU",
-    )
+    add_cpu_bf16_argument(p)
     p.add_argument(
         "--widths",
         type=block_widths,

@@ -377,6 +377,11 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
         default="on",
         help="KernelConfig.cpu_packed: the CPU's linears on weights packed at load",
     )
+    add_cpu_bf16_argument(p)
+
+
+def add_cpu_bf16_argument(p: argparse.ArgumentParser) -> None:
+    """--cpu-bf16, as `SpeculativeConfig.cpu_bf16` reads it (the acceptance bench takes it too)."""
     p.add_argument(
         "--cpu-bf16",
         choices=("auto", *SWITCH_WORDS),

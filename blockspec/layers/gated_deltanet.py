@@ -34,9 +34,8 @@ from blockspec.layers.recurrent_state import RecurrentStates
 if TYPE_CHECKING:
     from blockspec.layers.decoder import LayerSpec
 
-RECURRENT_MAX_ROWS = (
-    64  # up to these rows a sequence, the pool's kernel (`kernels.gated_delta`); past them fla's chunked one
-)
+# Up to these rows a sequence, the pool's kernel (`kernels.gated_delta`); past them fla's chunked one
+RECURRENT_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)

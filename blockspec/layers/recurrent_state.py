@@ -49,7 +49,8 @@ class RecurrentStates:
     def commit(self, rows: torch.Tensor) -> None:
         """The deferred writes, each sequence's state advanced over its first rows[b] rows (none
         where the forward wrote them)."""
-        for p in self.pending or ():
+        if self.pending is None:
+            return
+        for p in self.pending:
             p.commit(rows)
-        if self.pending:
-            self.pending.clear()
+        self.pending.clear()
