@@ -355,9 +355,10 @@ def make_dspark(
     confidence: bool = True,
     draft_vocab: int | None = None,
     markov_scale: float = 1.0,
+    shifted: bool = True,
     seed: int = 0,
 ) -> Path:
-    """A DSpark drafter for a target, saved in one of its published dialects: DeepSpec's (with the
+    """A DSpark drafter for a target (`shifted`: row j drafts anchor+j+1, else z-lab's filled rows), saved in one of its published dialects: DeepSpec's (with the
     copies of the target's embedding and LM head it ships), SpecForge's (fields nested, heads under
     `logit_head.`) or speculators' (`transformer_layer_config`, hidden-state layer ids, its own
     embedding; "speculators-dflash" its DFlash kind). `draft_vocab`: a reduced vocabulary of that
@@ -369,6 +370,8 @@ def make_dspark(
     fields |= {"confidence_head_with_markov": confidence and markov_rank > 0}
     if draft_vocab is not None:
         fields["draft_vocab_size"] = draft_vocab
+    if not shifted:
+        fields["sample_from_anchor"] = False
     config = Qwen3Config(
         vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,

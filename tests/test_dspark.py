@@ -46,10 +46,15 @@ def dense_markov_bias(w: dict, head: str, prev: torch.Tensor, h: torch.Tensor, s
     return latent @ w["markov_head.markov_w2.weight"].T, e, state
 
 
-@pytest.mark.parametrize("head,draft_vocab", [("vanilla", None), ("gated", None), ("rnn", None), ("vanilla", 40)])
-def test_block_chain_and_confidence_match_dense_reference(tmp_path, head, draft_vocab):
+@pytest.mark.parametrize(
+    "head,draft_vocab,shifted",
+    [("vanilla", None, True), ("gated", None, True), ("rnn", None, True), ("vanilla", 40, True), ("rnn", None, False)],
+)
+def test_block_chain_and_confidence_match_dense_reference(tmp_path, head, draft_vocab, shifted):
     tpath = make_target(tmp_path / "t", "qwen3", layers=4)
-    dpath = make_dspark(tmp_path / "d", tpath, block_size=5, head=head, draft_vocab=draft_vocab, markov_scale=4.0)
+    dpath = make_dspark(
+        tmp_path / "d", tpath, block_size=5, head=head, draft_vocab=draft_vocab, markov_scale=4.0, shifted=shifted
+    )
     target = load_target(tpath, torch.float32, CPU).model
     drafter = load_drafter(dpath, target, torch.float32, CPU)
     hf = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32)
@@ -65,7 +70,7 @@ def test_block_chain_and_confidence_match_dense_reference(tmp_path, head, draft_
     pages = KVCacheManager((None,), [32], page, False)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 127, (n,), generator=gen).tolist() for n in (11, 5)]
-    widths = [6, 3]  # shifted: the 5 rows make 5 drafts, a step verifies up to 6 rows
+    widths = [6, 3] if shifted else [5, 3]  # shifted: the 5 rows make 5 drafts, a step verifies up to 6 rows
     seqs = [Sequence(None, p, SamplingParams(temperature=0), 0) for p in prompts]
     for s in seqs:
         pages.allocate(s, len(s.token_ids) + 6)
@@ -85,13 +90,12 @@ def test_block_chain_and_confidence_match_dense_reference(tmp_path, head, draft_
             block = torch.tensor([prompt[-1]] + [drafter.mask_token_id] * 4)
             rows = dense_block_hidden(w, 2, feats, hf.model.embed_tokens(block), len(prompt) - 1)
             prev, state, drafts, conf = prompt[-1], torch.zeros(8), [], []
-            for j in range(width - 1):  # row j drafts position s+j+1, after the token drafted from row j-1
-                bias, e, state = dense_markov_bias(w, head, torch.tensor(prev), rows[j], state)
-                prev = int(ids[(rows[j] @ lm_head.T + bias).argmax()])
+            for j in range(width - 1):  # draft j: position s+j+1, after the token drafted before it
+                row = rows[j if shifted else j + 1]  # filled rows: row 0 is the anchor's
+                bias, e, state = dense_markov_bias(w, head, torch.tensor(prev), row, state)
+                prev = int(ids[(row @ lm_head.T + bias).argmax()])
                 drafts.append(prev)
-                conf.append(
-                    torch.cat([rows[j], e]) @ w["confidence_head.proj.weight"][0] + w["confidence_head.proj.bias"]
-                )
+                conf.append(torch.cat([row, e]) @ w["confidence_head.proj.weight"][0] + w["confidence_head.proj.bias"])
         assert proposal.drafts[i, : width - 1].tolist() == drafts
         torch.testing.assert_close(confidence[i, : width - 1], torch.cat(conf), atol=1e-4, rtol=1e-4)
 
@@ -115,18 +119,28 @@ def target(tmp_path_factory):
         ("deepspec", {}, {}),
         ("deepspec", {"markov_rank": 0, "confidence": False}, {}),  # DeepSeek's DFlash drafters
         ("deepspec", {"head": "rnn"}, {"confidence_threshold": 0.5}),
+        ("deepspec", {"shifted": False}, {}),
         ("specforge", {"head": "gated"}, {}),
         ("speculators", {"draft_vocab": 48}, {}),
         ("speculators-dflash", {"markov_rank": 0, "confidence": False, "draft_vocab": 48}, {}),
     ],
-    ids=["deepspec", "deepspec-dflash", "rnn-confidence-cut", "specforge", "speculators-d2t", "speculators-dflash"],
+    ids=[
+        "deepspec",
+        "deepspec-dflash",
+        "rnn-confidence-cut",
+        "filled-rows",
+        "specforge",
+        "speculators-d2t",
+        "speculators-dflash",
+    ],
 )
 def test_greedy_speculative_equals_plain(tmp_path, target, dialect, kwargs, spec):
     d = make_dspark(tmp_path / "d", target, dialect, block_size=6, markov_scale=4.0, **kwargs)
     plain = greedy(LLM(str(target), None, device="cpu"), PROMPTS)
     llm = LLM(str(target), {"model": str(d), **spec}, device="cpu")
     drafter = llm.engine.drafter
-    drafts = 5 if dialect == "speculators-dflash" else 6  # shifted rows (DSpark, DeepSpec's DFlash): one per row
+    filled = dialect == "speculators-dflash" or not kwargs.get("shifted", True)
+    drafts = 5 if filled else 6  # shifted rows (DSpark, DeepSpec's DFlash): one per row
     assert drafter.num_drafts == drafts and llm.engine.max_width == drafts + 1
     assert greedy(llm, PROMPTS) == plain
     if "draft_vocab" in kwargs:  # the target's tokens the drafter cannot propose come from the target

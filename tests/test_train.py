@@ -172,11 +172,43 @@ def test_copy_init_is_the_identity_on_the_deepest_feature(setup, tmp_path) -> No
     h = target.config.hidden_size
     for ids, deepest in (((1, 3), 1), ((3, 1), 0)):
         cfg = config(target_dir, data, tmp_path, init="copy", target_layer_ids=ids)
-        drafter, copied = build_drafter(target, cfg, VOCAB - 1)
-        assert copied
+        drafter, init = build_drafter(target, cfg, VOCAB - 1)
+        assert init == "copied from the target"
         expected = torch.zeros(h, len(ids) * h)
         expected[:, deepest * h : (deepest + 1) * h] = torch.eye(h)
         assert torch.equal(drafter.fc.weight, expected)
+
+
+def test_init_from_a_drafter_directory(setup, tmp_path) -> None:
+    """A DSpark drafter starts from a saved DFlash drafter: every backbone tensor its value, the
+    heads it lacks random; a source of other target layers or fewer layers is refused by name."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU)
+    source, _ = build_drafter(target.model, config(target_dir, data, tmp_path, layers=2), VOCAB - 1)
+    save_drafter(source, target.model, tmp_path / "dflash", dtype=torch.float32)
+    cfg = config(target_dir, data, tmp_path, layers=2, method="dspark", init=str(tmp_path / "dflash"))
+    drafter, init = build_drafter(target.model, cfg, VOCAB - 1)
+    assert isinstance(drafter, DSparkDrafter) and init == f"from {tmp_path / 'dflash'} (4 tensors it lacks random)"
+    theirs = dict(source.named_parameters())
+    for name, p in drafter.named_parameters():
+        if name.startswith(("markov_head.", "confidence_head.")):
+            assert name not in theirs
+        else:
+            assert torch.equal(p, theirs[name]), name
+    with pytest.raises(ValueError, match=r"has target-layer-ids \[0\], the new drafter \[-1, 0\]"):
+        build_drafter(
+            target.model,
+            config(target_dir, data, tmp_path, layers=2, init=cfg.init, target_layer_ids=(-1, 0)),
+            VOCAB - 1,
+        )
+    with pytest.raises(ValueError, match=r"dflash lacks layers.2.input_layernorm.weight"):
+        build_drafter(
+            target.model,
+            config(target_dir, data, tmp_path, layers=3, init=cfg.init),
+            VOCAB - 1,
+        )
+    with pytest.raises(ValueError, match="init must be copy, random or a drafter directory, got 'nowhere'"):
+        config(target_dir, data, tmp_path, init="nowhere")
 
 
 def test_target_pass_of_a_sliding_window_target(tmp_path) -> None:
@@ -282,21 +314,25 @@ def engine_block(llm, e):
     return anchor, drafts, Example(0, e.prompt_ids, seq[len(e.prompt_ids) :] + drafts)
 
 
-def test_dspark_training_forward_matches_engine_proposal(setup, tmp_path) -> None:
+@pytest.mark.parametrize("rows,drafts", [("auto", 4), ("filled", 3)])
+def test_dspark_training_forward_matches_engine_proposal(setup, tmp_path, rows, drafts) -> None:
     """Given the engine's own drafts as the tokens after the anchor, the teacher-forced argmaxes of
-    the block at that anchor are those drafts, all of them: the same rows (shifted: row j drafts
-    anchor+j+1), and each bias reads the token before its row."""
+    the block at that anchor are those drafts, all of them: the same rows (shifted, DSpark's own:
+    row j drafts anchor+j+1; filled: row j drafts anchor+j), and each bias reads the token before
+    its draft."""
     target_dir, data, _ = setup
     target = load_target(str(target_dir), torch.float32, CPU)
-    cfg = config(target_dir, data, tmp_path, method="dspark", markov_rank=8, block_size=4)
+    cfg = config(target_dir, data, tmp_path, method="dspark", markov_rank=8, block_size=4, rows=rows)
     drafter, llm = saved_and_served(dspark_drafter(target.model, cfg), target, target_dir, tmp_path)
+    assert drafter.shifted == (rows == "auto")
+    weights = row_weights(drafts, 4.0, CPU)
     for e in read_examples(data)[:3]:
-        anchor, drafts, fed = engine_block(llm, e)
-        assert len(drafts) == 4
+        anchor, engine_drafts, fed = engine_block(llm, e)
+        assert len(engine_drafts) == drafts
         with torch.no_grad():
             one = torch.tensor([[anchor]]), torch.tensor([[True]])
-            result = dspark_loss(target.model, drafter, collate([fed], CPU), *one, row_weights(4, 4.0, CPU), TERMS)
-        assert result.drafts[0, 0].tolist() == drafts
+            result = dspark_loss(target.model, drafter, collate([fed], CPU), *one, weights, TERMS)
+        assert result.drafts[0, 0].tolist() == engine_drafts
 
 
 def test_dflash2_starts_as_dflash_ranking_by_the_lm_head(setup, tmp_path) -> None:
@@ -463,6 +499,8 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
         ({"method": "dflash2", "conv_kernel_size": 9}, r"conv_kernel_size 9 is wider than the block \(8 rows\)"),
         ({"method": "dflash2", "selector_top_k": 0}, "selector_rank and selector_top_k must be >= 1"),
         ({"method": "dflash2", "selector_weight": -1.0}, "selector_weight must be >= 0"),
+        ({"rows": "diagonal"}, "rows must be auto/shifted/filled, got 'diagonal'"),
+        ({"method": "dflash2", "rows": "shifted"}, "rows shifted: dflash2 drafters fill their rows"),
     ],
 )
 def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -> None:

@@ -4,6 +4,7 @@ import argparse
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
@@ -11,6 +12,7 @@ from blockspec.llm import resolve_dtype
 from blockspec.models.dspark import MARKOV_HEADS
 
 METHODS = ("dflash", "dspark", "dflash2")
+ROWS = ("auto", "shifted", "filled")
 
 
 def knob(default, doc: str):
@@ -41,6 +43,11 @@ class TrainConfig:
         "dflash (z-lab's: block row k drafts anchor+k), dspark (row j drafts anchor+j+1) or dflash2 (dflash with "
         "block convolutions and a candidate selector)",
     )
+    rows: str = knob(
+        "auto",
+        "block rows: shifted (row j drafts anchor+j+1), filled (row j drafts anchor+j, z-lab's) or auto (the "
+        "method's own: dspark shifted, dflash and dflash2 filled)",
+    )
     layers: int = knob(4, "drafter layers")
     block_size: int = knob(16, "block width g: anchor + g-1 mask rows")
     intermediate_size: int | None = knob(None, "drafter MLP width")
@@ -56,7 +63,9 @@ class TrainConfig:
     conv_group_size: int = knob(16, "dflash2: channels sharing one dynamic convolution coefficient")
     selector_rank: int = knob(256, "dflash2: rank of the candidate selector's codebooks")
     selector_top_k: int = knob(16, "dflash2: candidates per draft row the selector scores")
-    init: str = knob("random", "random (N(0, 0.02)), or copy: start from the target's last layers")
+    init: str = knob(
+        "random", "random (N(0, 0.02)), copy (start from the target's last layers) or a drafter directory to start from"
+    )
     # optimisation
     steps: int = knob(1000, "optimizer steps")
     batch_size: int = knob(8, "sequences per step")
@@ -84,10 +93,18 @@ class TrainConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}"),
+            (self.rows in ROWS, f"rows must be {'/'.join(ROWS)}, got {self.rows!r}"),
+            (
+                not (self.method == "dflash2" and self.rows == "shifted"),
+                "rows shifted: dflash2 drafters fill their rows",
+            ),
             (self.block_size >= 2, "block_size must be >= 2"),
             (self.layers >= 1, "layers must be >= 1"),
             (self.steps >= 1 and self.batch_size >= 1 and self.blocks_per_seq >= 1, "steps/batch sizes must be >= 1"),
-            (self.init in ("copy", "random"), f"init must be copy or random, got {self.init!r}"),
+            (
+                self.init in ("copy", "random") or Path(self.init).is_dir(),
+                f"init must be copy, random or a drafter directory, got {self.init!r}",
+            ),
             (self.attention in ("auto", "dense", "flex"), f"attention must be auto/dense/flex, got {self.attention!r}"),
             (self.gamma is None or self.gamma > 0, "gamma must be > 0"),
             (0 <= self.warmup < 1, "warmup is a fraction of steps in [0, 1)"),

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase, Qwen3Config
 
 from blockspec.layers.moe import SparseMoE
 from blockspec.layers.rotary import rope_parameters
-from blockspec.loading.drafters import validate
+from blockspec.loading.drafters import load_drafter, validate
 from blockspec.models.causal_lm import CausalLM
 from blockspec.models.dflash import ARCHITECTURE, DFlashDrafter, default_target_layer_ids
 from blockspec.models.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
@@ -41,6 +41,8 @@ def default_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size:
 def method_fields(cfg: TrainConfig, mask_token_id: int, target_layer_ids: list[int]) -> dict:
     """The drafter kind's own config fields: z-lab's `dflash_config`, or DeepSpec's top-level ones."""
     fields = {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids}
+    if cfg.rows != "auto":
+        fields["sample_from_anchor"] = cfg.rows == "shifted"
     if cfg.method == "dflash":
         return {"architectures": [ARCHITECTURE], "dflash_config": fields}
     if cfg.method == "dflash2":
@@ -112,8 +114,34 @@ def random_init(drafter: DFlashDrafter, std: float) -> None:
         nn.init.normal_(selector.hidden_projection.weight, std=0.02)
 
 
-def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tuple[DFlashDrafter, bool]:
-    """The drafter in float32 on the target's device, and whether the copy init applied."""
+def copy_drafter(drafter: DFlashDrafter, source: str, target: CausalLM) -> list[str]:
+    """Init from the drafter directory `source` (see the module doc); returns the names of the
+    parameters it lacks, whose modules it does not have (a DSpark drafter's heads), left random."""
+    src = load_drafter(source, target, torch.float32, torch.device("cpu"))
+    for flag, theirs, ours in (
+        ("target-layer-ids", list(src.target_layer_ids), list(drafter.target_layer_ids)),
+        ("mask-token-id", src.mask_token_id, drafter.mask_token_id),
+    ):
+        if theirs != ours:
+            raise ValueError(f"--init {source} has {flag} {theirs}, the new drafter {ours}: set --{flag} to match")
+    src_params, fresh = dict(src.named_parameters()), []
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name in src_params and src_params[name].shape == p.shape:
+                p.copy_(src_params[name])
+            elif name not in src_params and getattr(src, name.split(".")[0], None) is None:
+                fresh.append(name)
+            elif name not in src_params:
+                raise ValueError(f"--init {source} lacks {name}, which the new drafter has")
+            else:
+                raise ValueError(
+                    f"--init {source}: {name} is {tuple(src_params[name].shape)} there, {tuple(p.shape)} here"
+                )
+    return fresh
+
+
+def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tuple[DFlashDrafter, str]:
+    """The drafter in float32 on the target's device, and what its init was."""
     if target.norms_folded:
         raise ValueError(
             "the target's norm weights are folded into its GEMMs (LoadOptions.fold_norms): train from one loaded without"
@@ -123,5 +151,11 @@ def build_drafter(target: CausalLM, cfg: TrainConfig, mask_token_id: int) -> tup
     torch.manual_seed(cfg.seed)
     drafter = kind.build(config, target)  # its kind's class: DFlashDrafter, DSparkDrafter or DFlash2Drafter
     random_init(drafter, getattr(target.config, "initializer_range", 0.02))
-    copied = cfg.init == "copy" and copy_target_layers(drafter, target)  # copy_ casts device and dtype
-    return drafter.to(target.lm_head.weight.device), copied
+    if cfg.init == "copy":
+        init = "copied from the target" if copy_target_layers(drafter, target) else "random (copy does not fit)"
+    elif cfg.init == "random":
+        init = "random"
+    else:
+        fresh = copy_drafter(drafter, cfg.init, target)
+        init = f"from {cfg.init}" + (f" ({len(fresh)} tensors it lacks random)" if fresh else "")
+    return drafter.to(target.lm_head.weight.device), init

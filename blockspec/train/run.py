@@ -50,12 +50,12 @@ def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
     target.model.requires_grad_(False)
     vocab = target.model.config.vocab_size
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(target.tokenizer, vocab)
-    drafter, copied = build_drafter(target.model, cfg, mask_id)
+    drafter, init = build_drafter(target.model, cfg, mask_id)
     n_params = sum(p.numel() for p in drafter.parameters())
     say(
         f"{cfg.method} drafter: {cfg.layers} layers, {n_params / 1e6:.1f}M parameters, block {cfg.block_size}, "
         f"target layers {list(drafter.target_layer_ids)}, mask token {mask_id}, "
-        f"init {'copied from the target' if copied else 'random'}"
+        f"init {init}"
     )
     Trainer(cfg, target.model, drafter, examples, device, world).run()
 

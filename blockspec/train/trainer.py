@@ -125,7 +125,8 @@ class Trainer:
         mean (same shapes can read other layers or another mask token)."""
         d = self.drafter
         return {"model": self.cfg.model, "method": self.cfg.method, "block_size": d.block_size,
-                "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id}  # fmt: skip
+                "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id,
+                "shifted": d.shifted}  # fmt: skip
 
     def lr_at(self, step: int) -> float:
         cfg, warmup = self.cfg, int(self.cfg.warmup * self.cfg.steps)
