@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blockspec.layers.fast_path import fast_kernels
 from blockspec.models.dspark import DSparkDrafter
 from blockspec.proposers.base import Proposal, draft_from_logits
 from blockspec.proposers.dflash import DFlashProposer
@@ -53,9 +54,16 @@ class DSparkProposer(DFlashProposer):
     ) -> tuple[Proposal, torch.Tensor]:
         """Drafts row by row: row j's logits are base[:, j] plus the Markov bias of the token before
         it (the anchor, then row j-1's draft). Returns the proposal and markov_w1 of each row's
-        previous token [B, n, r]."""
+        previous token [B, n, r]. Greedy with a vanilla head, on CUDA, one kernel a row
+        (`blockspec.layers.kernels.markov_chain`)."""
         d, target, head = self.drafter, runner.target, self.drafter.markov_head
         sampled = inputs.sampling is not None
+        kernels = None if sampled or head.kind != "vanilla" else fast_kernels(base, "markov_chain")
+        if kernels is not None:
+            w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+            anchor = inputs.tokens[:, 0]
+            drafts, embeddings = kernels.greedy_chain(base, anchor, w1, w2, d.draft_to_target, hidden.dtype)
+            return Proposal(drafts, None), embeddings
         if sampled:
             u = uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
             params = inputs.sampling_params

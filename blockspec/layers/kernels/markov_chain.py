@@ -1,0 +1,130 @@
+"""DSpark's greedy Markov chain on CUDA (the reference: `DSparkProposer.markov_chain`'s loop):
+one launch of one kernel a block row, where the reference runs an embedding, a GEMV, casts, an
+add and a two-pass argmax a row. Row j's logits are the base logits plus markov_w2 .
+markov_w1[prev_j], the bias rounded to the weights' dtype as the reference's GEMV rounds it. A
+program takes a chunk of one sequence's draft vocabulary and writes the chunk's maximum and its
+first index. The launch of row j+1 first reduces row j's chunks to row j's draft (every program
+alike; the first writes it), maps it to its target id and reads its Markov embedding: no host
+sync and no grid barrier, so the chain runs inside the step's CUDA graph."""
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.kernels import num_sms
+
+BLOCK = 256  # vocabulary rows a program reads at a time
+SEQS = 16  # sequences a program takes (tl.dot's least M): w2 is read once for all of them
+RANK_BLOCK = 32  # Markov rank columns a program reads at a time
+PROGRAMS_PER_SM = 8
+MAX_CHUNKS = 256
+NO_INDEX = 2**31 - 1
+
+
+@triton.jit
+def _as_weight_dtype(x, dtype: tl.constexpr):
+    """x rounded to the weights' dtype (the reference's GEMV output dtype), as float32. bfloat16 is
+    rounded to nearest even by hand: Triton's interpreter truncates a cast to it."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _markov_row_kernel(
+    base_ptr, stride_b, stride_j, w1_ptr, w2_ptr, d2t_ptr, anchor_ptr, val_ptr, idx_ptr, drafts_ptr, emb_ptr,
+    j, n, B, Vd, R: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+    FIRST: tl.constexpr, ROW: tl.constexpr, HAS_D2T: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl.constexpr,
+    RB: tl.constexpr,
+):  # fmt: skip
+    g, c = tl.program_id(0), tl.program_id(1)
+    seq = g * SEQS + tl.arange(0, SEQS)
+    live = seq < B
+    if FIRST:  # the token before row 0: the anchor
+        prev = tl.load(anchor_ptr + seq, mask=live, other=0).to(tl.int64)
+    else:  # row j-1's draft: the first chunk holding its maximum, mapped to its target id
+        k = tl.arange(0, CHUNKS_PAD)
+        partial = ((seq * n + j - 1) * CHUNKS_PAD)[:, None] + k[None, :]
+        ok = live[:, None] & (k < CHUNKS)[None, :]
+        val = tl.load(val_ptr + partial, mask=ok, other=float("-inf"))
+        idx = tl.load(idx_ptr + partial, mask=ok, other=NO_INDEX)
+        first = ok & (val == tl.max(val, 1)[:, None])
+        prev = tl.min(tl.where(first, idx, NO_INDEX), 1).to(tl.int64)
+        prev = tl.where(live, prev, 0)
+        if HAS_D2T:
+            prev = tl.load(d2t_ptr + prev, mask=live, other=0).to(tl.int64)
+        tl.store(drafts_ptr + seq * n + j - 1, prev, mask=live & (c == 0))
+    if ROW:
+        offs = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)
+        best = tl.full([SEQS, BLOCK], float("-inf"), tl.float32)
+        best_idx = tl.zeros([SEQS, BLOCK], tl.int32) + offs[None, :]
+        base_rows = base_ptr + seq.to(tl.int64) * stride_b + j * stride_j
+        for i in range(CHUNK_ITERS):
+            v = offs + i * BLOCK
+            in_vocab = v < Vd
+            bias = tl.zeros([SEQS, BLOCK], tl.float32)
+            for r0 in range(0, R, RB):
+                r = r0 + tl.arange(0, RB)
+                e_mask = live[:, None] & (r < R)[None, :]
+                e = tl.load(w1_ptr + prev[:, None] * R + r[None, :], mask=e_mask, other=0.0)
+                emb = emb_ptr + ((seq * n + j) * R)[:, None] + r[None, :]
+                tl.store(emb, e.to(emb_ptr.dtype.element_ty), mask=e_mask & (c == 0) & (i == 0))
+                w_mask = in_vocab[:, None] & (r < R)[None, :]
+                w = tl.load(w2_ptr + v[:, None].to(tl.int64) * R + r[None, :], mask=w_mask, other=0.0)
+                # float32 products of the weights are exact; Triton's interpreter mishandles a bf16 dot
+                bias = tl.dot(e.to(tl.float32), tl.trans(w.to(tl.float32)), bias, input_precision="ieee")
+            bias = _as_weight_dtype(bias, w2_ptr.dtype.element_ty)
+            x_mask = live[:, None] & in_vocab[None, :]
+            x = tl.load(base_rows[:, None] + v[None, :], mask=x_mask, other=float("-inf")).to(tl.float32) + bias
+            x = tl.where(in_vocab[None, :], x, float("-inf"))
+            x = tl.where(tl.abs(x) <= float("inf"), x, float("inf"))  # NaN: +inf, as torch's argmax
+            take = x > best  # strictly: a lane keeps the first index of its maximum
+            best = tl.where(take, x, best)
+            best_idx = tl.where(take, v[None, :], best_idx)
+        m = tl.max(best, 1)
+        out = (seq * n + j) * CHUNKS_PAD + c
+        tl.store(val_ptr + out, m, mask=live)
+        tl.store(idx_ptr + out, tl.min(tl.where(best == m[:, None], best_idx, NO_INDEX), 1), mask=live)
+
+
+def num_chunks(groups: int, Vd: int, sms: int) -> int:
+    """Chunks a row's vocabulary: up to PROGRAMS_PER_SM programs an SM, each at least one BLOCK."""
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, groups), triton.cdiv(Vd, BLOCK), MAX_CHUNKS))
+
+
+def greedy_chain(
+    base: torch.Tensor,
+    anchor: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    draft_to_target: torch.Tensor | None,
+    embedding_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """base [B, n, Vd] logits, anchor [B] token ids, w1 [V, r], w2 [Vd, r] -> the drafts [B, n]
+    (int64 target ids) and markov_w1 of each row's previous token [B, n, r] in `embedding_dtype`."""
+    B, n, Vd = base.shape
+    R = w1.shape[1]
+    assert w2.shape == (Vd, R) and w1.dtype == w2.dtype, "markov_w2 must be [draft vocab, rank], in w1's dtype"
+    assert w1.is_contiguous() and w2.is_contiguous() and base.stride(-1) == 1
+    drafts = torch.empty(B, n, dtype=torch.int64, device=base.device)
+    embeddings = torch.empty(B, n, R, dtype=embedding_dtype, device=base.device)
+    if B == 0 or n == 0:
+        return drafts, embeddings
+    groups = triton.cdiv(B, SEQS)
+    chunks = num_chunks(groups, Vd, num_sms(base.device, interpreted=4))
+    iters = triton.cdiv(triton.cdiv(Vd, chunks), BLOCK)
+    chunks = triton.cdiv(Vd, iters * BLOCK)
+    pad = triton.next_power_of_2(chunks)
+    val = torch.empty(B, n, pad, dtype=torch.float32, device=base.device)
+    idx = torch.empty(B, n, pad, dtype=torch.int32, device=base.device)
+    d2t = draft_to_target if draft_to_target is not None else anchor  # unread without HAS_D2T
+    rb = max(16, min(RANK_BLOCK, triton.next_power_of_2(R)))
+    for j in range(n + 1):  # launch n reduces the last row only
+        _markov_row_kernel[(groups, chunks if j < n else 1)](
+            base, base.stride(0), base.stride(1), w1, w2, d2t, anchor, val, idx, drafts, embeddings,
+            j, n, B, Vd, R, chunks, pad, iters, j == 0, j < n, draft_to_target is not None, SEQS, BLOCK, rb,
+            num_warps=4,
+        )  # fmt: skip
+    return drafts, embeddings
