@@ -18,7 +18,7 @@ SEQS = 16  # sequences a program takes (tl.dot's least M): w2 is read once for a
 RANK_BLOCK = 32  # Markov rank columns a program reads at a time
 PROGRAMS_PER_SM = 8
 MAX_CHUNKS = 256
-NO_INDEX = 2**31 - 1
+NO_INDEX = tl.constexpr(2**31 - 1)  # a Triton global must be a constexpr
 
 
 @triton.jit
