@@ -325,6 +325,8 @@ def test_dspark_training_forward_matches_engine_proposal(setup, tmp_path, rows, 
     cfg = config(target_dir, data, tmp_path, method="dspark", markov_rank=8, block_size=4, rows=rows)
     drafter, llm = saved_and_served(dspark_drafter(target.model, cfg), target, target_dir, tmp_path)
     assert drafter.shifted == (rows == "auto")
+    identity = Trainer(cfg, target.model, drafter, read_examples(data), CPU).identity()
+    assert identity.get("shifted", True) == drafter.shifted  # the method's own rows: as checkpoints before the flag
     weights = row_weights(drafts, 4.0, CPU)
     for e in read_examples(data)[:3]:
         anchor, engine_drafts, fed = engine_block(llm, e)

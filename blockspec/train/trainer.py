@@ -124,9 +124,9 @@ class Trainer:
         """What a checkpoint must match to be resumed: the target and what the drafter's weights
         mean (same shapes can read other layers or another mask token)."""
         d = self.drafter
+        rows = {} if d.shifted == d.shifted_by_default else {"shifted": d.shifted}  # older checkpoints: the default
         return {"model": self.cfg.model, "method": self.cfg.method, "block_size": d.block_size,
-                "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id,
-                "shifted": d.shifted}  # fmt: skip
+                "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id, **rows}  # fmt: skip
 
     def lr_at(self, step: int) -> float:
         cfg, warmup = self.cfg, int(self.cfg.warmup * self.cfg.steps)
