@@ -51,10 +51,12 @@ def test_linear_with_a_packed_weight_keeps_its_norm_swiglu_and_residual():
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_the_packed_copy_serves_where_it_pays():
-    """fp32 from 3 rows (MKL's own path is faster below), bf16 from one; never with grad, in another
-    dtype than the copy's (float32 rows on a bf16 copy aside), without a copy, or with the switch
-    off; under row invariance a float32 copy at any rows, and never a bf16 one."""
+def test_the_packed_copy_serves_where_it_pays(monkeypatch):
+    """fp32 from 3 rows where not measured (MKL's own path is faster below on Intel's CPUs), bf16
+    from one; never with grad, in another dtype than the copy's (float32 rows on a bf16 copy aside),
+    without a copy, or with the switch off; under row invariance a float32 copy at any rows, and
+    never a bf16 one."""
+    monkeypatch.setattr(cpu_gemm, "_min_rows", {})
     weight = torch.randn(8, 4)
     packed = pack(weight)
     assert MIN_ROWS[torch.float32] == 3
@@ -77,6 +79,35 @@ def test_the_packed_copy_serves_where_it_pays():
     use_kernels(KernelConfig(cpu_packed=False))
     with torch.inference_mode():
         assert not takes_packed(torch.randn(3, 4), packed)
+
+
+@pytest.mark.parametrize(
+    "seconds,rows",
+    [
+        ({(2, True): 1.0, (2, False): 2.0, (1, True): 1.0, (1, False): 2.0}, 1),  # AMD's CPUs: MKL far slower
+        ({(2, True): 1.0, (2, False): 2.0, (1, True): 1.0, (1, False): 1.05}, 2),
+        ({(2, True): 1.0, (2, False): 1.1, (1, True): 1.0, (1, False): 2.0}, 3),  # within the margin at 2
+        ({(2, True): 1.2, (2, False): 1.0, (1, True): 1.2, (1, False): 1.0}, 3),  # Intel's: MKL faster
+    ],
+)
+def test_fp32_copies_serve_from_the_measured_rows(monkeypatch, seconds, rows):
+    """`measure_min_rows` keeps the fewest rows at which, and above which, the packed GEMM is
+    MEASURE_MARGIN faster, once a thread count, never from a model too small to time; `takes_packed`
+    follows it."""
+    monkeypatch.setattr(cpu_gemm, "_min_rows", {})
+    monkeypatch.setattr(cpu_gemm, "pass_seconds", lambda pairs, m, packed: seconds[m, packed])
+    small = [(torch.empty(1024, 1024), None)]  # 4 MB
+    cpu_gemm.measure_min_rows(small)
+    assert cpu_gemm._min_rows == {} and cpu_gemm.min_rows(torch.float32) == MIN_ROWS[torch.float32]
+    large = small * 8  # 32 MB
+    cpu_gemm.measure_min_rows(large)
+    assert cpu_gemm.min_rows(torch.float32) == rows and cpu_gemm.min_rows(torch.bfloat16) == MIN_ROWS[torch.bfloat16]
+    monkeypatch.setattr(cpu_gemm, "pass_seconds", lambda pairs, m, packed: 1.0 if packed else 3.0)
+    cpu_gemm.measure_min_rows(large)  # measured once for these threads
+    assert cpu_gemm.min_rows(torch.float32) == rows
+    packed = pack(torch.randn(8, 4))
+    with torch.inference_mode():
+        assert [takes_packed(torch.randn(m, 4), packed) for m in (1, 2, 3)] == [m >= rows for m in (1, 2, 3)]
 
 
 def same_bits_at_any_row_count(weight: torch.Tensor, packed: torch.Tensor) -> None:

@@ -2,8 +2,9 @@
 CPU lays its weight out anew on every call (MKL's fp32 GEMM packs it above two rows; oneDNN's bf16
 GEMM reorders it into AMX tiles), and for the few rows of a decode, verify or propose step that
 copy is a large part of the GEMM's time. Packed once, it is not made again. fp32 at one or two rows
-stays with `F.linear`, whose GEMV-like path reads the weight faster than the packed GEMM there
-(`MIN_ROWS`).
+is measured (`measure_min_rows`, once a process, on the first model large enough): on Intel's CPUs
+`F.linear`'s GEMV-like path reads the weight faster than the packed GEMM there; on AMD's it is far
+slower (MKL does not take its fast paths there), and the packed GEMM serves every row count.
 
 The packed copy sits beside the weight (a `Linear`'s `packed`), made last at load
 (`loading.finish`): nothing changes the weight afterwards. It costs one more copy of each linear's
@@ -20,13 +21,23 @@ larger calls are split into calls of that many. Its bf16 GEMM does not keep a ro
 kernels follow the row count): a bf16 copy, or a float32 one that fails the check, serves
 `row_invariant.tiled_linear`'s fixed tiles of rows instead."""
 
+import time
+
 import torch
 import torch.nn.functional as F
 
 from blockspec.layers.fast_path import active_kernels
 
-# Rows from which the packed GEMM beats F.linear, per dtype (fp32: MKL's path at 1-2 rows is faster)
+# Rows from which the packed GEMM beats F.linear, per dtype, where fp32's is not measured
 MIN_ROWS = {torch.float32: 3, torch.bfloat16: 1}
+# fp32 rows below MIN_ROWS go to the packed GEMM where it is this much faster there (a clear
+# margin, so that the choice, and the rounding of those rows, does not flip from run to run)
+MEASURE_MARGIN = 1.15
+# A model's fp32 weights `measure_min_rows` streams (more than a last-level cache holds), and the
+# least it measures on: a tiny model's GEMMs time overheads, not weight reads
+MEASURE_BYTES, MEASURE_MIN_BYTES = 64 * 2**20, 16 * 2**20
+MEASURE_REPEATS = 3
+_min_rows: dict[int, int] = {}  # threads -> the fp32 rows from which the packed GEMM serves
 # Rows of a oneDNN call at most, under row invariance: the calls `invariant_rows` checks go up to it
 INVARIANT_CALL_ROWS = 128
 # Row counts whose rows `invariant_rows` compares with the same rows of one call of INVARIANT_CALL_ROWS
@@ -58,6 +69,49 @@ def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     if dtype not in MIN_ROWS or (dtype == torch.bfloat16 and not bf16_supported()):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype))
+
+
+def min_rows(dtype: torch.dtype) -> int:
+    """Rows from which a copy of `dtype` serves a linear: fp32's as measured at these threads."""
+    return _min_rows.get(torch.get_num_threads(), MIN_ROWS[dtype]) if dtype == torch.float32 else MIN_ROWS[dtype]
+
+
+def measure_min_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Time F.linear against the packed GEMM at one and two rows over (fp32 weight, packed copy)
+    pairs, up to MEASURE_BYTES of them, and keep for this process's threads the fewest rows from
+    which the packed GEMM is MEASURE_MARGIN faster at every count (else MIN_ROWS). Once a thread
+    count; a model of fewer than MEASURE_MIN_BYTES leaves it unmeasured."""
+    threads, chosen, total = torch.get_num_threads(), [], 0
+    for weight, packed in pairs:
+        if threads in _min_rows or total >= MEASURE_BYTES:
+            break
+        chosen.append((weight, packed))
+        total += weight.numel() * weight.element_size()
+    if threads in _min_rows or total < MEASURE_MIN_BYTES:
+        return
+    rows = MIN_ROWS[torch.float32]
+    for m in (2, 1):  # packed at one row needs packed at two
+        if pass_seconds(chosen, m, packed=True) * MEASURE_MARGIN > pass_seconds(chosen, m, packed=False):
+            break
+        rows = m
+    _min_rows[threads] = rows
+
+
+def pass_seconds(pairs: list[tuple[torch.Tensor, torch.Tensor]], m: int, packed: bool) -> float:
+    """The fastest of MEASURE_REPEATS passes of m random rows through every pair's GEMM."""
+    inputs = {w.shape[1]: torch.randn(m, w.shape[1]) for w, _ in pairs}
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(MEASURE_REPEATS):
+            start = time.perf_counter()
+            for w, p in pairs:
+                x = inputs[w.shape[1]]
+                if packed:
+                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                else:
+                    F.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def invariant_rows(packed: torch.Tensor) -> bool:
@@ -100,13 +154,13 @@ def usable(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
 
 def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether a linear of x runs in one call on its weight's packed copy: where the copy is
-    `usable`, from the copy dtype's MIN_ROWS; under row invariance a float32 copy whose rows oneDNN
+    `usable`, from the copy dtype's `min_rows`; under row invariance a float32 copy whose rows oneDNN
     keeps (`invariant_rows`) at any rows, and no other."""
     if not usable(x, packed):
         return False
     if active_kernels().row_invariant:
         return packed.dtype == torch.float32 and invariant_rows(packed)
-    return x.numel() >= MIN_ROWS[packed.dtype] * x.shape[-1]
+    return x.numel() >= min_rows(packed.dtype) * x.shape[-1]
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

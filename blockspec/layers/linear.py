@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.activation import silu_mul
-from blockspec.layers.cpu_gemm import pack, packed_linear, takes_packed
+from blockspec.layers.cpu_gemm import measure_min_rows, pack, packed_linear, takes_packed
 from blockspec.layers.fast_path import active_kernels, fast_path
 from blockspec.layers.kernels import kernel_module, num_sms
 from blockspec.layers.norm import RMSNorm
@@ -130,10 +130,13 @@ def linear(
 
 def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     """Give every `Linear` of `model` its weight's packed copy for the CPU (`cpu_gemm.pack`), in
-    `dtype` (None: the weight's)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.packed = pack(module.weight, dtype)
+    `dtype` (None: the weight's), and the first time a model is large enough, measure from how many
+    rows the fp32 copies serve (`cpu_gemm.measure_min_rows`)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for module in linears:
+        module.packed = pack(module.weight, dtype)
+    fp32 = [m for m in linears if m.weight.dtype == torch.float32 and m.packed is not None]
+    measure_min_rows([(m.weight, m.packed) for m in fp32 if m.packed.dtype == torch.float32])
 
 
 class Linear(nn.Linear):
