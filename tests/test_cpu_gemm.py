@@ -110,6 +110,23 @@ def test_fp32_copies_serve_from_the_measured_rows(monkeypatch, seconds, rows):
         assert [takes_packed(torch.randn(m, 4), packed) for m in (1, 2, 3)] == [m >= rows for m in (1, 2, 3)]
 
 
+def test_packing_a_large_enough_model_measures_its_float32_copies(monkeypatch):
+    """`pack_linears` hands `measure_min_rows` the float32 weights with float32 copies, and only
+    those: a bf16-packed model is not measured, a float32 one of 16 MB is."""
+    monkeypatch.setattr(cpu_gemm, "_min_rows", {})
+    measured = []
+    monkeypatch.setattr(
+        cpu_gemm, "pass_seconds", lambda pairs, m, packed: measured.append(pairs) or (1.0 if packed else 2.0)
+    )
+    model = torch.nn.Sequential(*[Linear(1024, 1024, bias=False) for _ in range(4)])  # 16 MB of fp32
+    if BF16:
+        linear.pack_linears(model, torch.bfloat16)
+        assert measured == [] and cpu_gemm._min_rows == {}
+    linear.pack_linears(model)
+    assert cpu_gemm._min_rows == {torch.get_num_threads(): 1}
+    assert all(w.dtype == p.dtype == torch.float32 and len(pairs) == 4 for pairs in measured for w, p in pairs)
+
+
 def same_bits_at_any_row_count(weight: torch.Tensor, packed: torch.Tensor) -> None:
     """`linear.gemm` on the copy gives each row of 300 (bias and residual added) the same bits alone,
     at counts around the tile and call sizes, and at offsets, as in one call of them all."""

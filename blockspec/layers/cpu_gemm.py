@@ -81,13 +81,16 @@ def measure_min_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     pairs, up to MEASURE_BYTES of them, and keep for this process's threads the fewest rows from
     which the packed GEMM is MEASURE_MARGIN faster at every count (else MIN_ROWS). Once a thread
     count; a model of fewer than MEASURE_MIN_BYTES leaves it unmeasured."""
-    threads, chosen, total = torch.get_num_threads(), [], 0
+    threads = torch.get_num_threads()
+    if threads in _min_rows:
+        return
+    chosen, total = [], 0
     for weight, packed in pairs:
-        if threads in _min_rows or total >= MEASURE_BYTES:
+        if total >= MEASURE_BYTES:
             break
         chosen.append((weight, packed))
         total += weight.numel() * weight.element_size()
-    if threads in _min_rows or total < MEASURE_MIN_BYTES:
+    if total < MEASURE_MIN_BYTES:
         return
     rows = MIN_ROWS[torch.float32]
     for m in (2, 1):  # packed at one row needs packed at two

@@ -135,8 +135,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for module in linears:
         module.packed = pack(module.weight, dtype)
-    fp32 = [m for m in linears if m.weight.dtype == torch.float32 and m.packed is not None]
-    measure_min_rows([(m.weight, m.packed) for m in fp32 if m.packed.dtype == torch.float32])
+    copies = [(m.weight, m.packed) for m in linears if m.packed is not None]
+    measure_min_rows([(w, p) for w, p in copies if w.dtype == p.dtype == torch.float32])
 
 
 class Linear(nn.Linear):

@@ -77,8 +77,8 @@ def _markov_row_kernel(
                 bias = tl.dot(e.to(tl.float32), tl.trans(w.to(tl.float32)), bias, input_precision="ieee")
             bias = _as_weight_dtype(bias, w2_ptr.dtype.element_ty)
             x_mask = live[:, None] & in_vocab[None, :]
+            # past the vocabulary: -inf, plus a bias of zero (w2's rows there load as zeros)
             x = tl.load(base_rows[:, None] + v[None, :], mask=x_mask, other=float("-inf")).to(tl.float32) + bias
-            x = tl.where(in_vocab[None, :], x, float("-inf"))
             x = tl.where(tl.abs(x) <= float("inf"), x, float("inf"))  # NaN: +inf, as torch's argmax
             take = x > best  # strictly: a lane keeps the first index of its maximum
             best = tl.where(take, x, best)
