@@ -1,10 +1,14 @@
 """Adaptive block width: the policy times every width, picks the one with the most tokens per
 second (within 3% of the best fixed width on simulated devices, including the ways a policy that
-stopped exploring early lost on the H200), and any sequence of widths leaves greedy output exactly
-the target's."""
+stopped exploring early lost on the H200, and on devices replayed from recorded CPU traces), and
+any sequence of widths leaves greedy output exactly the target's."""
 
+import bisect
+import copy
+import json
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,16 +59,17 @@ def test_width_classes() -> None:
     assert width_classes(1) == (1,)
 
 
-def test_every_width_is_timed_first_widest_down() -> None:
-    chosen = widths(run(AdaptiveWidth(16), lambda w: 1.0 + 0.5 * w, 0.5, 20))
-    assert chosen == [16] * 4 + [8] * 4 + [4] * 4 + [2] * 4 + [1] * 4  # a warm-up step, then SAMPLES timed
+def test_every_width_is_timed_first_widest_down_each_beside_the_widest() -> None:
+    chosen = widths(run(AdaptiveWidth(16), lambda w: 1.0 + 0.5 * w, 0.5, 31))
+    warm_up, widest = [16, 8, 4, 2, 1], [16] * 3
+    assert chosen == warm_up + widest + [8, 16] * 3 + [4, 16] * 3 + [2, 16] * 3 + [1, 16] * 2 + [1]
 
 
 def test_flat_cost_keeps_the_widest_block() -> None:
     # A GPU at small batch: 16 rows cost what 1 row costs.
     cost = lambda w: 5.0 + 0.01 * w
     trace = run(AdaptiveWidth(16), cost, 0.8, 400)
-    assert widths(trace)[-100:] == [16] * 100
+    assert widths(trace)[-100:].count(16) >= 90  # narrower widths are timed again now and then
     assert speed_over_best_fixed_width(trace, cost, 0.8) > 0.97
 
 
@@ -93,7 +98,7 @@ def test_a_seldom_accepted_drafter_falls_back_to_plain_steps() -> None:
     cost = lambda w: 1.3 if w == 1 else 2.5 + 0.05 * w
     trace = run(AdaptiveWidth(16), cost, 0.35, 600, batch=16)
     late = widths(trace)[-256:]
-    assert late.count(1) >= 254 and set(late) <= {1, 16}
+    assert late.count(1) >= 245
     assert speed_over_best_fixed_width(trace, cost, 0.35, batch=16) > 0.97
 
 
@@ -103,7 +108,7 @@ def test_rows_capped_by_max_tokens_are_timed_at_the_class_they_run() -> None:
     cost = lambda w: 1.0 + 0.5 * w
     policy = AdaptiveWidth(16)
     trace = run(policy, cost, 0.5, 300, limit=5)
-    assert set(widths(trace)) == {1, 2, 4, 8} and (1, 16) not in policy.timed_steps
+    assert set(widths(trace)) == {1, 2, 4, 8} and 16 not in policy.costs[1].steps
     late = widths(trace)[-128:]
     assert max(set(late), key=late.count) == 2
 
@@ -118,6 +123,19 @@ def test_a_slow_middle_width_does_not_end_the_search() -> None:
     late = widths(trace)[-128:]
     assert max(set(late), key=late.count) == 4
     assert speed_over_best_fixed_width(trace, lambda w: table[w], 0.6, batch=16) > 0.97
+
+
+def test_a_width_timed_in_a_busy_moment_is_timed_again() -> None:
+    """Step times drift (a shared CPU, growing contexts): the 4 rows that win here are first timed
+    while the machine is half again slower. A policy that compares widths timed at different
+    moments, and never again, keeps 8 rows for good (20% slower); this one times every width
+    beside the current one, and again now and then."""
+    table, step = {1: 1.0, 2: 1.2, 4: 1.4, 8: 2.2, 16: 3.2}, iter(range(10**6))
+    busy = range(9, 13)  # the steps that time 4 rows when a bucket times each width in turn
+    trace = run(AdaptiveWidth(16), lambda w: table[w] * (1.5 if next(step) in busy else 1.0), 0.75, 600)
+    late = widths(trace)[-256:]
+    assert max(set(late), key=late.count) == 4
+    assert speed_over_best_fixed_width(trace, lambda w: table[w], 0.75) > 0.97
 
 
 def test_any_widths_keep_greedy_output_exact(tmp_path, monkeypatch, oracle) -> None:
@@ -141,7 +159,7 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
     policy = AdaptiveWidth(16)
     policy.observe(1, 16, None, [15], [3])  # e.g. a prefill ran first, or the step was left in flight
     policy.observe(1, 16, None, [15], [3])
-    assert policy.cost == {} and policy.choose(1, 16) == 16
+    assert policy.costs == {} and policy.choose(1, 16) == 16
     assert policy.trials[:4].tolist() == [0.99 + 1] * 4  # acceptance still counts
 
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
@@ -225,7 +243,67 @@ def test_a_step_left_in_flight_by_finished_sequences_is_not_timed(tmp_path) -> N
     llm.generate([[5, 9]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop]))
     engine = llm.engine
     assert engine.in_flight is not None and all(s.finished for s in engine.in_flight.step.seqs)
-    cost = dict(engine.adaptive.cost)
+    costs = copy.deepcopy(engine.adaptive.costs)
     time.sleep(0.3)
     assert engine.step() == [] and engine.in_flight is None
-    assert engine.adaptive.cost == cost
+    assert engine.adaptive.costs == costs
+
+
+TRACES = Path(__file__).parent / "fixtures" / "width_traces"
+
+
+class RecordedDevice:
+    """A device replayed from a recorded trace (tests/fixtures/width_traces): requests decoded once
+    at the full block (each block's accepted drafts, by the position it started at) and once with
+    steps cycling through the width classes (each step's width, milliseconds and start). A step of
+    width w starting at position n accepts what the full block there accepted, cut to w - 1 drafts,
+    and takes the time of the cycle's latest step of width w at or before n: widths timed in the
+    same minute, as the machine's load and the contexts' lengths then were."""
+
+    def __init__(self, path: Path) -> None:
+        trace = json.loads(path.read_text())
+        self.starts, self.accepted = zip(*trace["full"])
+        self.timed = {}
+        for width, ms, start in trace["cycle"]:
+            starts, seconds = self.timed.setdefault(width, ([], []))
+            starts.append(start)
+            seconds.append(ms / 1000)
+        self.total = self.starts[-1] + self.accepted[-1] + 1
+
+    def step(self, width: int, position: int) -> tuple[int, float]:
+        """(accepted drafts, seconds) of a step of `width` rows from `position`."""
+        k = bisect.bisect_right(self.starts, position) - 1
+        accepted = min(self.accepted[k] - (position - self.starts[k]), width - 1)
+        starts, seconds = self.timed[width]
+        return accepted, seconds[max(bisect.bisect_right(starts, position) - 1, 0)]
+
+    def speed(self, choose) -> float:
+        """Tokens per second decoding the recorded text with widths from choose(width, seconds,
+        accepted of the last step)."""
+        position, elapsed, last = 0, 0.0, None
+        while position < self.total:
+            width = choose(last)
+            accepted, seconds = self.step(width, position)
+            position, elapsed, last = position + accepted + 1, elapsed + seconds, (width, seconds, accepted)
+        return position / elapsed
+
+
+def adaptive_choice(policy: AdaptiveWidth):
+    def choose(last):
+        if last is not None:
+            width, seconds, accepted = last
+            policy.observe(1, width, seconds, [width - 1], [accepted])
+        return policy.choose(1, 16)
+
+    return choose
+
+
+@pytest.mark.parametrize("trace", sorted(p.name for p in TRACES.glob("*.json")))
+def test_recorded_traces_adaptive_within_3_percent_of_the_best_fixed_width(trace) -> None:
+    """The shipped pair on a 2-core CPU, where step times wander by a third within a minute: widths
+    timed minutes apart and never again (the policy that lost 13% to width 4 on HumanEval) compare
+    the machine's moods, not the widths."""
+    device = RecordedDevice(TRACES / trace)
+    fixed = {w: device.speed(lambda last, w=w: w) for w in width_classes(16)}
+    adaptive = device.speed(adaptive_choice(AdaptiveWidth(16)))
+    assert adaptive >= 0.97 * max(fixed.values()), (adaptive, fixed)

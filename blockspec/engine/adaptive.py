@@ -3,23 +3,32 @@ block) that maximises expected committed tokens per second of step time.
 
 A step of width w commits E(w) = 1 + p1 + p1*p2 + ... (w-1 terms) tokens per sequence, where
 p_k is the running rate at which draft k is accepted given drafts 1..k-1 were (decayed counts,
-shrunk toward the rate pooled over all positions). Its cost is the measured wall time of steps
-of that width at that batch bucket. Where verifying 16 rows costs about what 1 row costs (a GPU
-at small batch) the widest block wins; where rows cost compute (a CPU, or a GPU at large batch)
-narrower blocks can win, and where drafts are seldom accepted width 1 (a plain step: no drafter
-forward at all) can. Each bucket times every width class first, widest down, over `SAMPLES`
-steps each (step times are noisy: one sample can rule a width out for good); after that a step
-runs at full width now and then, so the acceptance rates of the far positions stay current, as
-often as keeps their extra time within `EXPLORE_SHARE` of the time spent. The width never changes
-the output (in exact arithmetic), only the speed."""
+shrunk toward the rate pooled over all positions). Its cost is measured, per batch bucket. Where
+verifying 16 rows costs about what 1 row costs (a GPU at small batch) the widest block wins; where
+rows cost compute (a CPU, or a GPU at large batch) narrower blocks can win, and where drafts are
+seldom accepted width 1 (a plain step: no drafter forward at all) can.
+
+Step times drift: contexts grow, and a machine's load comes and goes, so two widths timed
+minutes apart differ by more than their own costs do. Widths are therefore compared by the ratio
+of their step time to the current width's, each measured beside it: the current width's time
+follows its recent steps, and every other width is timed again now and then, in the step after
+one of the current width's, as often as keeps the time it loses within `EXPLORE_SHARE` of all
+step time (this also keeps the acceptance rates of the far positions, which only full blocks
+reach, current). A bucket first runs each width once untimed (graph capture, caches), widest
+down, then times each `SAMPLES` times, each step beside one of the widest. The width never
+changes the output (in exact arithmetic), only the speed."""
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from blockspec.engine.cuda_graphs import BATCH_BUCKETS, round_up
 
 DECAY = 0.99  # per step, on acceptance counts: about the last hundred steps count
-COST_EMA = 0.1  # weight of a new step-time sample
-EXPLORE_SHARE = 0.01  # of the step time, at most this goes to full-width steps the policy would not choose
+LEVEL_EMA = 0.3  # weight of a new step time in the current width's: it follows the drift
+RATIO_EMA = 0.2  # weight of a new sample in another width's ratio, after its first SAMPLES
+EXPLORE_SHARE = 0.01  # of the step time, at most this goes to widths the policy would not choose
+OPTIMISM = 1.5  # standard errors above the acceptance rates when pricing a width's next timing
 PRIOR = 4.0  # weight, in steps, of the pooled acceptance rate in each position's rate
 SAMPLES = 3  # timed steps of each width class before the policy chooses among them
 
@@ -29,58 +38,109 @@ def width_classes(max_width: int) -> tuple[int, ...]:
     return tuple(sorted({min(2**i, max_width) for i in range(max_width.bit_length() + 1)}))
 
 
+@dataclass
+class BucketCosts:
+    """Step times at one batch bucket: `seconds` per step at the `current` width (a moving
+    average of its recent steps), every timed width's step time as a `ratio` to it."""
+
+    current: int | None = None
+    seconds: float | None = None
+    ratio: dict[int, float] = field(default_factory=dict)
+    steps: dict[int, int] = field(default_factory=dict)  # timed steps of each width, the warm-up one included
+    since: dict[int, float] = field(default_factory=dict)  # seconds of steps since each width last ran
+    last: int | None = None  # the width of the last timed step
+
+    def rebase(self, width: int) -> None:
+        """Make `width` the current one: its estimated time the level, the ratios relative to it."""
+        r = self.ratio[width]
+        self.seconds *= r
+        self.ratio = {w: x / r for w, x in self.ratio.items()}
+        self.current = width
+
+
 class AdaptiveWidth:
     def __init__(self, max_width: int) -> None:
         self.classes = width_classes(max_width)
         self.hits = np.zeros(max_width - 1)  # decayed count of draft k accepted, k = 1..max_width-1
         self.trials = np.zeros(max_width - 1)  # decayed count of draft k reached
-        self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> seconds per step
-        # (bucket, width) -> steps timed; the first is warm-up (graph capture), left out of the cost
-        self.timed_steps: dict[tuple[int, int], int] = {}
-        self.since_full = 0.0  # seconds of steps since the last full-width one
+        self.costs: dict[int, BucketCosts] = {}  # batch bucket -> its step times
         self.width_steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
 
-    def expected_tokens(self) -> np.ndarray:
-        """E(w) for every width w = 1 .. max (index w - 1)."""
+    def expected_tokens(self, optimism: float = 0.0) -> np.ndarray:
+        """E(w) for every width w = 1 .. max (index w - 1); with `optimism`, from rates that many
+        standard errors above their estimates (seldom seen rates, high)."""
         # Each position's rate leans on the pooled rate of all positions where its own counts are
         # few: far positions, seen only at full width, are not pulled toward an arbitrary prior.
         pooled = (self.hits.sum() + 1) / (self.trials.sum() + 2)
-        rates = (self.hits + PRIOR * pooled) / (self.trials + PRIOR)
+        seen = self.trials + PRIOR
+        rates = (self.hits + PRIOR * pooled) / seen
+        rates = np.minimum(rates + optimism * np.sqrt(rates * (1 - rates) / seen), 1.0)
         return 1 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
 
     def row_class(self, rows: int) -> int:
         return round_up(rows, self.classes)
 
+    def bucket(self, batch: int) -> BucketCosts:
+        return self.costs.setdefault(round_up(batch, BATCH_BUCKETS), BucketCosts())
+
     def choose(self, batch: int, limit: int) -> int:
         """The width class of a step of `batch` sequences, none of which can take more than
         `limit` rows (their max_tokens or the context may cap them): wider classes could not run,
         so they are neither timed nor chosen."""
-        bucket = round_up(batch, BATCH_BUCKETS)
+        costs = self.bucket(batch)
         allowed = [w for w in self.classes if w <= self.row_class(limit)]
-        untimed = [w for w in reversed(allowed) if self.timed_steps.get((bucket, w), 0) <= SAMPLES]
+        if len(allowed) == 1:
+            return allowed[0]
+        cold = [w for w in reversed(allowed) if w not in costs.steps]
+        if cold:
+            return cold[0]  # its warm-up step, widest first
+        if costs.current is None:
+            costs.current, costs.ratio[allowed[-1]] = allowed[-1], 1.0
+        untimed = [w for w in reversed(allowed) if w not in costs.ratio or costs.steps[w] <= SAMPLES]
+        if costs.current in allowed and (costs.seconds is None or (untimed and costs.last != costs.current)):
+            return costs.current  # each timing of another width beside one of the current's
         if untimed:
-            return untimed[0]  # widest first
+            return untimed[0]
         expected = self.expected_tokens()
-        best = max(allowed, key=lambda w: expected[w - 1] / self.cost[bucket, w])
-        full = self.classes[-1]
-        if full in allowed and self.since_full * EXPLORE_SHARE >= self.cost[bucket, full] - self.cost[bucket, best]:
-            return full
-        return best
+        best = max(allowed, key=lambda w: expected[w - 1] / costs.ratio[w])
+        if costs.current not in allowed:  # rows capped below the current width: a request's last steps
+            return best
+        if best != costs.current:
+            costs.rebase(best)
+        if costs.last != best:
+            return best
+        share = EXPLORE_SHARE / (len(allowed) - 1)
+        # seconds a step of width w may lose against the best width committing as many tokens;
+        # width 1 drafts nothing, so while it is best the rates age unseen: they are taken high
+        hopeful = self.expected_tokens(OPTIMISM if best == 1 else 0.0)
+        loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
+        due = [w for w in allowed if costs.since.get(w, 0.0) * share >= loss[w]]
+        return max(due, key=lambda w: costs.since.get(w, 0.0), default=best)
 
     def observe(self, batch: int, width: int, seconds: float | None, offered: list[int], accepted: list[int]) -> None:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
         that width), and per sequence the drafts offered and accepted."""
-        self.since_full = 0.0 if width == self.classes[-1] else self.since_full + (seconds or 0.0)
         self.width_steps[width] += 1
-        key = (round_up(batch, BATCH_BUCKETS), width)
-        if seconds is not None:
-            n = self.timed_steps.get(key, 0)
-            if n:  # the mean of the first samples, then a moving average
-                old = self.cost.get(key, seconds)
-                self.cost[key] = old + max(COST_EMA, 1 / n) * (seconds - old)
-            self.timed_steps[key] = n + 1
+        if seconds is not None and seconds > 0:
+            self.time(self.bucket(batch), width, seconds)
         # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
         # accepted if k < a.
         k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
         self.trials = DECAY * self.trials + (k < np.minimum(a + 1, n)).sum(0)
         self.hits = DECAY * self.hits + (k < a).sum(0)
+
+    def time(self, costs: BucketCosts, width: int, seconds: float) -> None:
+        for w in costs.since:
+            costs.since[w] += seconds
+        costs.since[width] = 0.0
+        n = costs.steps.get(width, 0)
+        costs.steps[width] = n + 1
+        if n == 0:
+            return  # a warm-up step (graph capture): not a timing
+        if width == costs.current:
+            costs.seconds = seconds if costs.seconds is None else costs.seconds + LEVEL_EMA * (seconds - costs.seconds)
+        elif costs.seconds is not None:
+            sample = seconds / costs.seconds
+            old = costs.ratio.get(width, sample)
+            costs.ratio[width] = old + max(RATIO_EMA, 1 / n) * (sample - old)
+        costs.last = width
