@@ -1,8 +1,9 @@
-"""DSpark's greedy Markov chain kernel (`blockspec.layers.kernels.markov_chain`, the CUDA path of
-`DSparkProposer.markov_chain`) against the proposer's own loop: the same drafts and the same
-Markov embeddings, over vocabulary chunks of several blocks, a rank that is not a whole number of
-the kernel's rank blocks, a reduced draft vocabulary, and more sequences than a program takes. On the CPU it runs in Triton's
-interpreter (test_kernels_in_interpreter)."""
+"""DSpark's Markov chain kernel (`blockspec.layers.kernels.markov_chain`, the CUDA path of
+`DSparkProposer.markov_chain`) against the proposer's own loop, greedy and sampled (greedy and
+sampled sequences in one batch): the same drafts, the same Markov embeddings and the same q, over
+vocabulary chunks of several blocks, a rank that is not a whole number of the kernel's rank
+blocks, a reduced draft vocabulary, and more sequences than a program takes. On the CPU it runs in
+Triton's interpreter (test_kernels_in_interpreter)."""
 
 from types import SimpleNamespace
 
@@ -14,19 +15,36 @@ pytest.importorskip("triton")
 from conftest import CUDA, interpreter_test, make_dspark, make_target, runs_kernel
 
 from blockspec.layers.fast_path import reference_ops
-from blockspec.layers.kernels.markov_chain import greedy_chain
+from blockspec.layers.kernels.markov_chain import markov_chain
 from blockspec.loading.drafters import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.proposers.dspark import DSparkProposer
+from blockspec.sampling import Stream, uniform
 
 test_kernels_in_interpreter = interpreter_test(__file__)
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 VOCAB = 5000  # in the interpreter's 4 "SMs": 10 chunks of two 256-token blocks a row for one group
 
 
+def chain_inputs(anchor: torch.Tensor, n: int, temperatures: list[float] | None) -> SimpleNamespace:
+    """The proposer's step inputs: greedy (None), or sampled at these temperatures (0: a greedy
+    sequence in a sampled batch), without top-k, top-p or min-p."""
+    if temperatures is None:
+        return SimpleNamespace(tokens=anchor[:, None], sampling=None)
+    B, device = len(temperatures), anchor.device
+    params = torch.tensor([[t, 0.0, 1.0, 0.0] for t in temperatures], device=device)
+    positions = torch.arange(B, device=device)[:, None] * 100 + torch.arange(1, n + 1, device=device)
+    seeds = torch.arange(B, device=device) * 7919 + 11
+    return SimpleNamespace(
+        tokens=anchor[:, None], sampling=True, sampling_params=params, filters=False, greedy=params[:, 0] == 0,
+        seeds=seeds, draft_positions=positions,
+    )  # fmt: skip
+
+
 @runs_kernel
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("draft_vocab,rank,B", [(None, 40, 2), (3000, 16, 18)])
-def test_greedy_chain_matches_the_proposer_loop(tmp_path, draft_vocab, rank, B):
+def test_chain_matches_the_proposer_loop(tmp_path, draft_vocab, rank, B, sampled):
     tpath = make_target(tmp_path / "t", "qwen3", vocab=VOCAB, layers=4)
     dpath = make_dspark(
         tmp_path / "d", tpath, block_size=6, markov_rank=rank, draft_vocab=draft_vocab, markov_scale=30.0
@@ -39,23 +57,34 @@ def test_greedy_chain_matches_the_proposer_loop(tmp_path, draft_vocab, rank, B):
     base = torch.randn(B, n, vd, generator=gen).mul(3).to(torch.bfloat16).to(DEVICE)
     anchor = torch.randint(0, VOCAB, (B,), generator=gen).to(DEVICE)
     hidden = torch.zeros(B, n, 64, dtype=torch.bfloat16, device=DEVICE)  # read by gated and rnn heads only
+    inputs = chain_inputs(anchor, n, [(0.0, 4.0, 1.0, 0.7)[i % 4] for i in range(B)] if sampled else None)
     with torch.inference_mode(), reference_ops():
-        runner, inputs = SimpleNamespace(target=target), SimpleNamespace(tokens=anchor[:, None], sampling=None)
-        proposal, expected = DSparkProposer(drafter).markov_chain(runner, inputs, hidden, base)
+        proposal, expected = DSparkProposer(drafter).markov_chain(SimpleNamespace(target=target), inputs, hidden, base)
+    temperature, u = None, None
+    if sampled:
+        temperature = inputs.sampling_params[:, 0]
+        u = uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
     with torch.inference_mode():
         w1, w2 = head.markov_w1.weight, head.markov_w2.weight
-        drafts, embeddings = greedy_chain(base, anchor, w1, w2, drafter.draft_to_target, torch.bfloat16)
-    assert drafts.tolist() == proposal.drafts.tolist()
-    assert torch.equal(embeddings, expected)
+        chain = markov_chain(base, anchor, w1, w2, drafter.draft_to_target, torch.bfloat16, temperature, u)
+    assert chain.drafts.tolist() == proposal.drafts.tolist()
+    assert torch.equal(chain.embeddings, expected)
     plain = base.float().argmax(-1)
     plain = drafter.draft_to_target[plain] if draft_vocab else plain
-    assert not torch.equal(drafts, plain)  # the Markov bias moved some drafts
+    assert not torch.equal(chain.drafts, plain)  # the Markov bias (and the draws) moved some drafts
+    if not sampled:
+        assert chain.q is None
+        return
+    q = drafter.to_target(chain.q, target, fill=0.0)
+    torch.testing.assert_close(q, proposal.q, rtol=1e-5, atol=1e-7)
+    drawn = ~inputs.greedy[:, None] & (chain.drafts != q.argmax(-1))
+    assert drawn.any()  # sampled rows drew tokens other than their mode
 
 
 @runs_kernel
 def test_empty_batch():
     w1, w2 = torch.randn(10, 4, device=DEVICE), torch.randn(10, 4, device=DEVICE)
-    drafts, embeddings = greedy_chain(
+    drafts, embeddings, _ = markov_chain(
         torch.randn(0, 3, 10, device=DEVICE),
         torch.zeros(0, dtype=torch.long, device=DEVICE),
         w1,

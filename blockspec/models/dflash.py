@@ -208,13 +208,13 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits.float() / self.logit_softcap) * self.logit_softcap
         return logits
 
-    def to_target(self, logits: torch.Tensor, target: CausalLM) -> torch.Tensor:
-        """Draft-vocabulary logits [..., Vd] as the target's [..., V]: -inf at the ids the draft
-        vocabulary lacks (q is zero there)."""
+    def to_target(self, logits: torch.Tensor, target: CausalLM, fill: float = float("-inf")) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] as the target's [..., V]: `fill` at the ids the draft
+        vocabulary lacks (-inf: q is zero there; 0 where they are probabilities)."""
         index = self.draft_to_target
         if index is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], target.config.vocab_size), float("-inf"))
+        full = logits.new_full((*logits.shape[:-1], target.config.vocab_size), fill)
         return full.index_copy_(-1, index, logits)
 
     def compute_logits(self, hidden: torch.Tensor, target: CausalLM) -> torch.Tensor:

@@ -54,19 +54,23 @@ class DSparkProposer(DFlashProposer):
     ) -> tuple[Proposal, torch.Tensor]:
         """Drafts row by row: row j's logits are base[:, j] plus the Markov bias of the token before
         it (the anchor, then row j-1's draft). Returns the proposal and markov_w1 of each row's
-        previous token [B, n, r]. Greedy with a vanilla head, on CUDA, one kernel a row
-        (`blockspec.layers.kernels.markov_chain`)."""
+        previous token [B, n, r]. With a vanilla head on CUDA, greedy or sampled without top-k,
+        top-p or min-p, one kernel a row (`blockspec.layers.kernels.markov_chain`)."""
         d, target, head = self.drafter, runner.target, self.drafter.markov_head
         sampled = inputs.sampling is not None
-        kernels = None if sampled or head.kind != "vanilla" else fast_kernels(base, "markov_chain")
-        if kernels is not None:
-            w1, w2 = head.markov_w1.weight, head.markov_w2.weight
-            anchor = inputs.tokens[:, 0]
-            drafts, embeddings = kernels.greedy_chain(base, anchor, w1, w2, d.draft_to_target, hidden.dtype)
-            return Proposal(drafts, None), embeddings
         if sampled:
             u = uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
             params = inputs.sampling_params
+        fusable = head.kind == "vanilla" and not (sampled and inputs.filters)
+        kernels = fast_kernels(base, "markov_chain") if fusable else None
+        if kernels is not None:
+            w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+            temperature, uniforms = (params[:, 0], u) if sampled else (None, None)
+            chain = kernels.markov_chain(
+                base, inputs.tokens[:, 0], w1, w2, d.draft_to_target, hidden.dtype, temperature, uniforms
+            )
+            q = None if chain.q is None else d.to_target(chain.q, target, fill=0.0)
+            return Proposal(chain.drafts, q), chain.embeddings
         prev, state = inputs.tokens[:, 0], head.initial_state(hidden[:, 0])
         drafts, qs, embeddings = [], [], []
         for j in range(base.shape[1]):

@@ -1,11 +1,17 @@
-"""DSpark's greedy Markov chain on CUDA (the reference: `DSparkProposer.markov_chain`'s loop):
-one launch of one kernel a block row, where the reference runs an embedding, a GEMV, casts, an
-add and a two-pass argmax a row. Row j's logits are the base logits plus markov_w2 .
+"""DSpark's Markov chain on CUDA (the reference: `DSparkProposer.markov_chain`'s loop): one launch
+of one kernel a block row, where the reference runs an embedding, a GEMV, casts, an add and an
+argmax or a softmax and a draw a row. Row j's logits are the base logits plus markov_w2 .
 markov_w1[prev_j], the bias rounded to the weights' dtype as the reference's GEMV rounds it. A
-program takes a chunk of one sequence's draft vocabulary and writes the chunk's maximum and its
-first index. The launch of row j+1 first reduces row j's chunks to row j's draft (every program
-alike; the first writes it), maps it to its target id and reads its Markov embedding: no host
-sync and no grid barrier, so the chain runs inside the step's CUDA graph."""
+program takes a chunk of the draft vocabulary for up to SEQS sequences and writes the chunk's
+maximum, its first index and, when sampling, the chunk's sum of exp((x - max) / T) and its logits.
+The launch of row j+1 first reduces row j's chunks to row j's draft (every program alike; the
+first writes it): the argmax, or for a sampled sequence the token at u times the total mass, found
+chunk by chunk and then inside the chunk, as `sampling.draw` finds it. It maps the draft to its
+target id and reads its Markov embedding: no host sync and no grid barrier, so the chain runs
+inside the step's CUDA graph. The logits left behind become q, softmax(x / T), in one pass after
+the chain."""
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -21,6 +27,12 @@ MAX_CHUNKS = 256
 NO_INDEX = tl.constexpr(2**31 - 1)  # a Triton global must be a constexpr
 
 
+class MarkovChain(NamedTuple):
+    drafts: torch.Tensor  # [B, n] int64 target ids
+    embeddings: torch.Tensor  # [B, n, r] markov_w1 of each row's previous token
+    q: torch.Tensor | None  # [B, n, Vd] float32 the distributions sampled drafts are drawn from
+
+
 @triton.jit
 def _as_weight_dtype(x, dtype: tl.constexpr):
     """x rounded to the weights' dtype (the reference's GEMV output dtype), as float32. bfloat16 is
@@ -33,25 +45,64 @@ def _as_weight_dtype(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _draw(x_row, mass, target, m, t, live, Vd, CHUNK: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per sequence, the draft index whose cumulative mass first exceeds `target` (u times the
+    total): the chunk first, from the chunks' masses [SEQS, CHUNKS_PAD], then the token inside it,
+    from the row's logits (`x_row`, [SEQS] pointers). Where rounding puts the target past the mass:
+    the last chunk, and token, with any."""
+    k = tl.arange(0, mass.shape[1])[None, :]
+    chunk = tl.sum((tl.cumsum(mass, 1) <= target[:, None]).to(tl.int32), 1)
+    chunk = tl.minimum(chunk, tl.max(tl.where(mass > 0, k, 0), 1))
+    rest = target - tl.sum(tl.where(k < chunk[:, None], mass, 0.0), 1)
+    start = chunk * CHUNK
+    running, below, last = tl.zeros_like(target), tl.zeros_like(chunk), start
+    for i in range(CHUNK_ITERS):
+        v = (start + i * BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :]
+        inside = live[:, None] & (v < Vd) & (v < (start + CHUNK)[:, None])
+        p = tl.exp((tl.load(x_row[:, None] + v, mask=inside, other=float("-inf")) - m[:, None]) / t[:, None])
+        below += tl.sum((running[:, None] + tl.cumsum(p, 1) <= rest[:, None]).to(tl.int32), 1)
+        last = tl.maximum(last, tl.max(tl.where(p > 0, v, 0), 1))
+        running += tl.sum(p, 1)
+    return tl.minimum(start + below, last)
+
+
+@triton.jit
 def _markov_row_kernel(
-    base_ptr, stride_b, stride_j, w1_ptr, w2_ptr, d2t_ptr, anchor_ptr, val_ptr, idx_ptr, drafts_ptr, emb_ptr,
-    j, n, B, Vd, R: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr,
-    FIRST: tl.constexpr, ROW: tl.constexpr, HAS_D2T: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl.constexpr,
-    RB: tl.constexpr,
+    base_ptr, stride_b, stride_j, w1_ptr, w2_ptr, d2t_ptr, anchor_ptr, val_ptr, idx_ptr, sum_ptr, x_ptr, temp_ptr,
+    u_ptr, stat_ptr, drafts_ptr, emb_ptr, j, n, B, Vd, R: tl.constexpr, CHUNKS: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr, FIRST: tl.constexpr, ROW: tl.constexpr,
+    HAS_D2T: tl.constexpr, SAMPLED: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
 ):  # fmt: skip
     g, c = tl.program_id(0), tl.program_id(1)
     seq = g * SEQS + tl.arange(0, SEQS)
     live = seq < B
+    t = tl.full([SEQS], 1.0, tl.float32)
+    if SAMPLED:  # greedy rows (T = 0) take T = 1, as `sampling.probs` does
+        t = tl.load(temp_ptr + seq, mask=live, other=0.0)
+        greedy = t == 0
+        t = tl.where(greedy, 1.0, t)
     if FIRST:  # the token before row 0: the anchor
         prev = tl.load(anchor_ptr + seq, mask=live, other=0).to(tl.int64)
-    else:  # row j-1's draft: the first chunk holding its maximum, mapped to its target id
+    else:  # row j-1's draft, mapped to its target id
         k = tl.arange(0, CHUNKS_PAD)
         partial = ((seq * n + j - 1) * CHUNKS_PAD)[:, None] + k[None, :]
         ok = live[:, None] & (k < CHUNKS)[None, :]
         val = tl.load(val_ptr + partial, mask=ok, other=float("-inf"))
         idx = tl.load(idx_ptr + partial, mask=ok, other=NO_INDEX)
-        first = ok & (val == tl.max(val, 1)[:, None])
+        m = tl.max(val, 1)
+        first = ok & (val == m[:, None])
         prev = tl.min(tl.where(first, idx, NO_INDEX), 1).to(tl.int64)
+        if SAMPLED:
+            sums = tl.load(sum_ptr + partial, mask=ok, other=0.0)
+            mass = tl.where(ok, sums * tl.exp((val - m[:, None]) / t[:, None]), 0.0)
+            total = tl.sum(mass, 1)
+            u = tl.load(u_ptr + seq * n + j - 1, mask=live, other=0.0)
+            x_row = x_ptr + (seq.to(tl.int64) * n + j - 1) * Vd
+            drawn = _draw(x_row, mass, u * total, m, t, live, Vd, CHUNK_ITERS * BLOCK, CHUNK_ITERS, BLOCK)
+            prev = tl.where(greedy, prev, drawn.to(tl.int64))
+            stat = stat_ptr + (seq * n + j - 1) * 2
+            tl.store(stat, m, mask=live & (c == 0))
+            tl.store(stat + 1, total, mask=live & (c == 0))
         prev = tl.where(live, prev, 0)
         if HAS_D2T:
             prev = tl.load(d2t_ptr + prev, mask=live, other=0).to(tl.int64)
@@ -60,6 +111,7 @@ def _markov_row_kernel(
         offs = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)
         best = tl.full([SEQS, BLOCK], float("-inf"), tl.float32)
         best_idx = tl.zeros([SEQS, BLOCK], tl.int32) + offs[None, :]
+        lane_sum = tl.zeros([SEQS, BLOCK], tl.float32)  # of exp((x - best) / t), a lane's online softmax
         base_rows = base_ptr + seq.to(tl.int64) * stride_b + j * stride_j
         for i in range(CHUNK_ITERS):
             v = offs + i * BLOCK
@@ -81,12 +133,20 @@ def _markov_row_kernel(
             x = tl.load(base_rows[:, None] + v[None, :], mask=x_mask, other=float("-inf")).to(tl.float32) + bias
             x = tl.where(tl.abs(x) <= float("inf"), x, float("inf"))  # NaN: +inf, as torch's argmax
             take = x > best  # strictly: a lane keeps the first index of its maximum
+            if SAMPLED:
+                tl.store(x_ptr + (seq.to(tl.int64) * n + j)[:, None] * Vd + v[None, :], x, mask=x_mask)
+                top = tl.maximum(best, x)
+                scale = tl.where(top == float("-inf"), 0.0, tl.exp((best - top) / t[:, None]))
+                lane_sum = lane_sum * scale + tl.where(top == float("-inf"), 0.0, tl.exp((x - top) / t[:, None]))
             best = tl.where(take, x, best)
             best_idx = tl.where(take, v[None, :], best_idx)
         m = tl.max(best, 1)
         out = (seq * n + j) * CHUNKS_PAD + c
         tl.store(val_ptr + out, m, mask=live)
         tl.store(idx_ptr + out, tl.min(tl.where(best == m[:, None], best_idx, NO_INDEX), 1), mask=live)
+        if SAMPLED:
+            lanes = tl.where(best == float("-inf"), 0.0, lane_sum * tl.exp((best - m[:, None]) / t[:, None]))
+            tl.store(sum_ptr + out, tl.sum(lanes, 1), mask=live)
 
 
 def num_chunks(groups: int, Vd: int, sms: int) -> int:
@@ -94,24 +154,28 @@ def num_chunks(groups: int, Vd: int, sms: int) -> int:
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, groups), triton.cdiv(Vd, BLOCK), MAX_CHUNKS))
 
 
-def greedy_chain(
+def markov_chain(
     base: torch.Tensor,
     anchor: torch.Tensor,
     w1: torch.Tensor,
     w2: torch.Tensor,
     draft_to_target: torch.Tensor | None,
     embedding_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """base [B, n, Vd] logits, anchor [B] token ids, w1 [V, r], w2 [Vd, r] -> the drafts [B, n]
-    (int64 target ids) and markov_w1 of each row's previous token [B, n, r] in `embedding_dtype`."""
+    temperature: torch.Tensor | None = None,
+    u: torch.Tensor | None = None,
+) -> MarkovChain:
+    """base [B, n, Vd] logits, anchor [B] token ids, w1 [V, r], w2 [Vd, r]; to sample, each
+    sequence's temperature [B] (0: greedy) and the uniforms of its rows [B, n]."""
     B, n, Vd = base.shape
     R = w1.shape[1]
     assert w2.shape == (Vd, R) and w1.dtype == w2.dtype, "markov_w2 must be [draft vocab, rank], in w1's dtype"
     assert w1.is_contiguous() and w2.is_contiguous() and base.stride(-1) == 1
+    sampled = temperature is not None
     drafts = torch.empty(B, n, dtype=torch.int64, device=base.device)
     embeddings = torch.empty(B, n, R, dtype=embedding_dtype, device=base.device)
+    x = torch.empty(B, n, Vd, dtype=torch.float32, device=base.device) if sampled else None
     if B == 0 or n == 0:
-        return drafts, embeddings
+        return MarkovChain(drafts, embeddings, x)
     groups = triton.cdiv(B, SEQS)
     chunks = num_chunks(groups, Vd, num_sms(base.device, interpreted=4))
     iters = triton.cdiv(triton.cdiv(Vd, chunks), BLOCK)
@@ -119,12 +183,20 @@ def greedy_chain(
     pad = triton.next_power_of_2(chunks)
     val = torch.empty(B, n, pad, dtype=torch.float32, device=base.device)
     idx = torch.empty(B, n, pad, dtype=torch.int32, device=base.device)
+    sums = torch.empty_like(val) if sampled else val  # the sampling buffers are unread when greedy
+    stats = torch.empty(B, n, 2, dtype=torch.float32, device=base.device) if sampled else val
+    temperature = temperature.float().contiguous() if sampled else val
+    u = u.float().contiguous() if sampled else val
     d2t = draft_to_target if draft_to_target is not None else anchor  # unread without HAS_D2T
     rb = max(16, min(RANK_BLOCK, triton.next_power_of_2(R)))
     for j in range(n + 1):  # launch n reduces the last row only
         _markov_row_kernel[(groups, chunks if j < n else 1)](
-            base, base.stride(0), base.stride(1), w1, w2, d2t, anchor, val, idx, drafts, embeddings,
-            j, n, B, Vd, R, chunks, pad, iters, j == 0, j < n, draft_to_target is not None, SEQS, BLOCK, rb,
-            num_warps=4,
+            base, base.stride(0), base.stride(1), w1, w2, d2t, anchor, val, idx, sums, x if sampled else val,
+            temperature, u, stats, drafts, embeddings, j, n, B, Vd, R, chunks, pad, iters, j == 0, j < n,
+            draft_to_target is not None, sampled, SEQS, BLOCK, rb, num_warps=4,
         )  # fmt: skip
-    return drafts, embeddings
+    if not sampled:
+        return MarkovChain(drafts, embeddings, None)
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+    q = x.sub_(stats[..., :1]).div_(t).exp_().div_(stats[..., 1:])  # softmax(x / T), in place
+    return MarkovChain(drafts, embeddings, q)
