@@ -74,8 +74,11 @@ class AdaptiveWidth:
         pooled = (self.hits.sum() + 1) / (self.trials.sum() + 2)
         seen = self.trials + PRIOR
         rates = (self.hits + PRIOR * pooled) / seen
-        rates = np.minimum(rates + optimism * np.sqrt(rates * (1 - rates) / seen), 1.0)
-        return 1 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
+        if optimism:
+            rates = np.minimum(rates + optimism * np.sqrt(rates * (1 - rates) / seen), 1.0)
+        expected = np.ones(len(rates) + 1)
+        expected[1:] += np.cumprod(rates).cumsum()
+        return expected
 
     def row_class(self, rows: int) -> int:
         return round_up(rows, self.classes)
@@ -112,7 +115,7 @@ class AdaptiveWidth:
         share = EXPLORE_SHARE / (len(allowed) - 1)
         # seconds a step of width w may lose against the best width committing as many tokens;
         # width 1 drafts nothing, so while it is best the rates age unseen: they are taken high
-        hopeful = self.expected_tokens(OPTIMISM if best == 1 else 0.0)
+        hopeful = self.expected_tokens(OPTIMISM) if best == 1 else expected
         loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
         due = [w for w in allowed if costs.since.get(w, 0.0) * share >= loss[w]]
         return max(due, key=lambda w: costs.since.get(w, 0.0), default=best)
