@@ -118,7 +118,7 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
     dflash, dspark = make_drafter(tmp_path / "dflash", target), make_dspark(tmp_path / "dspark", target)
     with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
-        f.write(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in ("w5 w6 w7", "w9 w10", "w11 w12 w13"))
     (tmp_path / "mtbench.jsonl").write_text(json.dumps({"turns": ["w8 w9", "w10"]}) + "\n")
     parser = argparse.ArgumentParser()
     acceptance.add_arguments(parser)
@@ -132,9 +132,11 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     acceptance.run(args)
     written = json.loads(out.read_text())
     rows = written["results"]
-    assert [(r["set"], r["prompts"]) for r in rows] == [("humaneval", 1), ("mtbench", 1)]
+    assert [(r["set"], r["prompts"]) for r in rows] == [("humaneval", 3), ("mtbench", 1)]
     engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_w3", "dspark", "dspark_adaptive", "dspark_w3")
-    assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 for e in engines) for r in rows)
+    # the second pass: the engines in turn, a prompt each (batch 1), every prompt's tokens counted
+    assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 * r["prompts"] for e in engines) for r in rows)
+    assert written["meta"]["second_pass"] == "engines in turn" and written["meta"]["device"].startswith("cpu")
     assert all(max(map(int, r[e]["histogram"])) <= 3 for r in rows for e in ("dflash_w3", "dspark_w3"))
     widths = written["meta"]["max_width"]
     assert widths["dflash_w3"] == widths["dspark_w3"] == 3 and widths["dflash"] > 3 and widths["plain"] == 1

@@ -51,17 +51,29 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return outs, time.perf_counter() - start
 
 
-def two_passes(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """The same requests twice on one engine: the second pass summarized, with the first pass's
-    tok/s beside it (a capture or compile at request time, or adaptive width still exploring, shows
-    as a slower first pass), and with adaptive width the steps the second pass ran at each width."""
-    first = summarize(*timed_generate(llm, prompts, params))
-    adaptive = llm.engine.adaptive
-    before = dict(adaptive.width_steps) if adaptive is not None else {}
-    second = summarize(*timed_generate(llm, prompts, params)) | {"first_pass_tok_per_s": first["tok_per_s"]}
-    if adaptive is None:
-        return second
-    return second | {"width_steps": {w: n - before[w] for w, n in adaptive.width_steps.items() if n > before[w]}}
+def two_passes(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, group: int) -> dict:
+    """Each engine's second pass over the prompts summarized, with its first pass's tok/s beside it
+    (a capture or compile at request time, or adaptive width still exploring, shows as a slower
+    first pass) and, with adaptive width, the steps the second pass ran at each width. The first
+    pass runs engine after engine. In the second the engines take turns, `group` prompts each,
+    each group in a rotated order: a machine whose speed wanders (a shared CPU, a busy host) then
+    slows every engine alike, and the ratios between them hold."""
+    first = {name: summarize(*timed_generate(llm, prompts, params)) for name, llm in engines.items()}
+    adaptive = {name: llm.engine.adaptive for name, llm in engines.items() if llm.engine.adaptive is not None}
+    before = {name: dict(policy.width_steps) for name, policy in adaptive.items()}
+    outs, seconds, names = {name: [] for name in engines}, dict.fromkeys(engines, 0.0), list(engines)
+    for turn, i in enumerate(range(0, len(prompts), group)):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            out, elapsed = timed_generate(engines[name], prompts[i : i + group], params)
+            outs[name] += out
+            seconds[name] += elapsed
+    rows = {}
+    for name in engines:
+        rows[name] = summarize(outs[name], seconds[name]) | {"first_pass_tok_per_s": first[name]["tok_per_s"]}
+        if name in adaptive:
+            steps = adaptive[name].width_steps.items()
+            rows[name]["width_steps"] = {w: n - before[name][w] for w, n in steps if n > before[name][w]}
+    return rows
 
 
 def summarize(outs: list, elapsed: float) -> dict:
@@ -160,8 +172,7 @@ def run(args: argparse.Namespace) -> None:
                 temperature=temperature, max_tokens=args.max_tokens, structured_output=structured
             )
             row = {"set": set_name, "temperature": temperature, "prompts": len(prompts)}
-            for name, llm in engines.items():
-                row[name] = two_passes(llm, prompts, params)
+            row |= two_passes(engines, prompts, params, args.batch_size)
             results.append(row)
             plain = row["plain"]["tok_per_s"]
             speeds = "  ".join(
@@ -182,6 +193,7 @@ def run(args: argparse.Namespace) -> None:
         max_width={name: llm.engine.max_width for name, llm in engines.items()},
         response_format=args.response_format,
         cpu_bf16=args.cpu_bf16,
+        second_pass="engines in turn",
     )
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 

@@ -66,7 +66,10 @@ engine and prompts (*x plain*). `dflash` and `ngram` verify the full block every
 (the anchor and N-1 drafts); `dflash_fp8` runs the drafter in FP8. Each
 configuration runs the same requests twice from a freshly started engine; the figures are the
 second pass's, and a table gives the first pass's tok/s over the second's (1.00: nothing was
-captured, compiled or explored while the first requests ran).
+captured, compiled or explored while the first requests ran). Where the meta says `second_pass:
+engines in turn`, the engines took turns in the second pass, a batch of prompts each, so that a
+machine whose speed wandered slowed them alike; before, each ran its pass whole, one after
+another.
 
 **Determinism** (`python -m blockspec.bench.determinism`, in the acceptance shape). Real prompts at
 T=0, per *row invariant* setting (`EngineConfig.row_invariant`): *spec equals plain*, the prompts
