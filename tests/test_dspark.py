@@ -5,6 +5,7 @@ dialect (a reduced draft vocabulary too); speculative sampling keeps the target'
 correction is caught; each mismatched checkpoint gets its own error."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from blockspec.loading.drafters import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError
 from blockspec.models.dialects import dialect_of
+from blockspec.proposers import dspark as dspark_proposer
 from blockspec.proposers.dspark import DSparkProposer
 from blockspec.sampling import probs
 
@@ -295,3 +297,33 @@ def test_fp8_dspark_drafter_with_its_own_head(tmp_path, target):
     drafter = llm.engine.drafter
     assert drafter.fp8 and drafter.lm_head is None and drafter.lm_head_fp8 is not None
     assert greedy(llm, PROMPTS) == greedy(LLM(str(target), None, device="cpu"), PROMPTS)
+
+
+class Fused(Exception):
+    """Raised by a stand-in for the chain kernel: the proposer chose it."""
+
+
+@pytest.mark.parametrize(
+    "rank,temperature,top_p,fused",
+    [(8, 0.0, 1.0, True), (40, 0.0, 1.0, False), (40, 0.8, 1.0, True), (8, 0.8, 0.9, False)],
+)
+def test_which_chains_take_the_kernel(tmp_path, target, monkeypatch, rank, temperature, top_p, fused):
+    """The chain kernel serves a vanilla head sampled without top-k, top-p or min-p, and greedy up to
+    FUSED_GREEDY_MAX_RANK (past it the kernel measured slower); the rest run the reference's ops."""
+    cpu = torch.device("cpu")
+    model = load_target(target, torch.float32, cpu).model
+    drafter = load_drafter(make_dspark(tmp_path / "d", target, markov_rank=rank), model, torch.float32, cpu)
+    kernel = SimpleNamespace(markov_chain=lambda *args: (_ for _ in ()).throw(Fused()))
+    monkeypatch.setattr(dspark_proposer, "fast_kernels", lambda x, name: kernel)
+    n, params = drafter.num_drafts, torch.tensor([[temperature, 0.0, top_p, 0.0]])
+    inputs = SimpleNamespace(
+        tokens=torch.tensor([[5]]), sampling=True if temperature else None, sampling_params=params,
+        filters=top_p < 1, greedy=params[:, 0] == 0, seeds=torch.tensor([3]), draft_positions=torch.arange(1, n + 1)[None],
+    )  # fmt: skip
+    hidden, base = torch.zeros(1, n, 64), torch.randn(1, n, drafter.draft_vocab_size)  # a vanilla head reads no hidden
+    proposer, runner = DSparkProposer(drafter), SimpleNamespace(target=model)
+    if fused:
+        with pytest.raises(Fused):
+            proposer.markov_chain(runner, inputs, hidden, base)
+    else:
+        assert proposer.markov_chain(runner, inputs, hidden, base)[0].drafts.shape == (1, n)
