@@ -57,6 +57,24 @@ class BucketCosts:
         self.ratio = {w: x / r for w, x in self.ratio.items()}
         self.current = width
 
+    def record(self, width: int, seconds: float) -> None:
+        """A step of `width` took `seconds`: its width's first step is a warm-up (graph capture)
+        and not a timing; the current width's moves the level, any other's its ratio."""
+        for w in self.since:
+            self.since[w] += seconds
+        self.since[width] = 0.0
+        n = self.steps.get(width, 0)
+        self.steps[width] = n + 1
+        if n == 0:
+            return
+        if width == self.current:
+            self.seconds = seconds if self.seconds is None else self.seconds + LEVEL_EMA * (seconds - self.seconds)
+        elif self.seconds is not None:
+            sample = seconds / self.seconds
+            old = self.ratio.get(width, sample)
+            self.ratio[width] = old + max(RATIO_EMA, 1 / n) * (sample - old)
+        self.last = width
+
 
 class AdaptiveWidth:
     def __init__(self, max_width: int) -> None:
@@ -94,27 +112,36 @@ class AdaptiveWidth:
         allowed = [w for w in self.classes if w <= self.row_class(limit)]
         if len(allowed) == 1:
             return allowed[0]
-        cold = [w for w in reversed(allowed) if w not in costs.steps]
-        if cold:
-            return cold[0]  # its warm-up step, widest first
-        if costs.current is None:
-            costs.current, costs.ratio[allowed[-1]] = allowed[-1], 1.0
-        untimed = [w for w in reversed(allowed) if w not in costs.ratio or costs.steps[w] <= SAMPLES]
-        if costs.current in allowed and (costs.seconds is None or (untimed and costs.last != costs.current)):
-            return costs.current  # each timing of another width beside one of the current's
-        if untimed:
-            return untimed[0]
+        first = self.first_timings(costs, allowed)
+        if first is not None:
+            return first
         expected = self.expected_tokens()
         best = max(allowed, key=lambda w: expected[w - 1] / costs.ratio[w])
         if costs.current not in allowed:  # rows capped below the current width: a request's last steps
             return best
         if best != costs.current:
             costs.rebase(best)
-        if costs.last != best:
-            return best
+        return best if costs.last != best else self.retime(costs, allowed, best, expected)
+
+    def first_timings(self, costs: BucketCosts, allowed: list[int]) -> int | None:
+        """The width of a bucket's next step while it has not timed every width yet: a warm-up
+        step of each, widest first, then SAMPLES timings of each beside one of the widest's."""
+        cold = [w for w in reversed(allowed) if w not in costs.steps]
+        if cold:
+            return cold[0]
+        if costs.current is None:
+            costs.current, costs.ratio[allowed[-1]] = allowed[-1], 1.0
+        untimed = [w for w in reversed(allowed) if w not in costs.ratio or costs.steps[w] <= SAMPLES]
+        if costs.current in allowed and (costs.seconds is None or (untimed and costs.last != costs.current)):
+            return costs.current
+        return untimed[0] if untimed else None
+
+    def retime(self, costs: BucketCosts, allowed: list[int], best: int, expected: np.ndarray) -> int:
+        """After a step of the best width: another width whose time since it last ran, times its
+        share of EXPLORE_SHARE, covers what one of its steps may lose against the best committing as
+        many tokens (the longest waiting of those), else the best again. Width 1 drafts nothing, so
+        while it is best the rates age unseen: they are taken high."""
         share = EXPLORE_SHARE / (len(allowed) - 1)
-        # seconds a step of width w may lose against the best width committing as many tokens;
-        # width 1 drafts nothing, so while it is best the rates age unseen: they are taken high
         hopeful = self.expected_tokens(OPTIMISM) if best == 1 else expected
         loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
         due = [w for w in allowed if costs.since.get(w, 0.0) * share >= loss[w]]
@@ -125,25 +152,9 @@ class AdaptiveWidth:
         that width), and per sequence the drafts offered and accepted."""
         self.width_steps[width] += 1
         if seconds is not None and seconds > 0:
-            self.time(self.bucket(batch), width, seconds)
+            self.bucket(batch).record(width, seconds)
         # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
         # accepted if k < a.
         k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
         self.trials = DECAY * self.trials + (k < np.minimum(a + 1, n)).sum(0)
         self.hits = DECAY * self.hits + (k < a).sum(0)
-
-    def time(self, costs: BucketCosts, width: int, seconds: float) -> None:
-        for w in costs.since:
-            costs.since[w] += seconds
-        costs.since[width] = 0.0
-        n = costs.steps.get(width, 0)
-        costs.steps[width] = n + 1
-        if n == 0:
-            return  # a warm-up step (graph capture): not a timing
-        if width == costs.current:
-            costs.seconds = seconds if costs.seconds is None else costs.seconds + LEVEL_EMA * (seconds - costs.seconds)
-        elif costs.seconds is not None:
-            sample = seconds / costs.seconds
-            old = costs.ratio.get(width, sample)
-            costs.ratio[width] = old + max(RATIO_EMA, 1 / n) * (sample - old)
-        costs.last = width
