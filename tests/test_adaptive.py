@@ -256,9 +256,10 @@ class RecordedDevice:
     """A device replayed from a recorded trace (tests/fixtures/width_traces): requests decoded once
     at the full block (each block's accepted drafts, by the position it started at) and once with
     steps cycling through the width classes (each step's width, milliseconds and start). A step of
-    width w starting at position n accepts what the full block there accepted, cut to w - 1 drafts,
-    and takes the time of the cycle's latest step of width w at or before n: widths timed in the
-    same minute, as the machine's load and the contexts' lengths then were."""
+    width w starting at position n accepts what the full block there accepted (less the positions
+    since that block's start), cut to w - 1 drafts, and takes the time of the cycle's latest step of
+    width w at or before n (its first, before any): widths timed in the same minute, as the
+    machine's load and the contexts' lengths then were."""
 
     def __init__(self, path: Path) -> None:
         trace = json.loads(path.read_text())
