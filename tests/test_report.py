@@ -64,7 +64,10 @@ def test_bench_and_acceptance_sections(tmp_path):
     # sorted by file name: acceptance.json's section first
     assert text.index("## acceptance") < text.index("## qwen3-8b (SIMULATED acceptance)")
     bench_text = text[text.index("## qwen3-8b") :]
-    assert "- acceptance: **SIMULATED**, drawn at mean tau 6.50" in bench_text
+    assert "- acceptance: **SIMULATED**, drawn at mean tau 6.50 (random weights)" in bench_text
+    real = {**BENCH, "meta": {**BENCH["meta"], "model": "SmolLM2-135M-Instruct.Q4_1.gguf"}}
+    real_text = "\n".join(report.section(write(tmp_path, "real.json", real)))
+    assert "drawn at mean tau 6.50\n" in real_text  # a real model's weights are not called random
     assert "- command: `blockspec bench --simulate-tau 6.5 --batch-sizes 1`" in bench_text
     assert "- copy bandwidth: 4.20 TB/s" in bench_text and "- gpu_clock: boost" in bench_text
     acc_table, acc_hist, bench_table, bench_hist = tables(text)

@@ -169,7 +169,8 @@ def meta_lines(meta: dict, kind: str) -> list[str]:
         if key == "bandwidth_Bps":
             lines.append(f"- copy bandwidth: {value / 1e12:.2f} TB/s")
         elif key == "simulated_tau":
-            lines.append(f"- acceptance: **SIMULATED**, drawn at mean tau {fmt(value)} (random weights)")
+            weights = " (random weights)" if str(meta.get("model", "")).startswith("random:") else ""
+            lines.append(f"- acceptance: **SIMULATED**, drawn at mean tau {fmt(value)}{weights}")
         else:
             lines.append(f"- {key}: {fmt(value)}")
     if kind == "bench" and meta.get("simulated_tau") is None and meta.get("draft"):
