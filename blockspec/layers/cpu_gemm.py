@@ -109,12 +109,14 @@ def pass_seconds(pairs: list[tuple[torch.Tensor, torch.Tensor]], m: int, packed:
             start = time.perf_counter()
             for w, p in pairs:
                 x = inputs[w.shape[1]]
-                if packed:
-                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                else:
-                    F.linear(x, w)
+                onednn_gemm(x, p) if packed else F.linear(x, w)
             best = min(best, time.perf_counter() - start)
     return best
+
+
+def onednn_gemm(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, K] times a packed [N, K] weight (plus bias) in one oneDNN call."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 def invariant_rows(packed: torch.Tensor) -> bool:
@@ -136,9 +138,7 @@ def invariant_gemm(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     outputs = []
     for part in rows.split(INVARIANT_CALL_ROWS):
         lone = part.shape[0] == 1
-        y = torch.ops.mkldnn._linear_pointwise(
-            F.pad(part, (0, 0, 0, 1)) if lone else part, packed, None, "none", [], ""
-        )
+        y = onednn_gemm(F.pad(part, (0, 0, 0, 1)) if lone else part, packed)
         outputs.append(y[:1] if lone else y)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -175,5 +175,5 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         y = invariant_gemm(rows, packed)
         y = y if bias is None else y + bias
     else:
-        y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        y = onednn_gemm(rows, packed, bias)
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
