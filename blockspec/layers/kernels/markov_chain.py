@@ -8,8 +8,7 @@ The launch of row j+1 first reduces row j's chunks to row j's draft (every progr
 first writes it): the argmax, or for a sampled sequence the token at u times the total mass, found
 chunk by chunk and then inside the chunk, as `sampling.draw` finds it. It maps the draft to its
 target id and reads its Markov embedding: no host sync and no grid barrier, so the chain runs
-inside the step's CUDA graph. The logits left behind become q, softmax(x / T), in one pass after
-the chain."""
+inside the step's CUDA graph. The logits left behind become q, softmax(x / T), after the chain."""
 
 from typing import NamedTuple
 
@@ -69,7 +68,7 @@ def _draw(x_row, mass, target, m, t, live, Vd, CHUNK: tl.constexpr, CHUNK_ITERS:
 @triton.jit
 def _markov_row_kernel(
     base_ptr, stride_b, stride_j, w1_ptr, w2_ptr, d2t_ptr, anchor_ptr, val_ptr, idx_ptr, sum_ptr, x_ptr, temp_ptr,
-    u_ptr, stat_ptr, drafts_ptr, emb_ptr, j, n, B, Vd, R: tl.constexpr, CHUNKS: tl.constexpr,
+    u_ptr, drafts_ptr, emb_ptr, j, n, B, Vd, R: tl.constexpr, CHUNKS: tl.constexpr,
     CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr, FIRST: tl.constexpr, ROW: tl.constexpr,
     HAS_D2T: tl.constexpr, SAMPLED: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
 ):  # fmt: skip
@@ -95,14 +94,10 @@ def _markov_row_kernel(
         if SAMPLED:
             sums = tl.load(sum_ptr + partial, mask=ok, other=0.0)
             mass = tl.where(ok, sums * tl.exp((val - m[:, None]) / t[:, None]), 0.0)
-            total = tl.sum(mass, 1)
             u = tl.load(u_ptr + seq * n + j - 1, mask=live, other=0.0)
             x_row = x_ptr + (seq.to(tl.int64) * n + j - 1) * Vd
-            drawn = _draw(x_row, mass, u * total, m, t, live, Vd, CHUNK_ITERS * BLOCK, CHUNK_ITERS, BLOCK)
+            drawn = _draw(x_row, mass, u * tl.sum(mass, 1), m, t, live, Vd, CHUNK_ITERS * BLOCK, CHUNK_ITERS, BLOCK)
             prev = tl.where(greedy, prev, drawn.to(tl.int64))
-            stat = stat_ptr + (seq * n + j - 1) * 2
-            tl.store(stat, m, mask=live & (c == 0))
-            tl.store(stat + 1, total, mask=live & (c == 0))
         prev = tl.where(live, prev, 0)
         if HAS_D2T:
             prev = tl.load(d2t_ptr + prev, mask=live, other=0).to(tl.int64)
@@ -183,20 +178,19 @@ def markov_chain(
     pad = triton.next_power_of_2(chunks)
     val = torch.empty(B, n, pad, dtype=torch.float32, device=base.device)
     idx = torch.empty(B, n, pad, dtype=torch.int32, device=base.device)
-    sums = torch.empty_like(val) if sampled else val  # the sampling buffers are unread when greedy
-    stats = torch.empty(B, n, 2, dtype=torch.float32, device=base.device) if sampled else val
-    temperature = temperature.float().contiguous() if sampled else val
-    u = u.float().contiguous() if sampled else val
+    if sampled:
+        sums, temperature, u = torch.empty_like(val), temperature.float().contiguous(), u.float().contiguous()
+    else:  # the sampling buffers are unread
+        x = sums = temperature = u = val
     d2t = draft_to_target if draft_to_target is not None else anchor  # unread without HAS_D2T
     rb = max(16, min(RANK_BLOCK, triton.next_power_of_2(R)))
     for j in range(n + 1):  # launch n reduces the last row only
         _markov_row_kernel[(groups, chunks if j < n else 1)](
-            base, base.stride(0), base.stride(1), w1, w2, d2t, anchor, val, idx, sums, x if sampled else val,
-            temperature, u, stats, drafts, embeddings, j, n, B, Vd, R, chunks, pad, iters, j == 0, j < n,
+            base, base.stride(0), base.stride(1), w1, w2, d2t, anchor, val, idx, sums, x, temperature, u,
+            drafts, embeddings, j, n, B, Vd, R, chunks, pad, iters, j == 0, j < n,
             draft_to_target is not None, sampled, SEQS, BLOCK, rb, num_warps=4,
         )  # fmt: skip
     if not sampled:
         return MarkovChain(drafts, embeddings, None)
     t = torch.where(temperature > 0, temperature, 1.0)[:, None, None]
-    q = x.sub_(stats[..., :1]).div_(t).exp_().div_(stats[..., 1:])  # softmax(x / T), in place
-    return MarkovChain(drafts, embeddings, q)
+    return MarkovChain(drafts, embeddings, torch.softmax(x.div_(t), -1))
