@@ -144,14 +144,14 @@ class AdaptiveWidth:
         share = EXPLORE_SHARE / (len(allowed) - 1)
         hopeful = self.expected_tokens(OPTIMISM) if best == 1 else expected
         loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
-        due = [w for w in allowed if costs.since.get(w, 0.0) * share >= loss[w]]
-        return max(due, key=lambda w: costs.since.get(w, 0.0), default=best)
+        due = [w for w in allowed if costs.since[w] * share >= loss[w]]
+        return max(due, key=costs.since.__getitem__, default=best)
 
     def observe(self, batch: int, width: int, seconds: float | None, offered: list[int], accepted: list[int]) -> None:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
         that width), and per sequence the drafts offered and accepted."""
         self.width_steps[width] += 1
-        if seconds is not None and seconds > 0:
+        if seconds:  # None: not a timing (and a zero would make no ratio)
             self.bucket(batch).record(width, seconds)
         # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
         # accepted if k < a.
