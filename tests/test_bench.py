@@ -7,6 +7,7 @@ import dataclasses
 import gzip
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -148,6 +149,28 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     assert not any("width_steps" in r[e] for r in rows for e in engines if not e.endswith("_adaptive"))
     rendered = "\n".join(report.section(out))
     assert "First pass over second pass" in rendered and "Steps at each block width" in rendered
+
+
+def test_acceptance_second_pass_takes_turns(monkeypatch):
+    """The first pass runs each engine over every prompt, one engine after another; in the second
+    the engines take turns, a batch of prompts each, each batch starting one engine later, and each
+    engine's second pass is summarized from its own batches' outputs and seconds."""
+    calls = []
+
+    def timed(llm, prompts, params):
+        calls.append((llm.name, prompts))
+        return [llm.name] * len(prompts), 1.0 if llm.name == "a" else 2.0
+
+    monkeypatch.setattr(acceptance, "timed_generate", timed)
+    monkeypatch.setattr(acceptance, "summarize", lambda outs, s: {"outs": outs, "tok_per_s": len(outs) / s})
+    engines = {n: SimpleNamespace(name=n, engine=SimpleNamespace(adaptive=None)) for n in "abc"}
+    rows = acceptance.two_passes(engines, [[1], [2], [3], [4], [5]], None, 2)
+    first = [(n, [[1], [2], [3], [4], [5]]) for n in "abc"]
+    turns = [("a", [[1], [2]]), ("b", [[1], [2]]), ("c", [[1], [2]]), ("b", [[3], [4]]), ("c", [[3], [4]]),
+             ("a", [[3], [4]]), ("c", [[5]]), ("a", [[5]]), ("b", [[5]])]  # fmt: skip
+    assert calls == first + turns
+    assert rows["a"] == {"outs": ["a"] * 5, "tok_per_s": 5 / 3, "first_pass_tok_per_s": 5.0}
+    assert rows["b"]["tok_per_s"] == 5 / 6 and rows["c"]["first_pass_tok_per_s"] == 2.5
 
 
 def test_acceptance_refuses_a_block_without_drafts():
