@@ -146,9 +146,13 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     adaptive = [r[e] for r in rows for e in ("dflash_adaptive", "dspark_adaptive")]
     # batch 1: a step per committed run of tokens, each counted at the width class it ran
     assert all(sum(v["width_steps"].values()) == sum(v["histogram"].values()) for v in adaptive)
+    # the policy's step time estimates, at batch bucket 1 only (JSON keys), width 1 and wider ones
+    assert all(list(v["width_ms"]) == ["1"] and "1" in v["width_ms"]["1"] for v in adaptive)
+    assert all(len(v["width_ms"]["1"]) > 1 and min(v["width_ms"]["1"].values()) > 0 for v in adaptive)
     assert not any("width_steps" in r[e] for r in rows for e in engines if not e.endswith("_adaptive"))
     rendered = "\n".join(report.section(out))
     assert "First pass over second pass" in rendered and "Steps at each block width" in rendered
+    assert "Estimated step ms" in rendered
 
 
 def test_acceptance_second_pass_takes_turns(monkeypatch):

@@ -16,6 +16,7 @@ import torch
 
 from blockspec.bench.bench import add_cpu_bf16_argument
 from blockspec.bench.meta import run_meta
+from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.llm import DEFAULT_DRAFTER, LLM
 from blockspec.sampling import SamplingParams
 from blockspec.structured_output import StructuredOutput
@@ -73,7 +74,17 @@ def two_passes(engines: dict[str, LLM], prompts: list[list[int]], params: Sampli
         if name in adaptive:
             steps = adaptive[name].width_steps.items()
             rows[name]["width_steps"] = {w: n - before[name][w] for w, n in steps if n > before[name][w]}
+            rows[name]["width_ms"] = estimated_step_ms(adaptive[name])
     return rows
+
+
+def estimated_step_ms(policy: AdaptiveWidth) -> dict[int, dict[int, float]]:
+    """The policy's estimate of a step's milliseconds at each width it has timed, by batch bucket."""
+    return {
+        bucket: {w: round(costs.seconds * r * 1e3, 3) for w, r in sorted(costs.ratio.items())}
+        for bucket, costs in sorted(policy.costs.items())
+        if costs.seconds is not None
+    }
 
 
 def summarize(outs: list, elapsed: float) -> dict:

@@ -220,12 +220,16 @@ def acceptance_tables(rows: list[dict]) -> list[str]:
                 hists.append([fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["histogram"])])
             if v.get("width_steps"):
                 widths.append([fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["width_steps"])])
+                widths[-1] += [fmt(v["width_ms"])] if "width_ms" in v else []
         body.append(row + [fmt(r.get(k)) for k in extra])
     lines = table(header, body) + first_pass_table(rows, ["plain", *engines])
     lines += histograms(["set", "T", "proposer"], hists)
     if widths:
         lines += ["", "Steps at each block width, adaptive width (width: steps):", ""]
-        lines += table(["set", "T", "proposer", "widths"], widths)
+        estimates = ["estimated step ms"] if all(len(w) == 5 for w in widths) else []
+        lines += table(["set", "T", "proposer", "widths", *estimates], widths)
+        if estimates:
+            lines += ["", "Estimated step ms: the policy's, after the second pass (batch bucket: {width: ms})."]
     return lines
 
 
