@@ -16,7 +16,12 @@ one of the current width's, as often as keeps the time it loses within `EXPLORE_
 step time (this also keeps the acceptance rates of the far positions, which only full blocks
 reach, current). A bucket first runs each width once untimed (graph capture, caches), widest
 down, then times each `SAMPLES` times, each step beside one of the widest. The width never
-changes the output (in exact arithmetic), only the speed."""
+changes the output (in exact arithmetic), only the speed.
+
+Where steps run ahead (CUDA), a step's wall time is not its own: the host commits the step
+before it and launches the step after it while the device runs it, and on a fast device that
+host work is most of the time. A timing therefore counts only where both those neighbours ran
+its width, and the policy runs every width it chooses `run_length` (3) steps in a row."""
 
 from dataclasses import dataclass, field
 
@@ -24,7 +29,7 @@ import numpy as np
 
 from blockspec.engine.cuda_graphs import BATCH_BUCKETS, round_up
 
-DECAY = 0.99  # per step, on acceptance counts: about the last hundred steps count
+DECAY = 0.99  # per step that drafts, on acceptance counts: about the last hundred such steps count
 LEVEL_EMA = 0.3  # weight of a new step time in the current width's: it follows the drift
 RATIO_EMA = 0.2  # weight of a new sample in another width's ratio, after its first SAMPLES
 EXPLORE_SHARE = 0.01  # of the step time, at most this goes to widths the policy would not choose
@@ -49,6 +54,8 @@ class BucketCosts:
     steps: dict[int, int] = field(default_factory=dict)  # timed steps of each width, the warm-up one included
     since: dict[int, float] = field(default_factory=dict)  # seconds of steps since each width last ran
     last: int | None = None  # the width of the last timed step
+    repeat: int | None = None  # the width of the run of steps under way
+    repeats: int = 0  # steps of it still due
 
     def rebase(self, width: int) -> None:
         """Make `width` the current one: its estimated time the level, the ratios relative to it."""
@@ -77,8 +84,9 @@ class BucketCosts:
 
 
 class AdaptiveWidth:
-    def __init__(self, max_width: int) -> None:
+    def __init__(self, max_width: int, run_length: int = 1) -> None:
         self.classes = width_classes(max_width)
+        self.run_length = run_length  # steps in a row at each width chosen
         self.hits = np.zeros(max_width - 1)  # decayed count of draft k accepted, k = 1..max_width-1
         self.trials = np.zeros(max_width - 1)  # decayed count of draft k reached
         self.costs: dict[int, BucketCosts] = {}  # batch bucket -> its step times
@@ -112,6 +120,15 @@ class AdaptiveWidth:
         allowed = [w for w in self.classes if w <= self.row_class(limit)]
         if len(allowed) == 1:
             return allowed[0]
+        if costs.repeats and costs.repeat in allowed:
+            costs.repeats -= 1
+            return costs.repeat
+        width = self.next_width(costs, allowed)
+        costs.repeat, costs.repeats = width, self.run_length - 1
+        return width
+
+    def next_width(self, costs: BucketCosts, allowed: list[int]) -> int:
+        """The width of the next run of steps: the first timings, else the best, or another due a timing."""
         first = self.first_timings(costs, allowed)
         if first is not None:
             return first
@@ -138,23 +155,35 @@ class AdaptiveWidth:
 
     def retime(self, costs: BucketCosts, allowed: list[int], best: int, expected: np.ndarray) -> int:
         """After a step of the best width: another width whose time since it last ran, times its
-        share of EXPLORE_SHARE, covers what one of its steps may lose against the best committing as
+        share of EXPLORE_SHARE, covers what a run of its steps may lose against the best committing as
         many tokens (the longest waiting of those), else the best again. Width 1 drafts nothing, so
-        while it is best the rates age unseen: they are taken high."""
+        while it is best the rates go unobserved: they are taken high."""
         share = EXPLORE_SHARE / (len(allowed) - 1)
         hopeful = self.expected_tokens(OPTIMISM) if best == 1 else expected
         loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
-        due = [w for w in allowed if costs.since[w] * share >= loss[w]]
+        due = [w for w in allowed if costs.since[w] * share >= loss[w] * self.run_length]
         return max(due, key=costs.since.__getitem__, default=best)
 
-    def observe(self, batch: int, width: int, seconds: float | None, offered: list[int], accepted: list[int]) -> None:
+    def observe(
+        self,
+        batch: int,
+        width: int,
+        seconds: float | None,
+        offered: list[int],
+        accepted: list[int],
+        beside: tuple[int | None, ...] = (),
+    ) -> None:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
-        that width), and per sequence the drafts offered and accepted."""
+        that width), per sequence the drafts offered and accepted, and `beside`: the width classes
+        of the steps whose host work fell in its time (committed, launched; None: none)."""
         self.width_steps[width] += 1
-        if seconds:  # None: not a timing (and a zero would make no ratio)
+        own = all(w in (None, width) for w in beside)
+        if seconds and own:  # None: not a timing (and a zero would make no ratio)
             self.bucket(batch).record(width, seconds)
         # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
         # accepted if k < a.
+        if not any(offered):  # a plain step: it tells nothing, and the rates age by drafts seen
+            return
         k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
         self.trials = DECAY * self.trials + (k < np.minimum(a + 1, n)).sum(0)
         self.hits = DECAY * self.hits + (k < a).sum(0)

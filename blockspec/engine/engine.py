@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.engine.adaptive import AdaptiveWidth
+from blockspec.engine.adaptive import AdaptiveWidth, width_classes
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.detokenizer import append_text, find_stop
 from blockspec.engine.kv_cache import SlotAllocator, allocate_caches, kv_token_bytes, state_bytes
@@ -53,6 +53,7 @@ class Flight:
     chosen: int | None  # the width the policy chose (None: it did not choose)
     launched: float  # wall clock at launch
     timed: bool  # False: its time is not a measure of its width (a prefill or a capture ran in it)
+    before: int | None = None  # launched ahead: the width class of the step committed in its time
 
 
 def check_row_invariance(model: torch.nn.Module) -> None:
@@ -108,8 +109,7 @@ class LLMEngine:
         caches = [self.caches(m, num_pages, groups) for m, groups in self.cached_models()]
         target_cache, drafter_cache = caches if len(caches) == 2 else (caches[0], None)
         adaptive = spec is not None and spec.adaptive_width and self.max_width > 1
-        self.adaptive = AdaptiveWidth(self.max_width) if adaptive else None
-        row_classes = self.adaptive.classes if adaptive else (self.max_width,)
+        row_classes = width_classes(self.max_width) if adaptive else (self.max_width,)
         graphs = (
             GraphCache(config.max_num_seqs, pages_per_seq, row_classes)
             if self.device.type == "cuda" and config.cuda_graphs
@@ -126,6 +126,8 @@ class LLMEngine:
         # device: true of the drafter and plain decoding, not of the n-gram proposer (host tokens).
         run_ahead = config.async_steps if config.async_steps is not None else self.device.type == "cuda"
         self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
+        # Steps run ahead share their time with their neighbours' host work: runs of 3 (`adaptive`)
+        self.adaptive = AdaptiveWidth(self.max_width, 3 if self.run_ahead else 1) if adaptive else None
         self.in_flight: Flight | None = None
         self.grammars: Grammars | None = None  # made at the first structured request
         self.grammars_made = threading.Lock()  # `structured_outputs` runs on any thread
@@ -416,13 +418,13 @@ class LLMEngine:
         widths_next, chosen = self.step_widths(seqs, bound)
         outcome = prev.step.outcome
         launched = launch_step(self.runner, seqs, widths_next, outcome.bonus[:, None], outcome.next_starts)
-        return Flight(launched, chosen, time.perf_counter(), True)
+        return Flight(launched, chosen, time.perf_counter(), True, self.step_class(prev))
 
     def complete(self, flight: Flight) -> list[Sequence]:
         """Read a step's results and commit them (sequences finished meanwhile are skipped)."""
         outputs = finish_step(flight.step)
         now = time.perf_counter()
-        seqs, widths = flight.step.seqs, flight.step.widths
+        seqs = flight.step.seqs
         live = [(s, o) for s, o in zip(seqs, outputs) if not s.finished]
         if self.adaptive and live:
             # A step launched ahead starts on the device when the step before it ends.
@@ -430,14 +432,20 @@ class LLMEngine:
             # The time counts for the width class the step ran, and not for a step left in flight
             # by sequences that finished (the engine may have idled since).
             ran = flight.timed and len(live) == len(seqs) and flight.chosen is not None
-            width = self.adaptive.row_class(max(widths))
             offered = [len(o.draft_token_ids) for _, o in live]
             accepted = [len(o.new_token_ids) - 1 for _, o in live]
-            self.adaptive.observe(len(seqs), width, now - started if ran else None, offered, accepted)
+            # In its time the host committed the step before it (if launched ahead) and launched the next
+            beside = (flight.before, self.in_flight and self.step_class(self.in_flight))
+            seconds = now - started if ran else None
+            self.adaptive.observe(len(seqs), self.step_class(flight), seconds, offered, accepted, beside)
         self.last_completion = now
         for seq, out in live:
             self.commit(seq, out)
         return [s for s, _ in live]
+
+    def step_class(self, flight: Flight) -> int | None:
+        """The width class a step ran (None without adaptive width)."""
+        return self.adaptive and self.adaptive.row_class(max(flight.step.widths))
 
     def commit(self, seq: Sequence, out: StepOutput) -> None:
         for committed, token in enumerate(out.new_token_ids, 1):
