@@ -193,6 +193,8 @@ def test_steps_run_ahead_are_timed_by_their_own_host_work() -> None:
     fixed = {w: run_ahead(FixedWidth(w), *args)[0] for w in (1, 2, 4, 8, 16)}
     assert max(fixed, key=fixed.get) == 1
     speed, chosen = run_ahead(AdaptiveWidth(16, run_length=3), *args)
+    # first runs, widest down: a warm-up, three timings, and the two ends whose time is not their own
+    assert chosen[:30] == [w for w in (16, 8, 4, 2, 1) for _ in range(6)]
     assert chosen[-256:].count(1) >= 230 and speed > 0.97 * fixed[1]
     blind_speed, blind = run_ahead(AdaptiveWidth(16, run_length=3), *args, beside=False)
     assert blind[-256:].count(1) < 64 and blind_speed < 0.93 * fixed[1]

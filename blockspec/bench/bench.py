@@ -20,7 +20,7 @@ import torch
 from blockspec.bench.meta import run_meta
 from blockspec.bench.presets import is_preset, random_drafter, random_target
 from blockspec.config import SWITCH_WORDS, EngineConfig, KernelConfig, SpeculativeConfig
-from blockspec.engine.adaptive import width_classes
+from blockspec.engine.adaptive import RUN_AHEAD_RUN, SAMPLES, width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
 from blockspec.layers.fast_path import use_kernels
@@ -221,9 +221,10 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
         if drafter is not None
         else None
     )
-    # Adaptive width explores its widths before it settles: a step to capture each width's graphs and
-    # one to time it, plus one with steps launched ahead (a width is chosen before the last is seen).
-    warmup = args.warmup + (3 * len(width_classes(args.block_size)) if args.adaptive_width and drafter else 0)
+    # Adaptive width explores its widths before it settles: where steps run ahead, a first run of each
+    # (a step to capture its graphs, SAMPLES to time it, two at its ends whose time is not its own).
+    first_runs = (RUN_AHEAD_RUN + SAMPLES) * len(width_classes(args.block_size))
+    warmup = args.warmup + (first_runs if args.adaptive_width and drafter else 0)
     # Admission takes max_num_batched_tokens of prompts a step: the first admitted decode meanwhile
     admission = -(-batch * prompt_len // EngineConfig.max_num_batched_tokens)
     max_len = prompt_len + (total_steps(args.steps, warmup + admission) + 8) * args.block_size

@@ -21,7 +21,8 @@ changes the output (in exact arithmetic), only the speed.
 Where steps run ahead (CUDA), a step's wall time is not its own: the host commits the step
 before it and launches the step after it while the device runs it, and on a fast device that
 host work is most of the time. A timing therefore counts only where both those neighbours ran
-its width, and the policy runs every width it chooses `run_length` (3) steps in a row."""
+its width, and the policy runs every width it chooses RUN_AHEAD_RUN steps in a row, a bucket's
+first run of each SAMPLES steps longer (its warm-up and first timings in one run)."""
 
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ EXPLORE_SHARE = 0.01  # of the step time, at most this goes to widths the policy
 OPTIMISM = 1.5  # standard errors above the acceptance rates when pricing a width's next timing
 PRIOR = 4.0  # weight, in steps, of the pooled acceptance rate in each position's rate
 SAMPLES = 3  # timed steps of each width class before the policy chooses among them
+RUN_AHEAD_RUN = 3  # steps in a row where steps run ahead: the middle one holds only its own host work
 
 
 def width_classes(max_width: int) -> tuple[int, ...]:
@@ -124,7 +126,10 @@ class AdaptiveWidth:
             costs.repeats -= 1
             return costs.repeat
         width = self.next_width(costs, allowed)
-        costs.repeat, costs.repeats = width, self.run_length - 1
+        run = self.run_length
+        if run > 1 and width not in costs.steps:  # its first run: a warm-up and SAMPLES timings inside
+            run += SAMPLES
+        costs.repeat, costs.repeats = width, run - 1
         return width
 
     def next_width(self, costs: BucketCosts, allowed: list[int]) -> int:
@@ -143,11 +148,11 @@ class AdaptiveWidth:
     def first_timings(self, costs: BucketCosts, allowed: list[int]) -> int | None:
         """The width of a bucket's next step while it has not timed every width yet: a warm-up
         step of each, widest first, then SAMPLES timings of each beside one of the widest's."""
+        if costs.current is None:
+            costs.current, costs.ratio[allowed[-1]] = allowed[-1], 1.0
         cold = [w for w in reversed(allowed) if w not in costs.steps]
         if cold:
             return cold[0]
-        if costs.current is None:
-            costs.current, costs.ratio[allowed[-1]] = allowed[-1], 1.0
         untimed = [w for w in reversed(allowed) if w not in costs.ratio or costs.steps[w] <= SAMPLES]
         if costs.current in allowed and (costs.seconds is None or (untimed and costs.last != costs.current)):
             return costs.current

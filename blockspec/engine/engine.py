@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from blockspec.config import EngineConfig, SpeculativeConfig
-from blockspec.engine.adaptive import AdaptiveWidth, width_classes
+from blockspec.engine.adaptive import RUN_AHEAD_RUN, AdaptiveWidth, width_classes
 from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.detokenizer import append_text, find_stop
 from blockspec.engine.kv_cache import SlotAllocator, allocate_caches, kv_token_bytes, state_bytes
@@ -126,8 +126,9 @@ class LLMEngine:
         # device: true of the drafter and plain decoding, not of the n-gram proposer (host tokens).
         run_ahead = config.async_steps if config.async_steps is not None else self.device.type == "cuda"
         self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
-        # Steps run ahead share their time with their neighbours' host work: runs of 3 (`adaptive`)
-        self.adaptive = AdaptiveWidth(self.max_width, 3 if self.run_ahead else 1) if adaptive else None
+        # Steps run ahead share their time with their neighbours' host work: runs (`adaptive`)
+        run_length = RUN_AHEAD_RUN if self.run_ahead else 1
+        self.adaptive = AdaptiveWidth(self.max_width, run_length) if adaptive else None
         self.in_flight: Flight | None = None
         self.grammars: Grammars | None = None  # made at the first structured request
         self.grammars_made = threading.Lock()  # `structured_outputs` runs on any thread
