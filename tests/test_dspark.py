@@ -304,15 +304,15 @@ class Fused(Exception):
 
 
 @pytest.mark.parametrize(
-    "rank,temperature,top_p,fused",
-    [(8, 0.0, 1.0, True), (40, 0.0, 1.0, False), (40, 0.8, 1.0, True), (8, 0.8, 0.9, False)],
+    "head,temperature,top_p,fused",
+    [("vanilla", 0.0, 1.0, True), ("vanilla", 0.8, 1.0, True), ("vanilla", 0.8, 0.9, False), ("rnn", 0.0, 1.0, False)],
 )
-def test_which_chains_take_the_kernel(tmp_path, target, monkeypatch, rank, temperature, top_p, fused):
-    """The chain kernel serves a vanilla head sampled without top-k, top-p or min-p, and greedy up to
-    FUSED_GREEDY_MAX_RANK (past it the kernel measured slower); the rest run the reference's ops."""
+def test_which_chains_take_the_kernel(tmp_path, target, monkeypatch, head, temperature, top_p, fused):
+    """The chain kernel serves a vanilla head, greedy or sampled without top-k, top-p or min-p; the
+    rest run the reference's ops."""
     cpu = torch.device("cpu")
     model = load_target(target, torch.float32, cpu).model
-    drafter = load_drafter(make_dspark(tmp_path / "d", target, markov_rank=rank), model, torch.float32, cpu)
+    drafter = load_drafter(make_dspark(tmp_path / "d", target, head=head), model, torch.float32, cpu)
     kernel = SimpleNamespace(markov_chain=lambda *args: (_ for _ in ()).throw(Fused()))
     monkeypatch.setattr(dspark_proposer, "fast_kernels", lambda x, name: kernel)
     n, params = drafter.num_drafts, torch.tensor([[temperature, 0.0, top_p, 0.0]])
@@ -320,7 +320,7 @@ def test_which_chains_take_the_kernel(tmp_path, target, monkeypatch, rank, tempe
         tokens=torch.tensor([[5]]), sampling=True if temperature else None, sampling_params=params,
         filters=top_p < 1, greedy=params[:, 0] == 0, seeds=torch.tensor([3]), draft_positions=torch.arange(1, n + 1)[None],
     )  # fmt: skip
-    hidden, base = torch.zeros(1, n, 64), torch.randn(1, n, drafter.draft_vocab_size)  # a vanilla head reads no hidden
+    hidden, base = torch.zeros(1, n, 64), torch.randn(1, n, drafter.draft_vocab_size)
     proposer, runner = DSparkProposer(drafter), SimpleNamespace(target=model)
     if fused:
         with pytest.raises(Fused):

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from conftest import CUDA, interpreter_test, make_dspark, make_target, runs_kernel
 
 from blockspec.layers.fast_path import reference_ops
-from blockspec.layers.kernels.markov_chain import markov_chain
+from blockspec.layers.kernels.markov_chain import ChainTiles, markov_chain
 from blockspec.loading.drafters import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.proposers.dspark import DSparkProposer
@@ -24,6 +24,10 @@ from blockspec.sampling import Stream, uniform
 test_kernels_in_interpreter = interpreter_test(__file__)
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 VOCAB = 5000  # in the interpreter's 4 "SMs": 10 chunks of two 256-token blocks a row for one group
+# tl.dot over 16 sequences a program; multiply-adds over 4 (more groups, 64-token blocks); on CUDA
+# also bf16 tensor cores (Triton's interpreter mishandles a bf16 dot) and the tiles `markov_chain` picks
+TILES = [ChainTiles(), ChainTiles(seqs=4, block=64, rank_block=16, programs_per_sm=2)]
+TILES += [pytest.param(t, marks=pytest.mark.skipif(not CUDA, reason="CUDA")) for t in (ChainTiles(mma=True), None)]
 
 
 def chain_inputs(anchor: torch.Tensor, n: int, temperatures: list[float] | None) -> SimpleNamespace:
@@ -44,7 +48,8 @@ def chain_inputs(anchor: torch.Tensor, n: int, temperatures: list[float] | None)
 @runs_kernel
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("draft_vocab,rank,B", [(None, 40, 2), (3000, 16, 18)])
-def test_chain_matches_the_proposer_loop(tmp_path, draft_vocab, rank, B, sampled):
+@pytest.mark.parametrize("tiles", TILES, ids=["dot", "fma", "mma", "chosen"])
+def test_chain_matches_the_proposer_loop(tmp_path, draft_vocab, rank, B, sampled, tiles):
     tpath = make_target(tmp_path / "t", "qwen3", vocab=VOCAB, layers=4)
     dpath = make_dspark(
         tmp_path / "d", tpath, block_size=6, markov_rank=rank, draft_vocab=draft_vocab, markov_scale=30.0
@@ -66,7 +71,7 @@ def test_chain_matches_the_proposer_loop(tmp_path, draft_vocab, rank, B, sampled
         u = uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
     with torch.inference_mode():
         w1, w2 = head.markov_w1.weight, head.markov_w2.weight
-        chain = markov_chain(base, anchor, w1, w2, drafter.draft_to_target, torch.bfloat16, temperature, u)
+        chain = markov_chain(base, anchor, w1, w2, drafter.draft_to_target, torch.bfloat16, temperature, u, tiles)
     assert chain.drafts.tolist() == proposal.drafts.tolist()
     assert torch.equal(chain.embeddings, expected)
     plain = base.float().argmax(-1)

@@ -20,12 +20,6 @@ if TYPE_CHECKING:
     from blockspec.engine.runner import ModelRunner
     from blockspec.engine.step import StepInputs
 
-# The chain kernel against the reference's ops on the H200: greedy, slower at Qwen3-8B's vocabulary
-# and rank 256 (0.8 ms a step at batch 1), faster at SmolLM2's and rank 32; sampled, faster at
-# both but Qwen3-8B's batch 1 (0.2 ms slower there, 1.9 ms faster at batch 16)
-# (docs/benchmarks/h200-qwen3-8b-dspark-b7-*, h200-smollm2-dspark-vs-dflash-*).
-FUSED_GREEDY_MAX_RANK = 32
-
 
 class DSparkProposer(DFlashProposer):
     def __init__(self, drafter: DSparkDrafter, window: int | None = None, confidence_threshold: float = 0.0) -> None:
@@ -60,16 +54,14 @@ class DSparkProposer(DFlashProposer):
     ) -> tuple[Proposal, torch.Tensor]:
         """Drafts row by row: row j's logits are base[:, j] plus the Markov bias of the token before
         it (the anchor, then row j-1's draft). Returns the proposal and markov_w1 of each row's
-        previous token [B, n, r]. With a vanilla head on CUDA, sampled without top-k, top-p or
-        min-p, or greedy at a rank of at most FUSED_GREEDY_MAX_RANK, one kernel a row
-        (`blockspec.layers.kernels.markov_chain`)."""
+        previous token [B, n, r]. With a vanilla head on CUDA, greedy or sampled without top-k,
+        top-p or min-p, one kernel a row (`blockspec.layers.kernels.markov_chain`)."""
         d, target, head = self.drafter, runner.target, self.drafter.markov_head
         sampled = inputs.sampling is not None
         if sampled:
             u = uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
             params = inputs.sampling_params
         fusable = head.kind == "vanilla" and not (sampled and inputs.filters)
-        fusable = fusable and (sampled or head.rank <= FUSED_GREEDY_MAX_RANK)
         kernels = fast_kernels(base, "markov_chain") if fusable else None
         if kernels is not None:
             w1, w2 = head.markov_w1.weight, head.markov_w2.weight

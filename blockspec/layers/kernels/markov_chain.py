@@ -2,7 +2,7 @@
 of one kernel a block row, where the reference runs an embedding, a GEMV, casts, an add and an
 argmax or a softmax and a draw a row. Row j's logits are the base logits plus markov_w2 .
 markov_w1[prev_j], the bias rounded to the weights' dtype as the reference's GEMV rounds it. A
-program takes a chunk of the draft vocabulary for up to SEQS sequences and writes the chunk's
+program takes a chunk of the draft vocabulary for one or more sequences (`ChainTiles`) and writes the chunk's
 maximum, its first index and, when sampling, the chunk's sum of exp((x - max) / T) and its logits.
 The launch of row j+1 first reduces row j's chunks to row j's draft (every program alike; the
 first writes it): the argmax, or for a sampled sequence the token at u times the total mass, found
@@ -10,6 +10,7 @@ chunk by chunk and then inside the chunk, as `sampling.draw` finds it. It maps t
 target id and reads its Markov embedding: no host sync and no grid barrier, so the chain runs
 inside the step's CUDA graph. The logits left behind become q, softmax(x / T), after the chain."""
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -18,11 +19,6 @@ import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
 
-BLOCK = 256  # vocabulary rows a program reads at a time
-SEQS = 16  # sequences a program takes (tl.dot's least M): w2 is read once for all of them
-RANK_BLOCK = 32  # Markov rank columns a program reads at a time
-PROGRAMS_PER_SM = 8
-MAX_CHUNKS = 256
 NO_INDEX = tl.constexpr(2**31 - 1)  # a Triton global must be a constexpr
 
 
@@ -71,6 +67,7 @@ def _markov_row_kernel(
     u_ptr, drafts_ptr, emb_ptr, j, n, B, Vd, R: tl.constexpr, CHUNKS: tl.constexpr,
     CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr, FIRST: tl.constexpr, ROW: tl.constexpr,
     HAS_D2T: tl.constexpr, SAMPLED: tl.constexpr, SEQS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
+    DOT: tl.constexpr, MMA: tl.constexpr,
 ):  # fmt: skip
     g, c = tl.program_id(0), tl.program_id(1)
     seq = g * SEQS + tl.arange(0, SEQS)
@@ -121,7 +118,12 @@ def _markov_row_kernel(
                 w_mask = in_vocab[:, None] & (r < R)[None, :]
                 w = tl.load(w2_ptr + v[:, None].to(tl.int64) * R + r[None, :], mask=w_mask, other=0.0)
                 # float32 products of the weights are exact; Triton's interpreter mishandles a bf16 dot
-                bias = tl.dot(e.to(tl.float32), tl.trans(w.to(tl.float32)), bias, input_precision="ieee")
+                if MMA:
+                    bias = tl.dot(e.to(w.dtype), tl.trans(w), bias)
+                elif DOT:
+                    bias = tl.dot(e.to(tl.float32), tl.trans(w.to(tl.float32)), bias, input_precision="ieee")
+                else:  # fewer sequences than tl.dot's least M: multiply-adds on the CUDA cores
+                    bias += tl.sum(e.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
             bias = _as_weight_dtype(bias, w2_ptr.dtype.element_ty)
             x_mask = live[:, None] & in_vocab[None, :]
             # past the vocabulary: -inf, plus a bias of zero (w2's rows there load as zeros)
@@ -144,9 +146,32 @@ def _markov_row_kernel(
             tl.store(sum_ptr + out, tl.sum(lanes, 1), mask=live)
 
 
-def num_chunks(groups: int, Vd: int, sms: int) -> int:
-    """Chunks a row's vocabulary: up to PROGRAMS_PER_SM programs an SM, each at least one BLOCK."""
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, groups), triton.cdiv(Vd, BLOCK), MAX_CHUNKS))
+@dataclasses.dataclass(frozen=True)
+class ChainTiles:
+    seqs: int = 16  # sequences a program takes (w2 is read once for all of them); 16 and up: tl.dot
+    block: int = 256  # vocabulary rows a program reads at a time
+    rank_block: int = 32  # Markov rank columns a program reads at a time
+    programs_per_sm: int = 8
+    max_chunks: int = 256  # every program reduces the previous row's chunks: their count bounds the grid
+    num_warps: int = 4
+    mma: bool = False  # tl.dot on bf16 tensor cores (exact products, fp32 sums), else in fp32 (interpretable)
+
+
+def chain_tiles(B: int, device: torch.device) -> ChainTiles:
+    """The H200's best over Qwen3-8B's draft vocabulary at rank 256 and SmolLM2's at rank 32: one
+    sequence, a program per 64 tokens, the whole rank a load (read by many programs at once, the
+    chain's bias is a memory-bound GEMV); more, up to 16 a program on bf16 tensor cores, so that
+    w2 is read once for all of them (in fp32 in Triton's interpreter)."""
+    if B == 1:
+        return ChainTiles(seqs=1, block=64, rank_block=256, programs_per_sm=64, max_chunks=2048)
+    mma = device.type == "cuda"
+    return ChainTiles(seqs=16, block=256, rank_block=32, programs_per_sm=64, max_chunks=256, mma=mma)
+
+
+def num_chunks(groups: int, Vd: int, sms: int, tiles: ChainTiles) -> int:
+    """Chunks a row's vocabulary: up to `programs_per_sm` programs an SM, each at least one block."""
+    cap = min(triton.cdiv(tiles.programs_per_sm * sms, groups), triton.cdiv(Vd, tiles.block), tiles.max_chunks)
+    return max(1, cap)
 
 
 def markov_chain(
@@ -158,6 +183,7 @@ def markov_chain(
     embedding_dtype: torch.dtype,
     temperature: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
+    tiles: ChainTiles | None = None,
 ) -> MarkovChain:
     """base [B, n, Vd] logits, anchor [B] token ids, w1 [V, r], w2 [Vd, r]; to sample, each
     sequence's temperature [B] (0: greedy) and the uniforms of its rows [B, n]."""
@@ -171,10 +197,11 @@ def markov_chain(
     x = torch.empty(B, n, Vd, dtype=torch.float32, device=base.device) if sampled else None
     if B == 0 or n == 0:
         return MarkovChain(drafts, embeddings, x)
-    groups = triton.cdiv(B, SEQS)
-    chunks = num_chunks(groups, Vd, num_sms(base.device, interpreted=4))
-    iters = triton.cdiv(triton.cdiv(Vd, chunks), BLOCK)
-    chunks = triton.cdiv(Vd, iters * BLOCK)
+    tiles = tiles or chain_tiles(B, base.device)
+    groups = triton.cdiv(B, tiles.seqs)
+    chunks = num_chunks(groups, Vd, num_sms(base.device, interpreted=4), tiles)
+    iters = triton.cdiv(triton.cdiv(Vd, chunks), tiles.block)
+    chunks = triton.cdiv(Vd, iters * tiles.block)
     pad = triton.next_power_of_2(chunks)
     val = torch.empty(B, n, pad, dtype=torch.float32, device=base.device)
     idx = torch.empty(B, n, pad, dtype=torch.int32, device=base.device)
@@ -183,12 +210,13 @@ def markov_chain(
     else:  # the sampling buffers are unread
         x = sums = temperature = u = val
     d2t = draft_to_target if draft_to_target is not None else anchor  # unread without HAS_D2T
-    rb = max(16, min(RANK_BLOCK, triton.next_power_of_2(R)))
+    rb = max(16, min(tiles.rank_block, triton.next_power_of_2(R)))
     for j in range(n + 1):  # launch n reduces the last row only
         _markov_row_kernel[(groups, chunks if j < n else 1)](
             base, base.stride(0), base.stride(1), w1, w2, d2t, anchor, val, idx, sums, x, temperature, u,
             drafts, embeddings, j, n, B, Vd, R, chunks, pad, iters, j == 0, j < n,
-            draft_to_target is not None, sampled, SEQS, BLOCK, rb, num_warps=4,
+            draft_to_target is not None, sampled, tiles.seqs, tiles.block, rb, tiles.seqs >= 16,
+            tiles.mma, num_warps=tiles.num_warps,
         )  # fmt: skip
     if not sampled:
         return MarkovChain(drafts, embeddings, None)
