@@ -117,7 +117,7 @@ def _markov_row_kernel(
                 tl.store(emb, e.to(emb_ptr.dtype.element_ty), mask=e_mask & (c == 0) & (i == 0))
                 w_mask = in_vocab[:, None] & (r < R)[None, :]
                 w = tl.load(w2_ptr + v[:, None].to(tl.int64) * R + r[None, :], mask=w_mask, other=0.0)
-                # float32 products of the weights are exact; Triton's interpreter mishandles a bf16 dot
+                # products of 16-bit weights are exact in float32 (Triton's interpreter mishandles a bf16 dot)
                 if MMA:
                     bias = tl.dot(e.to(w.dtype), tl.trans(w), bias)
                 elif DOT:
@@ -148,23 +148,25 @@ def _markov_row_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class ChainTiles:
+    """How the kernel's programs cut a row's work (`chain_tiles` picks them)."""
+
     seqs: int = 16  # sequences a program takes (w2 is read once for all of them); 16 and up: tl.dot
     block: int = 256  # vocabulary rows a program reads at a time
     rank_block: int = 32  # Markov rank columns a program reads at a time
     programs_per_sm: int = 8
     max_chunks: int = 256  # every program reduces the previous row's chunks: their count bounds the grid
     num_warps: int = 4
-    mma: bool = False  # tl.dot on bf16 tensor cores (exact products, fp32 sums), else in fp32 (interpretable)
+    mma: bool = False  # tl.dot on 16-bit tensor cores (exact products, fp32 sums), else in fp32 (interpretable)
 
 
-def chain_tiles(B: int, device: torch.device) -> ChainTiles:
+def chain_tiles(B: int, w2: torch.Tensor) -> ChainTiles:
     """The H200's best over Qwen3-8B's draft vocabulary at rank 256 and SmolLM2's at rank 32: one
     sequence, a program per 64 tokens, the whole rank a load (read by many programs at once, the
-    chain's bias is a memory-bound GEMV); more, up to 16 a program on bf16 tensor cores, so that
-    w2 is read once for all of them (in fp32 in Triton's interpreter)."""
+    chain's bias is a memory-bound GEMV); more, up to 16 a program on tensor cores for 16-bit
+    weights, so that w2 is read once for all of them (in float32 in Triton's interpreter)."""
     if B == 1:
         return ChainTiles(seqs=1, block=64, rank_block=256, programs_per_sm=64, max_chunks=2048)
-    mma = device.type == "cuda"
+    mma = w2.is_cuda and w2.dtype in (torch.bfloat16, torch.float16)
     return ChainTiles(seqs=16, block=256, rank_block=32, programs_per_sm=64, max_chunks=256, mma=mma)
 
 
@@ -197,7 +199,7 @@ def markov_chain(
     x = torch.empty(B, n, Vd, dtype=torch.float32, device=base.device) if sampled else None
     if B == 0 or n == 0:
         return MarkovChain(drafts, embeddings, x)
-    tiles = tiles or chain_tiles(B, base.device)
+    tiles = tiles or chain_tiles(B, w2)
     groups = triton.cdiv(B, tiles.seqs)
     chunks = num_chunks(groups, Vd, num_sms(base.device, interpreted=4), tiles)
     iters = triton.cdiv(triton.cdiv(Vd, chunks), tiles.block)
@@ -211,12 +213,13 @@ def markov_chain(
         x = sums = temperature = u = val
     d2t = draft_to_target if draft_to_target is not None else anchor  # unread without HAS_D2T
     rb = max(16, min(tiles.rank_block, triton.next_power_of_2(R)))
+    dot = tiles.seqs >= 16  # tl.dot's least M
     for j in range(n + 1):  # launch n reduces the last row only
         _markov_row_kernel[(groups, chunks if j < n else 1)](
             base, base.stride(0), base.stride(1), w1, w2, d2t, anchor, val, idx, sums, x, temperature, u,
             drafts, embeddings, j, n, B, Vd, R, chunks, pad, iters, j == 0, j < n,
-            draft_to_target is not None, sampled, tiles.seqs, tiles.block, rb, tiles.seqs >= 16,
-            tiles.mma, num_warps=tiles.num_warps,
+            draft_to_target is not None, sampled, tiles.seqs, tiles.block, rb, dot, dot and tiles.mma,
+            num_warps=tiles.num_warps,
         )  # fmt: skip
     if not sampled:
         return MarkovChain(drafts, embeddings, None)
