@@ -209,6 +209,27 @@ def test_steps_run_ahead_are_timed_by_their_own_host_work(case) -> None:
     assert blind_speed < blind_reaches * fixed[best]
 
 
+def test_a_step_run_ahead_names_the_widths_beside_it(tmp_path, monkeypatch) -> None:
+    """The engine launching steps ahead tells the policy, of each step, the width classes of the
+    step committed in its time (the one before, where it was launched ahead) and of the step
+    launched in it (the one after): the timing filter's inputs."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    llm = LLM(str(t), {"model": str(d)}, device="cpu", async_steps=True)
+    policy, rng, steps = llm.engine.adaptive, random.Random(2), []
+    assert policy.run_length == 3
+    monkeypatch.setattr(policy, "choose", lambda batch, limit: rng.choice(policy.classes))
+    observe = policy.observe
+    monkeypatch.setattr(policy, "observe", lambda *args: (steps.append((args[1], args[-1])), observe(*args)))
+    llm.generate([[5, 9, 11]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    widths = [w for w, _ in steps]
+    assert len(set(widths)) >= 3
+    for i, (width, (before, after)) in enumerate(steps):
+        assert before is None or (i > 0 and before == widths[i - 1])
+        assert after is None or (i + 1 < len(steps) and after == widths[i + 1])
+    assert sum(before is not None and after is not None for _, (before, after) in steps) >= len(steps) // 2
+
+
 def test_any_widths_keep_greedy_output_exact(tmp_path, monkeypatch, oracle) -> None:
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
