@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import gzip
 import json
+import re
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target, twin_head_pair
 
-from blockspec.bench import acceptance, arrival, bench, determinism, report
+from blockspec.bench import acceptance, arrival, bench, determinism, meta, report
 from blockspec.config import EngineConfig
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
 from blockspec.layers.linear import Linear
@@ -231,3 +233,17 @@ def test_arrival_bench_times_a_long_prompt_chunked_and_whole(tmp_path):
         assert row["ttft_ms"] > 0 and row["tok_per_s"] > 0 and row["itl_max_ms"] >= row["itl_p50_ms"]
     assert chunked["tok_per_s"] * chunked["ttft_ms"] / 1e3 == pytest.approx(2 * 5)
     assert whole["tok_per_s"] * whole["ttft_ms"] / 1e3 == pytest.approx(2 * 1)
+
+
+def test_run_meta_names_the_checkout_revision(tmp_path, monkeypatch):
+    """A bench run from a git checkout records its commit (`+changes` with tracked files edited);
+    one from elsewhere records none."""
+    root = Path(meta.__file__).resolve().parents[2]
+    if (root / ".git").exists():
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        revision = meta.run_meta("blockspec.bench.bench", torch.device("cpu"), torch.float32)["revision"]
+        assert re.fullmatch(re.escape(head.stdout.strip()) + r"(\+changes)?", revision)
+    monkeypatch.setattr(meta, "__file__", str(tmp_path / "site" / "blockspec" / "bench" / "meta.py"))
+    assert "revision" not in meta.run_meta("blockspec.bench.bench", torch.device("cpu"), torch.float32)
