@@ -7,6 +7,7 @@ import dataclasses
 import gzip
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -239,7 +240,7 @@ def test_run_meta_names_the_checkout_revision(tmp_path, monkeypatch):
     """A bench run from a git checkout records its commit (`+changes` with tracked files edited);
     one from elsewhere records none."""
     root = Path(meta.__file__).resolve().parents[2]
-    if (root / ".git").exists():
+    if (root / ".git").exists() and shutil.which("git"):
         head = subprocess.run(
             ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         )
