@@ -20,7 +20,7 @@ import torch
 from blockspec.bench.meta import run_meta
 from blockspec.bench.presets import is_preset, random_drafter, random_target
 from blockspec.config import SWITCH_WORDS, EngineConfig, KernelConfig, SpeculativeConfig
-from blockspec.engine.adaptive import RUN_AHEAD_RUN, SAMPLES, width_classes
+from blockspec.engine.adaptive import RUN_AHEAD_RUN, first_run_length, width_classes
 from blockspec.engine.engine import LLMEngine
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
 from blockspec.layers.fast_path import use_kernels
@@ -223,7 +223,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
     )
     # Adaptive width explores its widths before it settles: where steps run ahead, a first run of each
     # (a step to capture its graphs, SAMPLES to time it, two at its ends whose time is not its own).
-    first_runs = (RUN_AHEAD_RUN + SAMPLES) * len(width_classes(args.block_size))
+    first_runs = first_run_length(RUN_AHEAD_RUN) * len(width_classes(args.block_size))
     warmup = args.warmup + (first_runs if args.adaptive_width and drafter else 0)
     # Admission takes max_num_batched_tokens of prompts a step: the first admitted decode meanwhile
     admission = -(-batch * prompt_len // EngineConfig.max_num_batched_tokens)

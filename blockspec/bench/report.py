@@ -219,16 +219,18 @@ def acceptance_tables(rows: list[dict]) -> list[str]:
             if v.get("histogram"):
                 hists.append([fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["histogram"])])
             if v.get("width_steps"):
-                widths.append([fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["width_steps"])])
-                widths[-1] += [fmt(v["width_ms"])] if "width_ms" in v else []
+                widths.append(
+                    [fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["width_steps"]), v.get("width_ms")]
+                )
         body.append(row + [fmt(r.get(k)) for k in extra])
     lines = table(header, body) + first_pass_table(rows, ["plain", *engines])
     lines += histograms(["set", "T", "proposer"], hists)
     if widths:
         lines += ["", "Steps at each block width, adaptive width (width: steps):", ""]
-        estimates = ["estimated step ms"] if all(len(w) == 5 for w in widths) else []
-        lines += table(["set", "T", "proposer", "widths", *estimates], widths)
-        if estimates:
+        estimated = all(w[-1] is not None for w in widths)  # files written before the estimates: no column
+        widths = [w[:-1] + ([fmt(w[-1])] if estimated else []) for w in widths]
+        lines += table(["set", "T", "proposer", "widths", *(["estimated step ms"] if estimated else [])], widths)
+        if estimated:
             lines += ["", "Estimated step ms: the policy's, after the second pass (batch bucket: {width: ms})."]
     return lines
 

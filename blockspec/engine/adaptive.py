@@ -40,6 +40,12 @@ SAMPLES = 3  # timed steps of each width class before the policy chooses among t
 RUN_AHEAD_RUN = 3  # steps in a row where steps run ahead: the middle one holds only its own host work
 
 
+def first_run_length(run_length: int) -> int:
+    """Steps of a bucket's first run of a width: where runs are longer than one step, its warm-up
+    and SAMPLES timings inside one run; else one step (the timings follow beside the widest)."""
+    return run_length + SAMPLES if run_length > 1 else 1
+
+
 def width_classes(max_width: int) -> tuple[int, ...]:
     """1, 2, 4, ... and max_width: the widths steps run at (and CUDA graphs are captured for)."""
     return tuple(sorted({min(2**i, max_width) for i in range(max_width.bit_length() + 1)}))
@@ -126,9 +132,7 @@ class AdaptiveWidth:
             costs.repeats -= 1
             return costs.repeat
         width = self.next_width(costs, allowed)
-        run = self.run_length
-        if run > 1 and width not in costs.steps:  # its first run: a warm-up and SAMPLES timings inside
-            run += SAMPLES
+        run = first_run_length(self.run_length) if width not in costs.steps else self.run_length
         costs.repeat, costs.repeats = width, run - 1
         return width
 
@@ -146,8 +150,9 @@ class AdaptiveWidth:
         return best if costs.last != best else self.retime(costs, allowed, best, expected)
 
     def first_timings(self, costs: BucketCosts, allowed: list[int]) -> int | None:
-        """The width of a bucket's next step while it has not timed every width yet: a warm-up
-        step of each, widest first, then SAMPLES timings of each beside one of the widest's."""
+        """The width of a bucket's next run while it has not timed every width yet: a first run of
+        each, widest first (`first_run_length`), then, until each has SAMPLES timings, runs of
+        each beside runs of the widest."""
         if costs.current is None:
             costs.current, costs.ratio[allowed[-1]] = allowed[-1], 1.0
         cold = [w for w in reversed(allowed) if w not in costs.steps]
