@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from conftest import CUDA, interpreter_test, make_dspark, make_target, runs_kernel
 
 from blockspec.layers.fast_path import reference_ops
-from blockspec.layers.kernels.markov_chain import ChainTiles, markov_chain
+from blockspec.layers.kernels.markov_chain import ChainTiles, chain_tiles, markov_chain
 from blockspec.loading.drafters import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.proposers.dspark import DSparkProposer
@@ -50,6 +50,21 @@ def chain_inputs(anchor: torch.Tensor, n: int, temperatures: list[float] | None)
 @pytest.mark.parametrize("draft_vocab,rank,B", [(None, 40, 2), (3000, 16, 18)])
 @pytest.mark.parametrize("tiles", TILES, ids=["dot", "fma", "mma", "chosen"])
 def test_chain_matches_the_proposer_loop(tmp_path, draft_vocab, rank, B, sampled, tiles):
+    check_chain(tmp_path, draft_vocab, rank, B, sampled, tiles)
+
+
+@runs_kernel
+@pytest.mark.parametrize("sampled", [False, True])
+def test_one_sequence_takes_its_own_tiles(tmp_path, sampled):
+    """A decode at batch 1: the tiles `markov_chain` picks for one sequence (a program per 64
+    tokens, the whole rank a load, multiply-adds on the CUDA cores)."""
+    assert chain_tiles(1, torch.empty(0)) == ChainTiles(1, 64, 256, 64, 2048)
+    check_chain(tmp_path, None, 40, 1, sampled, None)
+
+
+def check_chain(tmp_path, draft_vocab: int | None, rank: int, B: int, sampled: bool, tiles: ChainTiles | None):
+    """The kernel's chain (with `tiles`, None: its own choice) against the proposer's loop: the
+    same drafts and embeddings, q within 1e-5, and sampled rows drawing tokens other than their mode."""
     tpath = make_target(tmp_path / "t", "qwen3", vocab=VOCAB, layers=4)
     dpath = make_dspark(
         tmp_path / "d", tpath, block_size=6, markov_rank=rank, draft_vocab=draft_vocab, markov_scale=30.0
@@ -62,7 +77,7 @@ def test_chain_matches_the_proposer_loop(tmp_path, draft_vocab, rank, B, sampled
     base = torch.randn(B, n, vd, generator=gen).mul(3).to(torch.bfloat16).to(DEVICE)
     anchor = torch.randint(0, VOCAB, (B,), generator=gen).to(DEVICE)
     hidden = torch.zeros(B, n, 64, dtype=torch.bfloat16, device=DEVICE)  # read by gated and rnn heads only
-    inputs = chain_inputs(anchor, n, [(0.0, 4.0, 1.0, 0.7)[i % 4] for i in range(B)] if sampled else None)
+    inputs = chain_inputs(anchor, n, [(4.0, 0.0, 1.0, 0.7)[i % 4] for i in range(B)] if sampled else None)
     with torch.inference_mode(), reference_ops():
         proposal, expected = DSparkProposer(drafter).markov_chain(SimpleNamespace(target=target), inputs, hidden, base)
     temperature, u = None, None
