@@ -123,7 +123,8 @@ class EngineConfig:
     # With CUDA graphs: capture the step graphs (step kinds x batch buckets x row classes, the kinds
     # with logprobs, min_tokens, penalties and grammar masks among them) and compile the prefill's
     # kernels when the engine starts (`engine.warm_up`); off: at first use, stalling the requests
-    # running then.
+    # running then. On any device, with adaptive width: time the step widths at start
+    # (`engine.step_costs`; on a CPU at batch 1); off: on live steps only.
     warm_up: bool = True
     # Launch each step before the one in flight reaches the host, from its results still on the
     # device (DFlash and plain decoding); None: on where the device runs asynchronously (CUDA).

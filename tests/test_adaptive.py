@@ -102,6 +102,37 @@ def test_a_seldom_accepted_drafter_falls_back_to_plain_steps() -> None:
     assert speed_over_best_fixed_width(trace, cost, 0.35, batch=16) > 0.97
 
 
+def whole_run_speed(trace, batch: int) -> float:
+    """Tokens per second of every step of the trace, per sequence."""
+    return sum(t for _, t, _ in trace) / sum(s for _, _, s in trace) / batch
+
+
+@pytest.mark.parametrize("run_length", [1, 3])
+def test_widths_timed_at_start_spare_a_short_run_its_first_timings(run_length) -> None:
+    """The H200 at batch 16, MT-Bench at T=0.7, as the acceptance bench runs it: a batch of
+    requests of 192 tokens, about 150 steps in all, where plain decoding wins. Timing every width
+    on live steps first spends about 30 steps at widths twice as slow as plain ones, 7% of the
+    run; from step times measured at start the policy decodes plainly from its first steps."""
+    cost = lambda w: 1.0 if w == 1 else 2.0 + 0.02 * w
+    live = run(AdaptiveWidth(16, run_length), cost, 0.45, 150, batch=16)
+    policy = AdaptiveWidth(16, run_length)
+    policy.start_from({16: {w: cost(w) for w in policy.classes}})
+    started = run(policy, cost, 0.45, 150, batch=16)
+    assert whole_run_speed(live, 16) < 0.94 < 0.97 < whole_run_speed(started, 16)
+    assert widths(started).count(1) >= 140
+
+
+def test_widths_timed_at_a_busy_start_are_timed_again() -> None:
+    """Plain steps timed at start while the machine was busy (80% slower than they run): the policy
+    starts wide, times width 1 again on live steps, and keeps to it."""
+    cost = lambda w: 1.0 if w == 1 else 2.0 + 0.02 * w
+    policy = AdaptiveWidth(16)
+    policy.start_from({16: {w: cost(w) * (1.8 if w == 1 else 1.0) for w in policy.classes}})
+    trace = run(policy, cost, 0.45, 600, batch=16)
+    assert widths(trace)[0] > 1 and widths(trace)[-256:].count(1) >= 230
+    assert speed_over_best_fixed_width(trace, cost, 0.45, batch=16) > 0.97
+
+
 def test_rows_capped_by_max_tokens_are_timed_at_the_class_they_run() -> None:
     """Requests that can take at most 5 rows a step: a 16-row class never runs, so it is neither
     timed nor chosen, and the policy still settles on the best width that can run (2 rows)."""
@@ -228,6 +259,22 @@ def test_a_step_run_ahead_names_the_widths_beside_it(tmp_path, monkeypatch) -> N
         assert before is None or (i > 0 and before == widths[i - 1])
         assert after is None or (i + 1 < len(steps) and after == widths[i + 1])
     assert sum(before is not None and after is not None for _, (before, after) in steps) >= len(steps) // 2
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_the_engine_times_its_widths_when_it_starts(tmp_path, async_steps) -> None:
+    """A CPU engine times each width class at batch 1 before any request (its larger buckets, on
+    live steps), run ahead where its steps are; with warm_up off it times them all on live steps."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    llm = LLM(str(t), {"model": str(d)}, device="cpu", async_steps=async_steps)
+    costs = llm.engine.adaptive.costs
+    assert list(costs) == [1] and set(costs[1].ratio) == set(width_classes(8))
+    assert costs[1].current == 8 and costs[1].ratio[8] == 1.0 and costs[1].seconds > 0
+    assert all(r > 0 for r in costs[1].ratio.values())
+    assert AdaptiveWidth(8).first_timings(costs[1], list(width_classes(8))) is None
+    cold = LLM(str(t), {"model": str(d)}, device="cpu", async_steps=async_steps, warm_up=False)
+    assert cold.engine.adaptive.costs == {}
 
 
 def test_any_widths_keep_greedy_output_exact(tmp_path, monkeypatch, oracle) -> None:

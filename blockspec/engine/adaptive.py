@@ -15,8 +15,9 @@ follows its recent steps, and every other width is timed again now and then, in 
 one of the current width's, as often as keeps the time it loses within `EXPLORE_SHARE` of all
 step time (this also keeps the acceptance rates of the far positions, which only full blocks
 reach, current). A bucket first runs each width once untimed (graph capture, caches), widest
-down, then times each `SAMPLES` times, each step beside one of the widest. The width never
-changes the output (in exact arithmetic), only the speed.
+down, then times each `SAMPLES` times, each step beside one of the widest, unless the engine
+timed its steps when it started (`start_from`). The width never changes the output (in exact
+arithmetic), only the speed.
 
 Where steps run ahead (CUDA), a step's wall time is not its own: the host commits the step
 before it and launches the step after it while the device runs it, and on a fast device that
@@ -99,6 +100,17 @@ class AdaptiveWidth:
         self.trials = np.zeros(max_width - 1)  # decayed count of draft k reached
         self.costs: dict[int, BucketCosts] = {}  # batch bucket -> its step times
         self.width_steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
+
+    def start_from(self, seconds: dict[int, dict[int, float]]) -> None:
+        """Step times measured before any request (`step_costs`), per batch bucket and width
+        class: a bucket given them counts every width as timed and chooses from its first step,
+        the widest its current width; its live steps go on timing them as any bucket's do."""
+        for batch, times in seconds.items():
+            costs, widest = self.bucket(batch), max(times)
+            costs.current, costs.seconds = widest, times[widest]
+            costs.ratio = {w: s / times[widest] for w, s in times.items()}
+            costs.steps = dict.fromkeys(times, SAMPLES + 1)
+            costs.since = dict.fromkeys(times, 0.0)
 
     def expected_tokens(self, optimism: float = 0.0) -> np.ndarray:
         """E(w) for every width w = 1 .. max (index w - 1); with `optimism`, from rates that many

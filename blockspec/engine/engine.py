@@ -24,6 +24,7 @@ from blockspec.engine.runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence, fresh_request_id
 from blockspec.engine.step import LaunchedStep, StepOutput, finish_step, launch_step
+from blockspec.engine.step_costs import step_costs
 from blockspec.engine.warm_up import warm_up
 from blockspec.layers.decoder import RECURRENT_STATE
 from blockspec.layers.fast_path import restore_kernels, use_kernels
@@ -138,6 +139,10 @@ class LLMEngine:
             warm_up(
                 self.runner, config.max_num_seqs, config.max_num_batched_tokens, self.step_rows, self.num_slots, grammar
             )
+        if self.adaptive is not None and config.warm_up and self.proposer.on_device:
+            # A CPU's larger buckets would take seconds a step to time: they are timed on live steps.
+            buckets = graphs.buckets if graphs is not None else [1]
+            self.adaptive.start_from(step_costs(self.runner, buckets, row_classes, self.step_rows, self.run_ahead))
 
     def speculation(self, spec: SpeculativeConfig | None) -> tuple[int, Proposer | None]:
         """The widest block a step verifies (anchor + drafts) and the proposer of the drafts (None:
