@@ -133,6 +133,39 @@ def test_widths_timed_at_a_busy_start_are_timed_again() -> None:
     assert speed_over_best_fixed_width(trace, cost, 0.45, batch=16) > 0.97
 
 
+def batch_steps(policy: AdaptiveWidth, cost, rates: dict[str, float], steps: int, rng, own: bool) -> list[int]:
+    """`steps` steps of the sequences `rates` (request id: acceptance rate), their ids told to the
+    policy where `own` -> the widths run."""
+    rows, chosen = list(rates) if own else [], []
+    for _ in range(steps):
+        w = policy.choose(len(rates), 16, rows)
+        accepted = []
+        for p in rates.values():
+            a = 0
+            while a < w - 1 and rng.random() < p:
+                a += 1
+            accepted.append(a)
+        policy.observe(len(rates), w, cost(w), [w - 1] * len(rates), accepted, (), rows)
+        chosen.append(w)
+    return chosen
+
+
+def test_a_hard_request_left_alone_is_decoded_at_its_own_rates() -> None:
+    """An easy request (drafts accepted 90% of the time) beside a hard one (20%): wide blocks win.
+    When the easy one finishes, the hard one alone runs plain steps faster, but the rates of all
+    past steps are the easy one's for a hundred steps more: its own rates say so at once."""
+    cost = lambda w: 1.0 if w == 1 else 1.6 + 0.01 * w
+    for own, most_plain in ((True, True), (False, False)):
+        policy, rng = AdaptiveWidth(16), random.Random(0)
+        policy.start_from({b: {w: cost(w) for w in policy.classes} for b in (1, 2)})
+        together = batch_steps(policy, cost, {"easy": 0.9, "hard": 0.2}, 300, rng, own)
+        assert together[-100:].count(16) >= 90
+        policy.forget("easy")
+        alone = batch_steps(policy, cost, {"hard": 0.2}, 50, rng, own)
+        assert (alone.count(1) >= 45) == most_plain
+    assert policy.rows == {}  # ids not told: no sequence's own counts
+
+
 def test_rows_capped_by_max_tokens_are_timed_at_the_class_they_run() -> None:
     """Requests that can take at most 5 rows a step: a 16-row class never runs, so it is neither
     timed nor chosen, and the policy still settles on the best width that can run (2 rows)."""
@@ -249,9 +282,9 @@ def test_a_step_run_ahead_names_the_widths_beside_it(tmp_path, monkeypatch) -> N
     llm = LLM(str(t), {"model": str(d)}, device="cpu", async_steps=True)
     policy, rng, steps = llm.engine.adaptive, random.Random(2), []
     assert policy.run_length == 3
-    monkeypatch.setattr(policy, "choose", lambda batch, limit: rng.choice(policy.classes))
+    monkeypatch.setattr(policy, "choose", lambda batch, limit, rows: rng.choice(policy.classes))
     observe = policy.observe
-    monkeypatch.setattr(policy, "observe", lambda *args: (steps.append((args[1], args[-1])), observe(*args)))
+    monkeypatch.setattr(policy, "observe", lambda *args: (steps.append((args[1], args[5])), observe(*args)))
     llm.generate([[5, 9, 11]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     widths = [w for w, _ in steps]
     assert len(set(widths)) >= 3
@@ -287,7 +320,7 @@ def test_any_widths_keep_greedy_output_exact(tmp_path, monkeypatch, oracle) -> N
         oracle[tuple(p)] = tokens  # the drafts are right but for every 5th: long, varied acceptance
     spec = LLM(str(t), {"model": str(d)}, device="cpu", page_size=4)
     rng, classes = random.Random(1), spec.engine.adaptive.classes
-    monkeypatch.setattr(spec.engine.adaptive, "choose", lambda batch, limit: rng.choice(classes))
+    monkeypatch.setattr(spec.engine.adaptive, "choose", lambda batch, limit, rows: rng.choice(classes))
     out = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == plain
     lengths = {a for o in out for a in o.metrics.acceptance_lengths}
@@ -299,7 +332,7 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
     policy.observe(1, 16, None, [15], [3])  # e.g. a prefill ran first, or the step was left in flight
     policy.observe(1, 16, None, [15], [3])
     assert policy.costs == {} and policy.choose(1, 16) == 16
-    assert policy.trials[:4].tolist() == [0.99 + 1] * 4  # acceptance still counts
+    assert policy.counts.trials[:4].tolist() == [0.99 + 1] * 4  # acceptance still counts
 
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=8)

@@ -3,7 +3,9 @@ block) that maximises expected committed tokens per second of step time.
 
 A step of width w commits E(w) = 1 + p1 + p1*p2 + ... (w-1 terms) tokens per sequence, where
 p_k is the running rate at which draft k is accepted given drafts 1..k-1 were (decayed counts,
-shrunk toward the rate pooled over all positions). Its cost is measured, per batch bucket. Where
+shrunk toward the rate pooled over all positions); the step's sequences each have their own
+rates, shrunk toward those (a batch whose easy requests have finished keeps its hard ones: the
+rates of all past steps would overrate it). Its cost is measured, per batch bucket. Where
 verifying 16 rows costs about what 1 row costs (a GPU at small batch) the widest block wins; where
 rows cost compute (a CPU, or a GPU at large batch) narrower blocks can win, and where drafts are
 seldom accepted width 1 (a plain step: no drafter forward at all) can.
@@ -37,6 +39,7 @@ RATIO_EMA = 0.2  # weight of a new sample in another width's ratio, after its fi
 EXPLORE_SHARE = 0.01  # of the step time, at most this goes to widths the policy would not choose
 OPTIMISM = 1.5  # standard errors above the acceptance rates when pricing a width's next timing
 PRIOR = 4.0  # weight, in steps, of the pooled acceptance rate in each position's rate
+ROW_PRIOR = 4.0  # weight, in drafts reached, of all sequences' rate in one sequence's rate
 SAMPLES = 3  # timed steps of each width class before the policy chooses among them
 RUN_AHEAD_RUN = 3  # steps in a row where steps run ahead: the middle one holds only its own host work
 
@@ -92,13 +95,32 @@ class BucketCosts:
         self.last = width
 
 
+@dataclass
+class AcceptCounts:
+    """Decayed counts of draft k (index k - 1) reached and accepted."""
+
+    hits: np.ndarray
+    trials: np.ndarray
+
+    @classmethod
+    def zeros(cls, positions: int) -> "AcceptCounts":
+        return cls(np.zeros(positions), np.zeros(positions))
+
+    def add(self, offered: list[int], accepted: list[int]) -> None:
+        """A step's sequences, each offered and accepting so many drafts: draft k+1 (index k) was
+        reached if k < min(a+1, n), accepted if k < a."""
+        k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
+        self.trials = DECAY * self.trials + (k < np.minimum(a + 1, n)).sum(0)
+        self.hits = DECAY * self.hits + (k < a).sum(0)
+
+
 class AdaptiveWidth:
     def __init__(self, max_width: int, run_length: int = 1) -> None:
         self.classes = width_classes(max_width)
         self.run_length = run_length  # steps in a row at each width chosen
-        self.hits = np.zeros(max_width - 1)  # decayed count of draft k accepted, k = 1..max_width-1
-        self.trials = np.zeros(max_width - 1)  # decayed count of draft k reached
+        self.counts = AcceptCounts.zeros(max_width - 1)  # all sequences'
         self.costs: dict[int, BucketCosts] = {}  # batch bucket -> its step times
+        self.rows: dict[str, AcceptCounts] = {}  # request id -> its own counts
         self.width_steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
 
     def start_from(self, seconds: dict[int, dict[int, float]]) -> None:
@@ -112,18 +134,23 @@ class AdaptiveWidth:
             costs.steps = dict.fromkeys(times, SAMPLES + 1)
             costs.since = dict.fromkeys(times, 0.0)
 
-    def expected_tokens(self, optimism: float = 0.0) -> np.ndarray:
-        """E(w) for every width w = 1 .. max (index w - 1); with `optimism`, from rates that many
-        standard errors above their estimates (seldom seen rates, high)."""
+    def expected_tokens(self, optimism: float = 0.0, rows: list[str] = ()) -> np.ndarray:
+        """E(w) for every width w = 1 .. max (index w - 1), the mean of the sequences `rows`'
+        (none: of any sequence); with `optimism`, from rates that many standard errors above
+        their estimates (seldom seen rates, high)."""
         # Each position's rate leans on the pooled rate of all positions where its own counts are
         # few: far positions, seen only at full width, are not pulled toward an arbitrary prior.
-        pooled = (self.hits.sum() + 1) / (self.trials.sum() + 2)
-        seen = self.trials + PRIOR
-        rates = (self.hits + PRIOR * pooled) / seen
+        pooled = (self.counts.hits.sum() + 1) / (self.counts.trials.sum() + 2)
+        seen = self.counts.trials + PRIOR
+        rates = (self.counts.hits + PRIOR * pooled) / seen
         if optimism:
             rates = np.minimum(rates + optimism * np.sqrt(rates * (1 - rates) / seen), 1.0)
-        expected = np.ones(len(rates) + 1)
-        expected[1:] += np.cumprod(rates).cumsum()
+        own = [self.rows[r] for r in rows if r in self.rows]
+        if own:  # [R, positions]: each sequence's rates, leaning on all sequences' where its counts are few
+            hits, trials = np.stack([c.hits for c in own]), np.stack([c.trials for c in own])
+            rates = (hits + ROW_PRIOR * rates) / (trials + ROW_PRIOR)
+        expected = np.ones(rates.shape[-1] + 1)
+        expected[1:] += np.cumprod(rates, axis=-1).cumsum(axis=-1).reshape(-1, rates.shape[-1]).mean(0)
         return expected
 
     def row_class(self, rows: int) -> int:
@@ -132,10 +159,10 @@ class AdaptiveWidth:
     def bucket(self, batch: int) -> BucketCosts:
         return self.costs.setdefault(round_up(batch, BATCH_BUCKETS), BucketCosts())
 
-    def choose(self, batch: int, limit: int) -> int:
-        """The width class of a step of `batch` sequences, none of which can take more than
-        `limit` rows (their max_tokens or the context may cap them): wider classes could not run,
-        so they are neither timed nor chosen."""
+    def choose(self, batch: int, limit: int, rows: list[str] = ()) -> int:
+        """The width class of a step of `batch` sequences (their request ids `rows`), none of which
+        can take more than `limit` rows (their max_tokens or the context may cap them): wider
+        classes could not run, so they are neither timed nor chosen."""
         costs = self.bucket(batch)
         allowed = [w for w in self.classes if w <= self.row_class(limit)]
         if len(allowed) == 1:
@@ -143,23 +170,23 @@ class AdaptiveWidth:
         if costs.repeats and costs.repeat in allowed:
             costs.repeats -= 1
             return costs.repeat
-        width = self.next_width(costs, allowed)
+        width = self.next_width(costs, allowed, rows)
         run = first_run_length(self.run_length) if width not in costs.steps else self.run_length
         costs.repeat, costs.repeats = width, run - 1
         return width
 
-    def next_width(self, costs: BucketCosts, allowed: list[int]) -> int:
+    def next_width(self, costs: BucketCosts, allowed: list[int], rows: list[str]) -> int:
         """The width of the next run of steps: the first timings, else the best, or another due a timing."""
         first = self.first_timings(costs, allowed)
         if first is not None:
             return first
-        expected = self.expected_tokens()
+        expected = self.expected_tokens(rows=rows)
         best = max(allowed, key=lambda w: expected[w - 1] / costs.ratio[w])
         if costs.current not in allowed:  # rows capped below the current width: a request's last steps
             return best
         if best != costs.current:
             costs.rebase(best)
-        return best if costs.last != best else self.retime(costs, allowed, best, expected)
+        return best if costs.last != best else self.retime(costs, allowed, best, expected, rows)
 
     def first_timings(self, costs: BucketCosts, allowed: list[int]) -> int | None:
         """The width of a bucket's next run while it has not timed every width yet: a first run of
@@ -175,13 +202,13 @@ class AdaptiveWidth:
             return costs.current
         return untimed[0] if untimed else None
 
-    def retime(self, costs: BucketCosts, allowed: list[int], best: int, expected: np.ndarray) -> int:
+    def retime(self, costs: BucketCosts, allowed: list[int], best: int, expected: np.ndarray, rows: list[str]) -> int:
         """After a step of the best width: another width whose time since it last ran, times its
         share of EXPLORE_SHARE, covers what a run of its steps may lose against the best committing as
         many tokens (the longest waiting of those), else the best again. Width 1 drafts nothing, so
         while it is best the rates go unobserved: they are taken high."""
         share = EXPLORE_SHARE / (len(allowed) - 1)
-        hopeful = self.expected_tokens(OPTIMISM) if best == 1 else expected
+        hopeful = self.expected_tokens(OPTIMISM, rows) if best == 1 else expected
         loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
         due = [w for w in allowed if costs.since[w] * share >= loss[w] * self.run_length]
         return max(due, key=costs.since.__getitem__, default=best)
@@ -194,18 +221,23 @@ class AdaptiveWidth:
         offered: list[int],
         accepted: list[int],
         beside: tuple[int | None, ...] = (),
+        rows: list[str] = (),
     ) -> None:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
-        that width), per sequence the drafts offered and accepted, and `beside`: the width classes
-        of the steps whose host work fell in its time (committed, launched; None: none)."""
+        that width), per sequence the drafts offered and accepted, `beside`: the width classes
+        of the steps whose host work fell in its time (committed, launched; None: none), and the
+        sequences' request ids `rows` (none: the counts of all sequences only)."""
         self.width_steps[width] += 1
         own = all(w in (None, width) for w in beside)
         if seconds and own:  # None: not a timing (and a zero would make no ratio)
             self.bucket(batch).record(width, seconds)
-        # Draft k+1 (index k) of a sequence offered n and accepting a was reached if k < min(a+1, n),
-        # accepted if k < a.
         if not any(offered):  # a plain step: it tells nothing, and the rates age by drafts seen
             return
-        k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
-        self.trials = DECAY * self.trials + (k < np.minimum(a + 1, n)).sum(0)
-        self.hits = DECAY * self.hits + (k < a).sum(0)
+        self.counts.add(offered, accepted)
+        for row, n, a in zip(rows, offered, accepted):
+            if n:
+                self.rows.setdefault(row, AcceptCounts.zeros(len(self.counts.hits))).add([n], [a])
+
+    def forget(self, row: str) -> None:
+        """A sequence has finished: its counts go."""
+        self.rows.pop(row, None)

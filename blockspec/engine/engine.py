@@ -266,7 +266,7 @@ class LLMEngine:
         widths."""
         if self.adaptive is None or any(s.seeded_sample for s in seqs):
             return full, None
-        chosen = self.adaptive.choose(len(seqs), max(full))
+        chosen = self.adaptive.choose(len(seqs), max(full), [s.request_id for s in seqs])
         return [min(chosen, w) for w in full], chosen
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -351,6 +351,8 @@ class LLMEngine:
     def finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
+        if self.adaptive is not None:
+            self.adaptive.forget(seq.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -443,7 +445,8 @@ class LLMEngine:
             # In its time the host committed the step before it (if launched ahead) and launched the next
             beside = (flight.before, self.in_flight and self.step_class(self.in_flight))
             seconds = now - started if ran else None
-            self.adaptive.observe(len(seqs), self.step_class(flight), seconds, offered, accepted, beside)
+            rows = [s.request_id for s, _ in live]
+            self.adaptive.observe(len(seqs), self.step_class(flight), seconds, offered, accepted, beside, rows)
         self.last_completion = now
         for seq, out in live:
             self.commit(seq, out)
