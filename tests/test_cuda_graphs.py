@@ -159,7 +159,8 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
             SamplingParams(temperature=0, max_tokens=12, structured_output=regex),
             SamplingParams(temperature=0.8, top_k=5, seed=4, max_tokens=12, structured_output=regex, logprobs=1),
         ]
-    mixed = kinds[3:]  # a batch's kind joins its requests' options
+    # a batch's kind joins its requests' options (without xgrammar, two kinds in turn)
+    mixed = [kinds[3 + i % (len(kinds) - 3)] for i in range(len(prompts))]
     for params in [*kinds, mixed]:
         a = [o.outputs[0] for o in eager.generate(prompts, params)]
         b = [o.outputs[0] for o in graphed.generate(prompts, params)]
