@@ -306,6 +306,12 @@ def test_the_engine_times_its_widths_when_it_starts(tmp_path, async_steps) -> No
     assert costs[1].current == 8 and costs[1].ratio[8] == 1.0 and costs[1].seconds > 0
     assert all(r > 0 for r in costs[1].ratio.values())
     assert AdaptiveWidth(8).first_timings(costs[1], list(width_classes(8))) is None
+    # each request's own counts while it runs, gone when it finishes
+    policy, seen = llm.engine.adaptive, []
+    observe = policy.observe
+    policy.observe = lambda *args: (observe(*args), seen.append(set(policy.rows)))
+    llm.generate([[5, 9, 11], [7, 3]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert max(map(len, seen)) == 2 and policy.rows == {}
     cold = LLM(str(t), {"model": str(d)}, device="cpu", async_steps=async_steps, warm_up=False)
     assert cold.engine.adaptive.costs == {}
 
