@@ -163,7 +163,18 @@ def test_a_hard_request_left_alone_is_decoded_at_its_own_rates() -> None:
         policy.forget("easy")
         alone = batch_steps(policy, cost, {"hard": 0.2}, 50, rng, own)
         assert (alone.count(1) >= 45) == most_plain
-    assert policy.rows == {}  # ids not told: no sequence's own counts
+    assert policy.slots == {}  # ids not told: no sequence's own counts
+
+
+def test_a_finished_request_leaves_its_row_of_counts_to_the_next_zeroed() -> None:
+    policy = AdaptiveWidth(4)
+    policy.observe(2, 4, None, [3, 3], [3, 0], (), ["a", "b"])
+    policy.forget("a")
+    policy.observe(2, 4, None, [3, 3], [0, 0], (), ["c", "b"])
+    assert policy.slots == {"b": 1, "c": 0} and policy.free == []
+    assert policy.own.hits[:2].tolist() == [[0, 0, 0], [0, 0, 0]]
+    assert policy.own.trials[:2].tolist() == [[1, 0, 0], [0.99 + 1, 0, 0]]
+    assert policy.counts.hits.tolist() == [0.99, 0.99, 0.99]  # all sequences' keep the finished one's
 
 
 def test_rows_capped_by_max_tokens_are_timed_at_the_class_they_run() -> None:
@@ -309,9 +320,9 @@ def test_the_engine_times_its_widths_when_it_starts(tmp_path, async_steps) -> No
     # each request's own counts while it runs, gone when it finishes
     policy, seen = llm.engine.adaptive, []
     observe = policy.observe
-    policy.observe = lambda *args: (observe(*args), seen.append(set(policy.rows)))
+    policy.observe = lambda *args: (observe(*args), seen.append(set(policy.slots)))
     llm.generate([[5, 9, 11], [7, 3]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert max(map(len, seen)) == 2 and policy.rows == {}
+    assert max(map(len, seen)) == 2 and policy.slots == {} and len(policy.free) == 2
     cold = LLM(str(t), {"model": str(d)}, device="cpu", async_steps=async_steps, warm_up=False)
     assert cold.engine.adaptive.costs == {}
 

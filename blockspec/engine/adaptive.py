@@ -97,21 +97,26 @@ class BucketCosts:
 
 @dataclass
 class AcceptCounts:
-    """Decayed counts of draft k (index k - 1) reached and accepted."""
+    """Decayed counts of draft k (index k - 1) reached and accepted: [positions] for all
+    sequences, or [slots, positions], a row per sequence."""
 
     hits: np.ndarray
     trials: np.ndarray
 
     @classmethod
-    def zeros(cls, positions: int) -> "AcceptCounts":
-        return cls(np.zeros(positions), np.zeros(positions))
+    def zeros(cls, *shape: int) -> "AcceptCounts":
+        return cls(np.zeros(shape), np.zeros(shape))
 
-    def add(self, offered: list[int], accepted: list[int]) -> None:
-        """A step's sequences, each offered and accepting so many drafts: draft k+1 (index k) was
-        reached if k < min(a+1, n), accepted if k < a."""
-        k, n, a = np.arange(len(self.hits))[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
-        self.trials = DECAY * self.trials + (k < np.minimum(a + 1, n)).sum(0)
-        self.hits = DECAY * self.hits + (k < a).sum(0)
+    def add(self, reached: np.ndarray, accepted: np.ndarray, where=slice(None)) -> None:
+        self.trials[where] = DECAY * self.trials[where] + reached
+        self.hits[where] = DECAY * self.hits[where] + accepted
+
+
+def drafts_seen(offered: list[int], accepted: list[int], positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """[sequences, positions]: draft k+1 (index k) of a sequence offered n drafts that accepted a of
+    them was reached if k < min(a+1, n), accepted if k < a."""
+    k, n, a = np.arange(positions)[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
+    return k < np.minimum(a + 1, n), k < a
 
 
 class AdaptiveWidth:
@@ -119,8 +124,10 @@ class AdaptiveWidth:
         self.classes = width_classes(max_width)
         self.run_length = run_length  # steps in a row at each width chosen
         self.counts = AcceptCounts.zeros(max_width - 1)  # all sequences'
+        self.own = AcceptCounts.zeros(0, max_width - 1)  # each running sequence's, at its slot
+        self.slots: dict[str, int] = {}  # request id -> its row of `own`
+        self.free: list[int] = []  # rows of `own` that finished sequences left
         self.costs: dict[int, BucketCosts] = {}  # batch bucket -> its step times
-        self.rows: dict[str, AcceptCounts] = {}  # request id -> its own counts
         self.width_steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
 
     def start_from(self, seconds: dict[int, dict[int, float]]) -> None:
@@ -145,12 +152,11 @@ class AdaptiveWidth:
         rates = (self.counts.hits + PRIOR * pooled) / seen
         if optimism:
             rates = np.minimum(rates + optimism * np.sqrt(rates * (1 - rates) / seen), 1.0)
-        own = [self.rows[r] for r in rows if r in self.rows]
-        if own:  # [R, positions]: each sequence's rates, leaning on all sequences' where its counts are few
-            hits, trials = np.stack([c.hits for c in own]), np.stack([c.trials for c in own])
-            rates = (hits + ROW_PRIOR * rates) / (trials + ROW_PRIOR)
+        slots = [self.slots[r] for r in rows if r in self.slots]
+        if slots:  # [R, positions]: each sequence's rates, leaning on all sequences' where its counts are few
+            rates = (self.own.hits[slots] + ROW_PRIOR * rates) / (self.own.trials[slots] + ROW_PRIOR)
         expected = np.ones(rates.shape[-1] + 1)
-        expected[1:] += np.cumprod(rates, axis=-1).cumsum(axis=-1).reshape(-1, rates.shape[-1]).mean(0)
+        expected[1:] += np.cumprod(np.atleast_2d(rates), axis=1).cumsum(axis=1).mean(0)
         return expected
 
     def row_class(self, rows: int) -> int:
@@ -228,16 +234,32 @@ class AdaptiveWidth:
         of the steps whose host work fell in its time (committed, launched; None: none), and the
         sequences' request ids `rows` (none: the counts of all sequences only)."""
         self.width_steps[width] += 1
-        own = all(w in (None, width) for w in beside)
-        if seconds and own:  # None: not a timing (and a zero would make no ratio)
+        unshared = all(w in (None, width) for w in beside)
+        if seconds and unshared:  # None: not a timing (and a zero would make no ratio)
             self.bucket(batch).record(width, seconds)
         if not any(offered):  # a plain step: it tells nothing, and the rates age by drafts seen
             return
-        self.counts.add(offered, accepted)
-        for row, n, a in zip(rows, offered, accepted):
-            if n:
-                self.rows.setdefault(row, AcceptCounts.zeros(len(self.counts.hits))).add([n], [a])
+        reached, hits = drafts_seen(offered, accepted, len(self.counts.hits))
+        self.counts.add(reached.sum(0), hits.sum(0))
+        drafted = [i for i, n in enumerate(offered[: len(rows)]) if n]
+        if drafted:
+            slots = self.slot_rows([rows[i] for i in drafted])  # first: it may grow `own`
+            self.own.add(reached[drafted], hits[drafted], slots)
+
+    def slot_rows(self, rows: list[str]) -> list[int]:
+        """The rows of `own` of the sequences `rows`, a zeroed one for each new to it."""
+        for row in rows:
+            if row not in self.slots:
+                slot = self.free.pop() if self.free else len(self.slots)
+                if slot == len(self.own.hits):  # full: twice the rows
+                    grown = AcceptCounts.zeros(max(2 * slot, 8), self.own.hits.shape[1])
+                    grown.hits[:slot], grown.trials[:slot] = self.own.hits, self.own.trials
+                    self.own = grown
+                self.own.hits[slot] = self.own.trials[slot] = 0.0
+                self.slots[row] = slot
+        return [self.slots[row] for row in rows]
 
     def forget(self, row: str) -> None:
-        """A sequence has finished: its counts go."""
-        self.rows.pop(row, None)
+        """A sequence has finished: its row of counts is free."""
+        if (slot := self.slots.pop(row, None)) is not None:
+            self.free.append(slot)

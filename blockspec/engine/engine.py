@@ -140,7 +140,7 @@ class LLMEngine:
                 self.runner, config.max_num_seqs, config.max_num_batched_tokens, self.step_rows, self.num_slots, grammar
             )
         if self.adaptive is not None and config.warm_up and self.proposer.on_device:
-            # A CPU's larger buckets would take seconds a step to time: they are timed on live steps.
+            # Without graphs (a CPU) a larger bucket's step takes seconds: those are timed on live steps.
             buckets = graphs.buckets if graphs is not None else [1]
             self.adaptive.start_from(step_costs(self.runner, buckets, row_classes, self.step_rows, self.run_ahead))
 
