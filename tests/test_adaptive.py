@@ -20,6 +20,14 @@ from blockspec.proposers.base import Proposer
 from blockspec.proposers.simulated import SimulatedProposer
 
 
+def accepted_drafts(rng: random.Random, width: int, rate: float) -> int:
+    """Drafts a step of `width` rows accepts, each with probability `rate` given the ones before were."""
+    a = 0
+    while a < width - 1 and rng.random() < rate:
+        a += 1
+    return a
+
+
 def run(
     policy: AdaptiveWidth, cost, accept_rate: float, steps: int, batch: int = 1, limit: int = 16
 ) -> list[tuple[int, int, float]]:
@@ -29,12 +37,7 @@ def run(
     rng, trace = random.Random(0), []
     for _ in range(steps):
         w = policy.row_class(min(policy.choose(batch, limit), limit))
-        accepted = []
-        for _ in range(batch):
-            a = 0
-            while a < w - 1 and rng.random() < accept_rate:
-                a += 1
-            accepted.append(a)
+        accepted = [accepted_drafts(rng, w, accept_rate) for _ in range(batch)]
         seconds = cost(w)
         policy.observe(batch, w, seconds, [w - 1] * batch, accepted)
         trace.append((w, batch + sum(accepted), seconds))
@@ -139,12 +142,7 @@ def batch_steps(policy: AdaptiveWidth, cost, rates: dict[str, float], steps: int
     rows, chosen = list(rates) if own else [], []
     for _ in range(steps):
         w = policy.choose(len(rates), 16, rows)
-        accepted = []
-        for p in rates.values():
-            a = 0
-            while a < w - 1 and rng.random() < p:
-                a += 1
-            accepted.append(a)
+        accepted = [accepted_drafts(rng, w, p) for p in rates.values()]
         policy.observe(len(rates), w, cost(w), [w - 1] * len(rates), accepted, (), rows)
         chosen.append(w)
     return chosen
