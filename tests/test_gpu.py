@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch._dynamo
 from conftest import (
     add_word_tokenizer,
     assert_row_invariant_pair,
@@ -17,6 +18,7 @@ from conftest import (
 )
 from test_hybrid_targets import hybrid_target
 from test_moe_targets import to_mxfp4_checkpoint
+from torch._dynamo.utils import counters
 
 from blockspec import LLM, SamplingParams
 from blockspec.bench.presets import random_drafter, random_target
@@ -331,13 +333,15 @@ def test_fp32_structured_output_in_graphs_equals_cpu_reference(tmp_path):
 
 def test_warm_up_leaves_nothing_to_capture_at_request_time(tmp_path):
     """An engine started with warm-up on, then requests of every option (logprobs, min_tokens,
-    penalties, a grammar; greedy and sampled, alone and together): no step graph is captured while
-    they run."""
+    penalties, a grammar; greedy and sampled, alone and together): no step graph is captured and
+    no function compiled while they run, and no compiled function fell back to eager."""
     t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
+    torch._dynamo.reset()
+    counters.clear()
     llm = LLM(str(t), {"model": str(d)}, device="cuda", dtype="bfloat16", max_num_seqs=4)
     graphs = llm.engine.runner.graphs.graphs
-    captured = len(graphs)
+    captured, compiled = len(graphs), counters["stats"]["unique_graphs"]
     grammar = StructuredOutput(regex="(w[3-9])+")
     kinds = [
         SamplingParams(temperature=0, max_tokens=16, logprobs=2, min_tokens=4),
@@ -349,6 +353,8 @@ def test_warm_up_leaves_nothing_to_capture_at_request_time(tmp_path):
         llm.generate(PROMPTS, params)
     llm.generate(PROMPTS[:4], kinds)
     assert len(graphs) == captured
+    assert counters["stats"]["unique_graphs"] == compiled
+    assert not [reason for reason in counters["unimplemented"] if "recompile limit" in reason.lower()]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -89,7 +89,18 @@ def reference_ops() -> Iterator[None]:
         _references_only = previous
 
 
+# Variants one compiled function may compile before torch runs it eagerly for good (torch's
+# default, 8). A function compiles a variant per shape class it meets (torch.compile specializes
+# sizes 0 and 1 and storage offsets 0 and 1, and each dtype and float argument): batch_rows alone
+# meets more than 8 in an engine's warm-up (batch 1 or more, width 1 or more, one page table column
+# or more, graph buffers at offset 0 or host inputs past it), and the eager fallback, silent, puts
+# a dozen kernels in every step graph captured after it. The classes are few and bounded: warm-up
+# compiles them all.
+RECOMPILE_LIMIT = 64
+
+
 def cuda_compiled(fn: Callable) -> Callable:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(fn, dynamic=True)
 
     def dispatch(x: torch.Tensor, *args):
