@@ -97,26 +97,44 @@ class BucketCosts:
 
 @dataclass
 class AcceptCounts:
-    """Decayed counts of draft k (index k - 1) reached and accepted: [positions] for all
-    sequences, or [slots, positions], a row per sequence."""
+    """Decayed counts of draft k (index k - 1) reached ([..., 0, k - 1]) and accepted ([..., 1,
+    k - 1]): [2, positions] for all sequences, or [slots, 2, positions], a row per sequence. One
+    array, so that a step's update is a few whole-array operations (it runs on the host between
+    steps)."""
 
-    hits: np.ndarray
-    trials: np.ndarray
+    counts: np.ndarray
 
     @classmethod
     def zeros(cls, *shape: int) -> "AcceptCounts":
-        return cls(np.zeros(shape), np.zeros(shape))
+        return cls(np.zeros((*shape[:-1], 2, shape[-1])))
 
-    def add(self, reached: np.ndarray, accepted: np.ndarray, where=slice(None)) -> None:
-        self.trials[where] = DECAY * self.trials[where] + reached
-        self.hits[where] = DECAY * self.hits[where] + accepted
+    @property
+    def trials(self) -> np.ndarray:
+        return self.counts[..., 0, :]
+
+    @property
+    def hits(self) -> np.ndarray:
+        return self.counts[..., 1, :]
+
+    def add(self, seen: np.ndarray) -> None:
+        """One step's `drafts_seen`, summed over its sequences."""
+        self.counts *= DECAY
+        self.counts += seen
+
+    def add_rows(self, seen: np.ndarray, slots: list[int]) -> None:
+        """One step's `drafts_seen` [sequences, 2, positions], each into its slot's row."""
+        rows = self.counts[slots]
+        rows *= DECAY
+        rows += seen
+        self.counts[slots] = rows
 
 
-def drafts_seen(offered: list[int], accepted: list[int], positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """[sequences, positions]: draft k+1 (index k) of a sequence offered n drafts that accepted a of
-    them was reached if k < min(a+1, n), accepted if k < a."""
-    k, n, a = np.arange(positions)[None], np.asarray(offered)[:, None], np.asarray(accepted)[:, None]
-    return k < np.minimum(a + 1, n), k < a
+def drafts_seen(offered: list[int], accepted: list[int], positions: int) -> np.ndarray:
+    """[sequences, 2, positions]: draft k+1 (index k) of a sequence offered n drafts that accepted a
+    of them was reached if k < min(a+1, n), accepted if k < a."""
+    accepted = np.asarray(accepted)
+    reached = np.minimum(accepted + 1, offered)
+    return np.arange(positions) < np.stack([reached, accepted], 1)[:, :, None]
 
 
 class AdaptiveWidth:
@@ -129,6 +147,7 @@ class AdaptiveWidth:
         self.free: list[int] = []  # rows of `own` that finished sequences left
         self.costs: dict[int, BucketCosts] = {}  # batch bucket -> its step times
         self.width_steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
+        self.estimates: dict[float, tuple[tuple[str, ...], np.ndarray]] = {}  # optimism -> (rows, E(w))
 
     def start_from(self, seconds: dict[int, dict[int, float]]) -> None:
         """Step times measured before any request (`step_costs`), per batch bucket and width
@@ -144,17 +163,28 @@ class AdaptiveWidth:
     def expected_tokens(self, optimism: float = 0.0, rows: list[str] = ()) -> np.ndarray:
         """E(w) for every width w = 1 .. max (index w - 1), the mean of the sequences `rows`'
         (none: of any sequence); with `optimism`, from rates that many standard errors above
-        their estimates (seldom seen rates, high)."""
+        their estimates (seldom seen rates, high). Kept until the counts or the rows change: over
+        a run of plain steps neither does."""
+        key = tuple(rows)
+        known = self.estimates.get(optimism)
+        if known is None or known[0] != key:
+            known = self.estimates[optimism] = key, self.estimate(optimism, rows)
+        return known[1]
+
+    def estimate(self, optimism: float, rows: list[str]) -> np.ndarray:
+        """`expected_tokens`, computed."""
         # Each position's rate leans on the pooled rate of all positions where its own counts are
         # few: far positions, seen only at full width, are not pulled toward an arbitrary prior.
-        pooled = (self.counts.hits.sum() + 1) / (self.counts.trials.sum() + 2)
+        trials, hits = self.counts.counts.sum(1)
+        pooled = (hits + 1) / (trials + 2)
         seen = self.counts.trials + PRIOR
         rates = (self.counts.hits + PRIOR * pooled) / seen
         if optimism:
             rates = np.minimum(rates + optimism * np.sqrt(rates * (1 - rates) / seen), 1.0)
         slots = [self.slots[r] for r in rows if r in self.slots]
         if slots:  # [R, positions]: each sequence's rates, leaning on all sequences' where its counts are few
-            rates = (self.own.hits[slots] + ROW_PRIOR * rates) / (self.own.trials[slots] + ROW_PRIOR)
+            own = self.own.counts[slots]
+            rates = (own[:, 1] + ROW_PRIOR * rates) / (own[:, 0] + ROW_PRIOR)
         expected = np.ones(rates.shape[-1] + 1)
         expected[1:] += np.cumprod(np.atleast_2d(rates), axis=1).cumsum(axis=1).mean(0)
         return expected
@@ -239,23 +269,24 @@ class AdaptiveWidth:
             self.bucket(batch).record(width, seconds)
         if not any(offered):  # a plain step: it tells nothing, and the rates age by drafts seen
             return
-        reached, hits = drafts_seen(offered, accepted, len(self.counts.hits))
-        self.counts.add(reached.sum(0), hits.sum(0))
+        seen = drafts_seen(offered, accepted, self.counts.counts.shape[-1])
+        self.counts.add(seen.sum(0))
+        self.estimates.clear()
         drafted = [i for i, n in enumerate(offered[: len(rows)]) if n]
         if drafted:
             slots = self.slot_rows([rows[i] for i in drafted])  # first: it may grow `own`
-            self.own.add(reached[drafted], hits[drafted], slots)
+            self.own.add_rows(seen[drafted] if len(drafted) < len(seen) else seen, slots)
 
     def slot_rows(self, rows: list[str]) -> list[int]:
         """The rows of `own` of the sequences `rows`, a zeroed one for each new to it."""
         for row in rows:
             if row not in self.slots:
                 slot = self.free.pop() if self.free else len(self.slots)
-                if slot == len(self.own.hits):  # full: twice the rows
-                    grown = AcceptCounts.zeros(max(2 * slot, 8), self.own.hits.shape[1])
-                    grown.hits[:slot], grown.trials[:slot] = self.own.hits, self.own.trials
+                if slot == len(self.own.counts):  # full: twice the rows
+                    grown = AcceptCounts.zeros(max(2 * slot, 8), self.own.counts.shape[-1])
+                    grown.counts[:slot] = self.own.counts
                     self.own = grown
-                self.own.hits[slot] = self.own.trials[slot] = 0.0
+                self.own.counts[slot] = 0.0
                 self.slots[row] = slot
         return [self.slots[row] for row in rows]
 
