@@ -175,6 +175,22 @@ def test_a_finished_request_leaves_its_row_of_counts_to_the_next_zeroed() -> Non
     assert policy.counts.hits.tolist() == [0.99, 0.99, 0.99]  # all sequences' keep the finished one's
 
 
+def test_expected_tokens_kept_over_plain_steps_follow_the_next_drafts() -> None:
+    """E(w) is kept while only plain steps run (their counts do not move) and is computed afresh,
+    equal to a policy's that never kept one, once drafts are seen or the rows change."""
+    policy, fresh = AdaptiveWidth(4), AdaptiveWidth(4)
+    for p in (policy, fresh):
+        p.observe(2, 4, None, [3, 3], [3, 1], (), ["a", "b"])
+    before = policy.expected_tokens(rows=["a", "b"]).copy()
+    policy.observe(2, 1, None, [0, 0], [0, 0], (), ["a", "b"])
+    assert policy.expected_tokens(rows=["a", "b"]).tolist() == before.tolist()
+    assert policy.expected_tokens(rows=["b"]).tolist() == fresh.estimate(0.0, ["b"]).tolist() != before.tolist()
+    for p in (policy, fresh):
+        p.observe(2, 4, None, [3, 3], [0, 0], (), ["a", "b"])
+    after = policy.expected_tokens(rows=["a", "b"])
+    assert after.tolist() == fresh.estimate(0.0, ["a", "b"]).tolist() and after[3] < before[3]
+
+
 def test_rows_capped_by_max_tokens_are_timed_at_the_class_they_run() -> None:
     """Requests that can take at most 5 rows a step: a 16-row class never runs, so it is neither
     timed nor chosen, and the policy still settles on the best width that can run (2 rows)."""
