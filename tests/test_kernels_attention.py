@@ -147,8 +147,9 @@ def test_matches_reference(name: str, dtype: torch.dtype) -> None:
 
 @pytest.fixture
 def poisoned_partials(monkeypatch) -> None:
-    """Split-K's partial outputs start as NaN: every split must write its partial of every row
-    (zeros and an lse of -inf where it holds none of the row's keys), or the NaN reaches the output."""
+    """Split-K's partial outputs start as NaN: every split the combine reads must write its partial
+    of every row (zeros and an lse of -inf where it holds none of the row's keys), or the NaN
+    reaches the output."""
     real = paged_attention_module._partials
 
     def poisoned(num_splits: int, out: torch.Tensor, d_pad: int, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,6 +269,20 @@ def test_invariant_launch_matches_reference_and_gives_a_row_the_same_bits_alone(
         row |= {"k_start": case["k_start"][b : b + 1, s : s + 1], "k_end": case["k_end"][b : b + 1, s : s + 1]}
         alone = paged_attention_triton(**(case | row), invariant=True)
         assert torch.equal(alone[0, 0], together[b, s]), (b, s)
+
+
+@runs_kernel
+@pytest.mark.parametrize("name", ["decode_g4_d128", "verify_g4_s16_ragged"])
+def test_invariant_launch_leaves_out_the_splits_past_a_tables_keys(name: str, monkeypatch, poisoned_partials, arrivals):
+    """A CUDA graph's block tables span the context limit, most of their fixed splits past every row's
+    keys: those write no partial (the workspace stays NaN, and a combine that read one would give
+    NaN) and are not combined, and every row has the bits it has with a table as wide as its keys."""
+    monkeypatch.setattr(paged_attention_module, "INVARIANT_SPLIT_KEYS", 64)
+    case = make_case(*CASES[name], dtype=DTYPES[0])
+    narrow = paged_attention_triton(**case, invariant=True)
+    tables = case["block_tables"]
+    wide = torch.cat([tables, torch.zeros_like(tables).repeat(1, 7)], 1)  # 8x the columns, the trash page
+    assert torch.equal(paged_attention_triton(**(case | {"block_tables": wide}), invariant=True), narrow)
 
 
 @runs_kernel

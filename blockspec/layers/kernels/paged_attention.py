@@ -222,6 +222,12 @@ def _attention_kernel(
     # invariance) its split's fixed positions, in key tiles at multiples of BLOCK_N.
     lo, hi = tl.min(k_start, 0), tl.max(k_end, 0)
     if SPLIT_KEYS > 0:
+        # Splits past the tile's keys (a CUDA graph's tables span the context limit) hold none of
+        # them: they neither write partials nor arrive, and the combine reads the tile's own (an
+        # empty split only adds exact zeros, so a row's bits are the same). Split 0 always runs.
+        num_splits = tl.minimum(tl.maximum(tl.cdiv(hi, SPLIT_KEYS), 1), num_splits)
+        if split >= num_splits:
+            return
         start = tl.maximum(lo // BLOCK_N * BLOCK_N, split * SPLIT_KEYS)
         end = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
     else:
@@ -534,7 +540,8 @@ def invariant_launch(rows: int, max_keys: int) -> tuple[int, int, int, dict]:
     shapes and reduction layouts for a row wherever it sits) and splits of INVARIANT_SPLIT_KEYS
     fixed positions, always as partials combined in order by the last split to arrive (the unsplit
     normalization and the tree of the combine kernel would round a row differently). A split
-    past a row's keys, or a key tile, adds exact zeros, so their number does not matter."""
+    past a row's keys, or a key tile, adds exact zeros, so their number does not matter; splits
+    past all the tile's keys end at once, unread."""
     num_splits = triton.cdiv(max(max_keys, 1), INVARIANT_SPLIT_KEYS)
     flags = {"SPLIT": True, "ARRIVE": True, "UNROLL": 1}
     return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), num_splits, flags
