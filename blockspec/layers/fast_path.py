@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
+import torch._dynamo
 
 from blockspec.config import KernelConfig, parse_flag
 from blockspec.layers.kernels import kernel_module
