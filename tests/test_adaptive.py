@@ -298,6 +298,24 @@ def test_steps_run_ahead_are_timed_by_their_own_host_work(case) -> None:
     assert blind_speed < blind_reaches * fixed[best]
 
 
+@pytest.mark.parametrize("accept_rate", [0.75, 0.85])
+def test_start_times_without_the_hosts_commits_are_checked_live(accept_rate) -> None:
+    """A host-bound step where steps run ahead (the H200 at batch 16, HumanEval at T=0): the commits
+    set every width's step time alike, but the start's timings leave them out and see only the
+    device's rise with width, so the full block, best, looks a third dearer than width 8. Its
+    first live timing replaces the start's at once, and, a close rival, it is timed live at its
+    first chance: the policy keeps the full block."""
+    device = lambda w: 6e-4 + 4e-5 * w
+    launch = lambda w: 5e-4 if w == 1 else 6e-4
+    args = (device, launch, lambda tokens: 7e-4 + 1e-6 * tokens, accept_rate, 700, 16)
+    fixed = {w: run_ahead(FixedWidth(w), *args)[0] for w in (1, 2, 4, 8, 16)}
+    assert max(fixed, key=fixed.get) == 16
+    policy = AdaptiveWidth(16, run_length=3)
+    policy.start_from({16: {w: max(device(w), launch(w) + 1e-4) for w in policy.classes}})
+    speed, chosen = run_ahead(policy, *args)
+    assert chosen[-256:].count(16) >= 240 and speed > 0.98 * fixed[16]
+
+
 def test_a_step_run_ahead_names_the_widths_beside_it(tmp_path, monkeypatch) -> None:
     """The engine launching steps ahead tells the policy, of each step, the width classes of the
     step committed in its time (the one before, where it was launched ahead) and of the step

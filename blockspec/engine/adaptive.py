@@ -18,8 +18,11 @@ one of the current width's, as often as keeps the time it loses within `EXPLORE_
 step time (this also keeps the acceptance rates of the far positions, which only full blocks
 reach, current). A bucket first runs each width once untimed (graph capture, caches), widest
 down, then times each `SAMPLES` times, each step beside one of the widest, unless the engine
-timed its steps when it started (`start_from`). The width never changes the output (in exact
-arithmetic), only the speed.
+timed its steps when it started (`start_from`). Those times leave out the host's commits, which
+every width pays alike, so where the host bounds a step they set widths too far apart: a width's
+first live timing replaces its start time, and a close rival still timed only at the start is
+timed live at its first chance. The width never changes the output (in exact arithmetic), only
+the speed.
 
 Where steps run ahead (CUDA), a step's wall time is not its own: the host commits the step
 before it and launches the step after it while the device runs it, and on a fast device that
@@ -40,6 +43,7 @@ EXPLORE_SHARE = 0.01  # of the step time, at most this goes to widths the policy
 OPTIMISM = 1.5  # standard errors above the acceptance rates when pricing a width's next timing
 PRIOR = 4.0  # weight, in steps, of the pooled acceptance rate in each position's rate
 ROW_PRIOR = 4.0  # weight, in drafts reached, of all sequences' rate in one sequence's rate
+VERIFY_LOSS = 0.25  # of a step: a close rival whose time is the start's alone is timed live at once
 SAMPLES = 3  # timed steps of each width class before the policy chooses among them
 RUN_AHEAD_RUN = 3  # steps in a row where steps run ahead: the middle one holds only its own host work
 
@@ -68,6 +72,7 @@ class BucketCosts:
     last: int | None = None  # the width of the last timed step
     repeat: int | None = None  # the width of the run of steps under way
     repeats: int = 0  # steps of it still due
+    started: set[int] = field(default_factory=set)  # widths whose times are the start's (`start_from`) alone
 
     def rebase(self, width: int) -> None:
         """Make `width` the current one: its estimated time the level, the ratios relative to it."""
@@ -78,7 +83,8 @@ class BucketCosts:
 
     def record(self, width: int, seconds: float) -> None:
         """A step of `width` took `seconds`: its width's first step is a warm-up (graph capture)
-        and not a timing; the current width's moves the level, any other's its ratio."""
+        and not a timing; the current width's moves the level, any other's its ratio. A width's
+        first live timing replaces a time from the start, which left out the host's commits."""
         for w in self.since:
             self.since[w] += seconds
         self.since[width] = 0.0
@@ -86,12 +92,15 @@ class BucketCosts:
         self.steps[width] = n + 1
         if n == 0:
             return
+        first = width in self.started
+        self.started.discard(width)
         if width == self.current:
-            self.seconds = seconds if self.seconds is None else self.seconds + LEVEL_EMA * (seconds - self.seconds)
+            level = self.seconds is None or first
+            self.seconds = seconds if level else self.seconds + LEVEL_EMA * (seconds - self.seconds)
         elif self.seconds is not None:
             sample = seconds / self.seconds
             old = self.ratio.get(width, sample)
-            self.ratio[width] = old + max(RATIO_EMA, 1 / n) * (sample - old)
+            self.ratio[width] = old + (1.0 if first else max(RATIO_EMA, 1 / n)) * (sample - old)
         self.last = width
 
 
@@ -159,6 +168,7 @@ class AdaptiveWidth:
             costs.ratio = {w: s / times[widest] for w, s in times.items()}
             costs.steps = dict.fromkeys(times, SAMPLES + 1)
             costs.since = dict.fromkeys(times, 0.0)
+            costs.started = set(times)
 
     def expected_tokens(self, optimism: float = 0.0, rows: list[str] = ()) -> np.ndarray:
         """E(w) for every width w = 1 .. max (index w - 1), the mean of the sequences `rows`'
@@ -247,6 +257,9 @@ class AdaptiveWidth:
         hopeful = self.expected_tokens(OPTIMISM, rows) if best == 1 else expected
         loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
         due = [w for w in allowed if costs.since[w] * share >= loss[w] * self.run_length]
+        # A close rival by the estimated rates (not the hopeful ones) whose time is the start's alone
+        close = {w for w in costs.started if costs.ratio[w] - expected[w - 1] / expected[best - 1] <= VERIFY_LOSS}
+        due += [w for w in allowed if w in close]
         return max(due, key=costs.since.__getitem__, default=best)
 
     def observe(
