@@ -257,9 +257,9 @@ class AdaptiveWidth:
         hopeful = self.expected_tokens(OPTIMISM, rows) if best == 1 else expected
         loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
         due = [w for w in allowed if costs.since[w] * share >= loss[w] * self.run_length]
-        # A close rival by the estimated rates (not the hopeful ones) whose time is the start's alone
-        close = {w for w in costs.started if costs.ratio[w] - expected[w - 1] / expected[best - 1] <= VERIFY_LOSS}
-        due += [w for w in allowed if w in close]
+        # and a close rival by the estimated rates (not the hopeful ones) whose time is the start's alone
+        gap = {w: costs.ratio[w] - expected[w - 1] / expected[best - 1] for w in costs.started.intersection(allowed)}
+        due += [w for w, g in gap.items() if g <= VERIFY_LOSS]
         return max(due, key=costs.since.__getitem__, default=best)
 
     def observe(
