@@ -84,7 +84,7 @@ def test_gemv_compiles(norm, swiglu):
     compile_for_hopper(kernel._gemv_kernel, flags)
 
 
-MMA_TILE = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PDL": True, "K_GROUPS": 1}
+MMA_TILE = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PDL": True}
 
 
 @pytest.mark.parametrize("fp8,norm,swiglu,split_k,tma", [
@@ -98,12 +98,6 @@ def test_mma_kernel_compiles(fp8, norm, swiglu, split_k, tma):
     flags = flags_for(norm, swiglu, FP8=fp8, SPLIT_K=split_k, TMA=tma, **MMA_TILE)
     compiled = compile_for_hopper(kernel._skinny_kernel, flags, **SCALES, **tile_sources(fp8, tma, MMA_TILE))
     assert ("cp.async.bulk.tensor" in compiled.asm["ptx"]) is tma  # TMA copies, or none
-
-
-@pytest.mark.parametrize("tma", [False, True])
-def test_mma_kernel_with_groups_of_k_compiles(tma):
-    flags = flags_for(None, False, FP8=False, SPLIT_K=1, TMA=tma, **(MMA_TILE | {"K_GROUPS": 4}))
-    compile_for_hopper(kernel._skinny_kernel, flags, **SCALES, **tile_sources(False, tma, MMA_TILE))
 
 
 def test_swiglu_with_split_k_is_refused_when_compiled():

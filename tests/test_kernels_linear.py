@@ -93,8 +93,6 @@ INTERPRETED_CASES = [  # M, N, K, dtype, bias, config (None: choose_config)
     (37, 40, 70, torch.float32, False, "odd-split"),
     (300, 48, 40, torch.float16, True, None),
     (21, 72, 208, torch.float16, True, None),  # aligned rows (TMA), edge boxes past M and K
-    (21, 72, 256, torch.float16, True, "groups"),
-    (3, 40, 200, torch.float32, False, "split-groups"),  # groups past K's end
 ]
 
 
@@ -103,10 +101,6 @@ def resolve_config(spec):
         return kernel.SkinnyConfig(16, 32, 32, split_k=2)
     if spec == "odd-split":  # block_k 32: FP8 MMAs take K in steps of 32
         return kernel.SkinnyConfig(32, 16, 32, split_k=3)
-    if spec == "groups":  # K in 4 groups summed apart in one program (`invariant_config` at many rows)
-        return kernel.SkinnyConfig(16, 32, 32, k_groups=4)
-    if spec == "split-groups":  # the same 4 groups as programs of their own
-        return kernel.SkinnyConfig(16, 32, 32, split_k=4, k_groups=4)
     if spec == "gemv-steps":  # several K steps, whatever K the tuned one-row tiles take at once
         return kernel.SkinnyConfig(1, 16, 64)
     return None
@@ -271,7 +265,7 @@ def test_invariant_linear_gives_a_row_the_same_bits_at_any_row_count(fused):
     interpreter's tl.dot is numpy's, whose rounding follows the tile, so there only within one."""
     dtype = torch.bfloat16 if CUDA else torch.float16
     gen = torch.Generator().manual_seed(0)
-    N, K, rows = 96, 512, 200 if CUDA else 70  # K in 2 groups (`invariant_k_groups`)
+    N, K, rows = 96, 320, 200 if CUDA else 70
     w = (torch.randn(2 * N if fused == "norm_swiglu" else N, K, generator=gen) * 0.05).to(DEVICE, dtype)
     x = torch.randn(rows, K, generator=gen).to(DEVICE, dtype)
     res = torch.randn(rows, N, generator=gen).to(DEVICE, dtype) if fused == "residual" else None
@@ -286,38 +280,6 @@ def test_invariant_linear_gives_a_row_the_same_bits_at_any_row_count(fused):
         assert torch.equal(call(i, j), alone[i:j]), (i, j)
     expected = linear_module.dense(x, w, None, res, norm, swiglu)
     torch.testing.assert_close(alone.float(), expected.float(), rtol=2e-2, atol=2e-2)
-
-
-@runs_kernel
-def test_groups_of_k_give_the_same_bits_in_one_program_as_split_across_programs():
-    """Row invariance sums K in fixed groups; few rows run them as split-K programs and the reduce
-    kernel, many rows in one program: a row's bits must not depend on which (fp32: the groups'
-    sums differ from one sum over K in the last bits, fp16 would round that away)."""
-    dtype = torch.float32
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 1024, generator=gen).to(DEVICE, dtype)
-    w = (torch.randn(72, 1024, generator=gen) * 0.05).to(DEVICE, dtype)
-    res = torch.randn(5, 72, generator=gen).to(DEVICE, dtype)
-    one, split = (kernel.SkinnyConfig(16, 32, 64, split_k=s, k_groups=4) for s in (1, 4))
-    assert torch.equal(
-        kernel.skinny_linear(x, w, None, one, residual=res), kernel.skinny_linear(x, w, None, split, residual=res)
-    )
-    with pytest.raises(AssertionError, match="2 programs for 4 groups"):
-        kernel.skinny_linear(x, w, None, kernel.SkinnyConfig(16, 32, 64, split_k=2, k_groups=4))
-
-
-def test_invariant_config_fixes_the_groups_of_k_by_the_weight_alone():
-    """`invariant_config` at Qwen3-8B's shapes: the groups of K never move with the row count, cut K
-    into whole 256-wide steps, and run split where one row's tiles leave SMs idle (o_proj: 64
-    programs on 132 SMs), in one program where the programs already fill the SMs."""
-    for N, K in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]:
-        configs = [kernel.invariant_config(M, N, K, 132) for M in (1, 2, 16, 37, 64, 200, 256, 1024, 4096)]
-        groups = {c.k_groups for c in configs}
-        assert len(groups) == 1 and K % (256 * groups.pop()) == 0, (N, K, configs)
-        assert all(c.split_k in (1, c.k_groups) for c in configs)
-    o_proj = [kernel.invariant_config(M, 4096, 4096, 132) for M in (1, 1024)]
-    assert [(c.k_groups, c.split_k) for c in o_proj] == [(2, 2), (2, 1)]
-    assert kernel.invariant_config(1, 151936, 4096, 132).k_groups == 1  # LM head: thousands of tiles
 
 
 @runs_kernel

@@ -43,9 +43,7 @@ the K range is cut into SPLIT_K chunks handled by separate programs, each writin
 tile to a workspace; a second kernel sums the partials in a fixed order (deterministic, no
 atomics) and applies the per-row factor (1 / rms from the splits' sums of squares, or x's scale),
 w's scale, bias, residual and cast (summing them in the last split to arrive, as the attention
-does, saves that launch but no time here). Row invariance fixes K's groups by the weight's shape
-(`invariant_config`): few rows run them as split-K programs, many rows in one program that sums
-each group apart and adds the sums in the reduce kernel's order, the same bits. Launch shapes depend only on (M, N, K), there is no host
+does, saves that launch but no time here). Launch shapes depend only on (M, N, K), there is no host
 synchronisation, and the workspace comes from the caching allocator, so calls can be captured in
 CUDA graphs (warm up first: the first call compiles).
 
@@ -164,8 +162,7 @@ def _epilogue(acc, row_factor, w_scale, bias, res, FP8, HAS_BIAS, RESIDUAL):
 def _skinny_kernel(
     x_src, w_src, x_scale_ptr, w_scale_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, ws_ptr, sq_ptr,
     M, N, K, eps, stride_xm, stride_xk, stride_wn, stride_wk,
-    K_ITERS: tl.constexpr,  # BLOCK_K steps per group of K (constexpr: a known trip count)
-    K_GROUPS: tl.constexpr,  # groups of K a program sums apart and adds up in order (`SkinnyConfig.k_groups`)
+    K_ITERS: tl.constexpr,  # BLOCK_K steps per split (constexpr: a known trip count)
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
     FP8: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -176,8 +173,7 @@ def _skinny_kernel(
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    first_step = pid_k * K_GROUPS * K_ITERS
-    offs_k = first_step * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_k = pid_k * K_ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
     rows_n = _weight_rows(pid_n, N, BLOCK_N, SWIGLU)
     rows_m = offs_m % M  # clamped as rows_n
     if not TMA:
@@ -192,34 +188,28 @@ def _skinny_kernel(
         )
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     sq = tl.full((BLOCK_M,), 0.0, tl.float32)
-    for group in range(K_GROUPS):
-        part = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
-        for i in range(K_ITERS):
-            if TMA:  # boxes past the tensor's edges read as zeros: no clamps, no masks
-                k = (first_step + group * K_ITERS + i) * BLOCK_K
-                w = w_src.load([pid_n * BLOCK_N, k])
-                x = x_src.load([pid_m * BLOCK_M, k]).T
-            else:
-                w = load_tile(w_ptrs, offs_k[None, :] < K, EVEN_K)
-                x = load_tile(x_ptrs, offs_k[:, None] < K, EVEN_K)
-                w_ptrs += BLOCK_K * stride_wk
-                x_ptrs += BLOCK_K * stride_xk
-            if NORM_WEIGHT:  # the norm weight scales the weight tile, the register operand: x stays as loaded
-                g = load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
-                w = (w.to(tl.float32) * g[None, :]).to(x.dtype)
-            if NORM:
-                sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0)
-            if FP8:  # Hopper's FP8 MMAs add with ~14 bits: each K step's sum joins the fp32 total apart
-                part += tl.dot(w, x)
-            elif IEEE:
-                part = tl.dot(w, x, part, input_precision="ieee")
-            else:
-                part = tl.dot(w, x, part)
-            offs_k += BLOCK_K
-        if K_GROUPS == 1:
-            acc = part
-        else:  # as the reduce kernel adds the groups' partials: from zero, in order
-            acc += part
+    for i in range(K_ITERS):
+        if TMA:  # boxes past the tensor's edges read as zeros: no clamps, no masks
+            k = (pid_k * K_ITERS + i) * BLOCK_K
+            w = w_src.load([pid_n * BLOCK_N, k])
+            x = x_src.load([pid_m * BLOCK_M, k]).T
+        else:
+            w = load_tile(w_ptrs, offs_k[None, :] < K, EVEN_K)
+            x = load_tile(x_ptrs, offs_k[:, None] < K, EVEN_K)
+            w_ptrs += BLOCK_K * stride_wk
+            x_ptrs += BLOCK_K * stride_xk
+        if NORM_WEIGHT:  # the norm weight scales the weight tile, the register operand: x stays as loaded
+            g = load_tile(norm_ptr + offs_k, offs_k < K, EVEN_K).to(tl.float32)
+            w = (w.to(tl.float32) * g[None, :]).to(x.dtype)
+        if NORM:
+            sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0)
+        if FP8:  # Hopper's FP8 MMAs add with ~14 bits: each K step's sum joins the fp32 total apart
+            acc += tl.dot(w, x)
+        elif IEEE:
+            acc = tl.dot(w, x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+        offs_k += BLOCK_K
     let_next_kernel_in(PDL)
     if SPLIT_K == 1:
         factor = _row_factor(sq[None, :], rows_m[None, :], K, eps, x_scale_ptr, NORM, FP8)
@@ -319,10 +309,9 @@ class SkinnyConfig:
     block_m: int  # 1: the GEMV kernel (M = 1, no split)
     block_n: int
     block_k: int
-    split_k: int = 1  # programs across K; with k_groups > 1, 1 or k_groups
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    k_groups: int = 1  # K cut into this many equal groups, each summed apart, the sums added in order
 
 
 def _tma_sources(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig, swiglu: bool) -> tuple | None:
@@ -410,45 +399,20 @@ def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologu
 
 
 def invariant_config(M: int, N: int, K: int, sms: int) -> SkinnyConfig:
-    """`choose_config`'s MMA tiles for M rows (at one row too: no GEMV) for row invariance
-    (`blockspec.layers.row_invariant`), K in `invariant_k_groups` groups: each output then sums each
-    group's K products in one order, BLOCK_K steps of the same MMA accumulated in place, and the
-    groups' sums in order, whatever the tiles or the row count. The groups run as programs of their
-    own (split-K) where that streams the weight on more SMs, else in one program (no workspace).
+    """`choose_config`'s MMA tiles for M rows (at one row too: no GEMV) without a split of K, for row
+    invariance (`blockspec.layers.row_invariant`): each output then sums its K products in one
+    order, BLOCK_K steps of the same MMA accumulated in place, whatever the tiles or the row count.
     From 129 to 256 rows (16 sequences' 16-row verify), the H200's best of a sweep over Qwen3-8B's
     shapes at 256 rows: wide weights in 256-row tiles; others in 64 weight rows a tile where that
     makes one wave of programs, else 128 (qkv 42%, o 20%, gate|up 7%, down_proj 18% faster than
     `choose_config`'s tiles)."""
     if M <= 128 or M > 256:
-        cfg = choose_config(max(M, 2), N, K, sms)
-    elif N >= WIDE_N:
-        cfg = SkinnyConfig(256, 128, 64, 1, 8, 3)
-    elif triton.cdiv(M, 128) * triton.cdiv(N, 64) <= sms:
-        cfg = SkinnyConfig(128, 64, 128, 1, 4, 3)
-    else:
-        cfg = SkinnyConfig(128, 128, 64, 1, 4, 4)
-    groups = invariant_k_groups(N, K, sms)
-    programs = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    split = groups if _waves(programs, groups, sms) < _waves(programs, 1, sms) else 1
-    return dataclasses.replace(cfg, split_k=split, k_groups=groups)
-
-
-def invariant_k_groups(N: int, K: int, sms: int) -> int:
-    """The groups of K under row invariance: fixed by the weight's shape, never by the row count. The
-    fewest of 1, 2, 4 that stream a 16-row tile's weight in the fewest waves of the SMs (N = 4096: 64
-    programs unsplit on 132 SMs), where K cuts into groups of whole 256-wide K steps (every BLOCK_K
-    then meets the same group bounds)."""
-    tiles, best = triton.cdiv(N, 64), 1
-    for groups in (2, 4):
-        if K % (groups * 256) == 0 and _waves(tiles, groups, sms) < _waves(tiles, best, sms):
-            best = groups
-    return best
-
-
-def _waves(programs: int, split: int, sms: int) -> float:
-    """The time to stream a weight in `programs` tiles split `split` ways on `sms` SMs, in units of one
-    unsplit program: whole waves of programs, each 1 / split as long."""
-    return triton.cdiv(programs * split, sms) / split
+        return dataclasses.replace(choose_config(max(M, 2), N, K, sms), split_k=1)
+    if N >= WIDE_N:
+        return SkinnyConfig(256, 128, 64, 1, 8, 3)
+    if triton.cdiv(M, 128) * triton.cdiv(N, 64) <= sms:
+        return SkinnyConfig(128, 64, 128, 1, 4, 3)
+    return SkinnyConfig(128, 128, 64, 1, 4, 4)
 
 
 def skinny_linear(
@@ -544,9 +508,7 @@ def _launch(
         )  # fmt: skip
         return y.view(out_shape)
     x_scale, w_scale = scales if scales is not None else (weight, weight)
-    assert cfg.k_groups == 1 or cfg.split_k in (1, cfg.k_groups), f"{cfg.split_k} programs for {cfg.k_groups} groups"
-    groups = max(cfg.k_groups, cfg.split_k)
-    k_iters = triton.cdiv(triton.cdiv(K, cfg.block_k), groups)
+    k_iters = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k)
     split = cfg.split_k > 1
     ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device) if split else y
     sq = torch.empty((cfg.split_k, M), dtype=torch.float32, device=x.device) if split and flags["NORM"] else y
@@ -555,8 +517,8 @@ def _launch(
     x_src, w_src = descriptors or (x2, weight)
     _skinny_kernel[grid](
         x_src, w_src, x_scale, w_scale, bias, norm_weight, residual, y, ws, sq, M, N, K, eps,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), k_iters, groups // cfg.split_k, **fused,
-        FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == groups * k_iters * cfg.block_k,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), k_iters, **fused,
+        FP8=scales is not None, SPLIT_K=cfg.split_k, EVEN_K=K == cfg.split_k * k_iters * cfg.block_k,
         IEEE=x.dtype == torch.float32, TMA=descriptors is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl,
