@@ -286,27 +286,6 @@ def test_invariant_launch_leaves_out_the_splits_past_a_tables_keys(name: str, mo
 
 
 @runs_kernel
-@pytest.mark.parametrize("name", ["decode_g4_d128", "verify_g4_s16_ragged"])
-def test_invariant_launch_gives_the_same_bits_whichever_program_computes_a_split(
-    name: str, monkeypatch, poisoned_partials, arrivals
-) -> None:
-    """The programs along the keys follow the SMs and the batch (`invariant_launch`): one program a
-    split, or one program walking all of a tile's splits, give every row the same bits."""
-    monkeypatch.setattr(paged_attention_module, "INVARIANT_SPLIT_KEYS", 64)
-    case = make_case(*CASES[name], dtype=DTYPES[0])
-    outs = []
-    for sms in (1, 10_000):
-        monkeypatch.setattr(paged_attention_module, "num_sms", lambda device, interpreted, sms=sms: sms)
-        (B, S, Hq, _), Hkv = case["q"].shape, case["k_cache"].shape[1]
-        keys = case["block_tables"].shape[1] * case["page_size"]
-        launch = paged_attention_module.invariant_launch(S * Hq // Hkv, keys, B * Hkv, sms)
-        assert (launch.key_programs == 1) == (sms == 1) and launch.splits > 1
-        outs.append(paged_attention_triton(**case, invariant=True))
-    assert torch.equal(outs[0], outs[1])
-    check(outs[0], case)
-
-
-@runs_kernel
 @pytest.mark.parametrize("splits", [1, 2, 7])  # 2: combined by the last split to arrive, 7: by the combine kernel
 @pytest.mark.parametrize("name", ["decode_g4_d128", "causal_window_g3_s5", "draft_block_window_g1"])
 def test_sinks_match_reference(name: str, splits: int, poisoned_partials, arrivals) -> None:

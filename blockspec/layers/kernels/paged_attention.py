@@ -205,7 +205,7 @@ def _attention_kernel(
     HAS_SINKS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
 ):
-    tile, bh = tl.program_id(0), tl.program_id(1)
+    tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
     b, kv_head = bh // Hkv, bh % Hkv
 
@@ -221,40 +221,38 @@ def _attention_kernel(
     # This program's keys: its split's share of the union of its rows' ranges; with SPLIT_KEYS (row
     # invariance) its split's fixed positions, in key tiles at multiples of BLOCK_N.
     lo, hi = tl.min(k_start, 0), tl.max(k_end, 0)
-    step = num_splits  # one split a program
     if SPLIT_KEYS > 0:
-        # The tile's splits, of fixed positions, as many as hold its keys (a CUDA graph's tables span
-        # the context limit: the splits past them would only add exact zeros), split 0 always; the
-        # launch's programs along the keys take every `step`-th (`invariant_launch`).
-        num_splits = tl.maximum(tl.cdiv(hi, SPLIT_KEYS), 1)
-        step = tl.num_programs(2)
+        # Splits past the tile's keys (a CUDA graph's tables span the context limit) hold none of
+        # them: they neither write partials nor arrive, and the combine reads the tile's own (an
+        # empty split only adds exact zeros, so a row's bits are the same). Split 0 always runs.
+        num_splits = tl.minimum(tl.maximum(tl.cdiv(hi, SPLIT_KEYS), 1), num_splits)
+        if split >= num_splits:
+            return
+        start = tl.maximum(lo // BLOCK_N * BLOCK_N, split * SPLIT_KEYS)
+        end = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
+    else:
+        chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(hi, start + chunk)
 
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(
         q_ptr + b * stride_qb + s[:, None] * stride_qs + h[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
     )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m_i, l_i, acc = _attend_cache(
+        q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, start, end, k_start, k_end,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
+    )  # fmt: skip
     split_rows = B * S * Hkv * G
+    flat = split * split_rows + (b * S + s) * (Hkv * G) + h
     o_ptrs = out_ptr + b * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
     group = bh * tl.num_programs(0) + tile
-    for split in range(tl.program_id(2), num_splits, step):
-        if SPLIT_KEYS > 0:
-            start = tl.maximum(lo // BLOCK_N * BLOCK_N, split * SPLIT_KEYS)
-            end = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
-        else:
-            chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
-            start = lo + split * chunk
-            end = tl.minimum(hi, start + chunk)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        m_i, l_i, acc = _attend_cache(
-            q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, start, end, k_start, k_end,
-            stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
-        )  # fmt: skip
-        flat = split * split_rows + (b * S + s) * (Hkv * G) + h
-        sink = _sink_logits(sinks_ptr, h, HAS_SINKS)  # loaded after the key loop: no registers held across it
-        _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, sink, group, split, num_splits, flat, split_rows,
-                o_ptrs, row_ok, d, d_ok, D_PAD, SPLIT, ARRIVE, UNROLL, HAS_SINKS)  # fmt: skip
+    sink = _sink_logits(sinks_ptr, h, HAS_SINKS)  # loaded after the key loop: no registers held across it
+    _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, sink, group, split, num_splits, flat, split_rows, o_ptrs,
+            row_ok, d, d_ok, D_PAD, SPLIT, ARRIVE, UNROLL, HAS_SINKS)  # fmt: skip
 
 
 @triton.jit
@@ -536,31 +534,17 @@ INVARIANT_SPLIT_KEYS = 512
 INVARIANT_QUERY_ROWS = 256
 
 
-@dataclass(frozen=True)
-class AttentionLaunch:
-    """`_attention_kernel`'s launch: its query tiles, and the key splits its partials hold."""
-
-    block_m: int  # query rows a program
-    tiles: int  # query tiles
-    splits: int  # the splits the partials have room for: the block tables' keys
-    key_programs: int  # programs along the keys, each taking every key_programs-th split
-    flags: dict
-
-
-def invariant_launch(rows: int, max_keys: int, programs: int, sms: int) -> AttentionLaunch:
-    """The launch under row invariance (`blockspec.layers.row_invariant`) for `rows` query rows of
-    a kv head, block tables of `max_keys` positions and `programs` (sequence, kv head) pairs: every
-    call the same query tile (MAX_ROWS rows: the same MMA shapes and reduction layouts for a row
-    wherever it sits) and splits of INVARIANT_SPLIT_KEYS fixed positions, always as partials
-    combined in order by the last split to arrive (the unsplit normalization and the tree of the
-    combine kernel would round a row differently). A split past a row's keys, or a key tile, adds
-    exact zeros, so their number does not matter. Which program computes a split does not change
-    its bits, so the programs along the keys are as many as fill the SMs twice over: a table's
-    splits would be mostly past its keys (it spans the context limit), each an empty program."""
-    tiles = triton.cdiv(rows, MAX_ROWS)
-    splits = triton.cdiv(max(max_keys, 1), INVARIANT_SPLIT_KEYS)
-    key_programs = max(1, min(splits, triton.cdiv(2 * sms, tiles * programs)))
-    return AttentionLaunch(MAX_ROWS, tiles, splits, key_programs, {"SPLIT": True, "ARRIVE": True, "UNROLL": 1})
+def invariant_launch(rows: int, max_keys: int) -> tuple[int, int, int, dict]:
+    """(rows per program, query tiles, key splits, split flags) under row invariance
+    (`blockspec.layers.row_invariant`): every call the same query tile (MAX_ROWS rows: the same MMA
+    shapes and reduction layouts for a row wherever it sits) and splits of INVARIANT_SPLIT_KEYS
+    fixed positions, always as partials combined in order by the last split to arrive (the unsplit
+    normalization and the tree of the combine kernel would round a row differently). A split
+    past a row's keys, or a key tile, adds exact zeros, so their number does not matter; splits
+    past all the tile's keys end at once, unread."""
+    num_splits = triton.cdiv(max(max_keys, 1), INVARIANT_SPLIT_KEYS)
+    flags = {"SPLIT": True, "ARRIVE": True, "UNROLL": 1}
+    return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), num_splits, flags
 
 
 def _split_outputs(num_splits: int, out: torch.Tensor, d_pad: int, groups: int, flags: dict) -> list[torch.Tensor]:
@@ -626,24 +610,23 @@ def paged_attention_triton(
             )  # fmt: skip
         return out
     if invariant:
-        sms = num_sms(q.device, interpreted=8)  # interpreter: few SMs, so that programs take several splits
-        launch = invariant_launch(S * (Hq // Hkv), block_tables.shape[1] * page_size, B * Hkv, sms)
+        block_m, tiles, num_splits, flags = invariant_launch(S * (Hq // Hkv), block_tables.shape[1] * page_size)
     else:
         block_m, tiles = query_tiles(S * (Hq // Hkv))
         num_splits = num_splits or default_splits(q, k_cache, block_tables, page_size)
-        launch = AttentionLaunch(block_m, tiles, num_splits, num_splits, split_flags(num_splits, block_m))
+        flags = split_flags(num_splits, block_m)
     d_pad = triton.next_power_of_2(D)
-    outputs = _split_outputs(launch.splits, out, d_pad, launch.tiles * B * Hkv, launch.flags)
+    outputs = _split_outputs(num_splits, out, d_pad, tiles * B * Hkv, flags)
     sinks, has_sinks = _sinks(sinks, Hq, out)
-    _attention_kernel[(launch.tiles, B * Hkv, launch.key_programs)](
+    _attention_kernel[(tiles, B * Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, k_start, k_end, sinks, *outputs, B, S, Hkv,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), block_tables.stride(0), block_tables.stride(1), k_start.stride(0), k_start.stride(1),
         k_end.stride(0), k_end.stride(1), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
-        G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=launch.block_m, **launch.flags, **has_sinks,
+        G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, **flags, **has_sinks,
         SPLIT_KEYS=INVARIANT_SPLIT_KEYS if invariant else 0, **_key_tile(q.dtype, d_pad),
     )  # fmt: skip
-    _combine(outputs, launch.flags, sinks, has_sinks)
+    _combine(outputs, flags, sinks, has_sinks)
     return out
 
 
