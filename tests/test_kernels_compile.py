@@ -20,7 +20,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 
-from blockspec.layers.kernels import argmax, graph_inputs, paged_attention, qk_norm_rope, quantize_rows, rms_norm
+from blockspec.layers.kernels import (
+    argmax,
+    graph_inputs,
+    markov_chain,
+    paged_attention,
+    qk_norm_rope,
+    quantize_rows,
+    rms_norm,
+)
 from blockspec.layers.kernels import skinny_linear as kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -126,6 +134,26 @@ def test_argmax_compiles(dtype):
     compile_for_hopper(argmax._chunk_argmax_kernel, flags, x_ptr=dtype, val_ptr="*fp32", idx_ptr="*i32")
     compile_for_hopper(argmax._row_argmax_kernel, {"CHUNKS": 15, "CHUNKS_PAD": 16}, val_ptr="*fp32", idx_ptr="*i32",
                        out_ptr="*i64")  # fmt: skip
+
+
+MARKOV_POINTERS = {
+    "base_ptr": "*fp32", "w1_ptr": "*fp32", "w2_ptr": "*fp32", "d2t_ptr": "*i64", "anchor_ptr": "*i64",
+    "val_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32", "x_ptr": "*fp32", "temp_ptr": "*fp32",
+    "u_ptr": "*fp32", "drafts_ptr": "*i64", "emb_ptr": "*fp32",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("vocab,seqs", [(128, 16), (128, 1), (151936, 16)])
+def test_markov_chain_compiles_for_any_draft_vocabulary(vocab, seqs):
+    """The chain's sampled rows at the chunk counts `markov_chain` launches: one chunk too (a small
+    vocabulary), as the JIT specializes it (aligned sizes)."""
+    tiles = markov_chain.ChainTiles() if seqs > 1 else markov_chain.chain_tiles(1, torch.empty(vocab, 32))
+    layout = markov_chain.chunk_layout(1, vocab, 132, tiles)
+    flags = {"R": 32, "CHUNKS": layout.chunks, "CHUNKS_PAD": layout.pad, "CHUNK_ITERS": layout.iters,
+             "FIRST": False, "ROW": True, "HAS_D2T": False, "SAMPLED": True, "SEQS": tiles.seqs,
+             "BLOCK": tiles.block, "RB": 32, "DOT": seqs >= 16, "MMA": False}  # fmt: skip
+    aligned = ("stride_b", "stride_j", "n", "B", "Vd")
+    compile_for_hopper(markov_chain._markov_row_kernel, flags, aligned, **MARKOV_POINTERS)
 
 
 def test_dequantize_compiles():

@@ -170,10 +170,23 @@ def chain_tiles(B: int, w2: torch.Tensor) -> ChainTiles:
     return ChainTiles(seqs=16, block=256, rank_block=32, programs_per_sm=64, max_chunks=256, mma=mma)
 
 
-def num_chunks(groups: int, Vd: int, sms: int, tiles: ChainTiles) -> int:
-    """Chunks a row's vocabulary: up to `programs_per_sm` programs an SM, each at least one block."""
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """How a row's draft vocabulary is cut among a launch's programs (`chunk_layout`)."""
+
+    chunks: int  # programs along the row
+    iters: int  # BLOCKs each reads
+    pad: int  # the chunks' reduction width: a power of two, at least 2 (a scan over one chunk fails
+    # to compile for sm_90 with triton 3.6)
+
+
+def chunk_layout(groups: int, Vd: int, sms: int, tiles: ChainTiles) -> ChunkLayout:
+    """Up to `programs_per_sm` programs an SM over the `groups` of sequences, each at least one
+    block, the blocks shared out evenly."""
     cap = min(triton.cdiv(tiles.programs_per_sm * sms, groups), triton.cdiv(Vd, tiles.block), tiles.max_chunks)
-    return max(1, cap)
+    iters = triton.cdiv(triton.cdiv(Vd, max(1, cap)), tiles.block)
+    chunks = triton.cdiv(Vd, iters * tiles.block)
+    return ChunkLayout(chunks, iters, max(2, triton.next_power_of_2(chunks)))
 
 
 def markov_chain(
@@ -201,10 +214,8 @@ def markov_chain(
         return MarkovChain(drafts, embeddings, x)
     tiles = tiles or chain_tiles(B, w2)
     groups = triton.cdiv(B, tiles.seqs)
-    chunks = num_chunks(groups, Vd, num_sms(base.device, interpreted=4), tiles)
-    iters = triton.cdiv(triton.cdiv(Vd, chunks), tiles.block)
-    chunks = triton.cdiv(Vd, iters * tiles.block)
-    pad = triton.next_power_of_2(chunks)
+    layout = chunk_layout(groups, Vd, num_sms(base.device, interpreted=4), tiles)
+    chunks, iters, pad = layout.chunks, layout.iters, layout.pad
     val = torch.empty(B, n, pad, dtype=torch.float32, device=base.device)
     idx = torch.empty(B, n, pad, dtype=torch.int32, device=base.device)
     if sampled:
