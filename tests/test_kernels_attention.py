@@ -286,6 +286,29 @@ def test_invariant_launch_leaves_out_the_splits_past_a_tables_keys(name: str, mo
 
 
 @runs_kernel
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("name", ["decode_g4_d128", "verify_g4_s16_ragged", "prefill_three_tiles"])
+def test_invariant_launch_gives_the_same_bits_folded_in_one_program_as_split_across_programs(
+    name: str, sinks: bool, monkeypatch, poisoned_partials, arrivals
+) -> None:
+    """Row invariance folds a tile's splits in its one program where the tiles alone fill the SMs
+    (`invariant_folds`; a large batch), else runs them as programs of their own: every row has the
+    same bits either way, and the reference's values."""
+    monkeypatch.setattr(paged_attention_module, "INVARIANT_SPLIT_KEYS", 64)
+    case = make_case(*CASES[name], dtype=DTYPES[0])
+    case["sinks"] = head_sinks(case["q"].shape[2]) if sinks else None
+    outs = []
+    for sms in (1, 10_000):  # every launch folds; none does
+        monkeypatch.setattr(paged_attention_module, "num_sms", lambda device, interpreted, sms=sms: sms)
+        outs.append(paged_attention_triton(**case, invariant=True))
+    assert torch.equal(outs[0], outs[1])
+    if sinks:
+        check_sinks(outs[0], reference(case))
+    else:
+        check(outs[0], case)
+
+
+@runs_kernel
 @pytest.mark.parametrize("splits", [1, 2, 7])  # 2: combined by the last split to arrive, 7: by the combine kernel
 @pytest.mark.parametrize("name", ["decode_g4_d128", "causal_window_g3_s5", "draft_block_window_g1"])
 def test_sinks_match_reference(name: str, splits: int, poisoned_partials, arrivals) -> None:

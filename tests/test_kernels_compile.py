@@ -164,14 +164,18 @@ def test_dequantize_compiles():
 SPLIT_POINTERS = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "arrivals_ptr": "*i32"}
 
 
-@pytest.mark.parametrize("split,arrive,fp32,sinks,split_keys", [
-    (True, True, False, False, 0), (True, False, False, False, 0), (False, False, False, True, 0),
-    (True, True, True, True, 0), (True, True, False, True, paged_attention.INVARIANT_SPLIT_KEYS),
+INVARIANT_KEYS = paged_attention.INVARIANT_SPLIT_KEYS
+
+
+@pytest.mark.parametrize("split,arrive,fp32,sinks,split_keys,fold", [
+    (True, True, False, False, 0, False), (True, False, False, False, 0, False), (False, False, False, True, 0, False),
+    (True, True, True, True, 0, False), (True, True, False, True, INVARIANT_KEYS, False),
+    (False, False, False, True, INVARIANT_KEYS, True), (False, False, True, False, INVARIANT_KEYS, True),
 ])  # fmt: skip
-def test_paged_attention_compiles(split, arrive, fp32, sinks, split_keys):
+def test_paged_attention_compiles(split, arrive, fp32, sinks, split_keys, fold):
     flags = {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 32 if fp32 else 64, "SPLIT": split}
     flags |= {"ARRIVE": arrive, "UNROLL": 1, "PRECISION": "ieee" if fp32 else "tf32", "HAS_SINKS": sinks}
-    flags["SPLIT_KEYS"] = split_keys
+    flags |= {"SPLIT_KEYS": split_keys, "FOLD": fold}
     pointers = dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS
     if fp32:
         pointers |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*fp32")

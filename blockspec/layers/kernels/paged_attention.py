@@ -93,35 +93,60 @@ def _sink_logits(sinks_ptr, h, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
+def _fold_start(sink, rows, D_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The running (max, denominator, output) of a fold of splits (`_fold`) before the first. With
+    sinks the sink is a split of zero output: it starts the running max (finite, so a row that no
+    split holds keys of gets 0, and no term overflows) and adds its weight at the end (`_folded`)."""
+    m = tl.full(rows.shape, float("-inf"), tl.float32)
+    if HAS_SINKS:
+        m = sink
+    return m, tl.zeros(rows.shape, tl.float32), tl.zeros([rows.shape[0], D_PAD], tl.float32)
+
+
+@triton.jit
+def _fold(m, den, acc, lse, part):
+    """One split's partial output and log-sum-exp into the running sums, as the online softmax
+    does; explicit FMAs, so that each path to a fold rounds alike (from a workspace or registers)."""
+    m_new = tl.maximum(m, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha, w = tl.exp2(m - m_safe), tl.exp2(lse - m_safe)
+    return m_new, tl.fma(den, alpha, w), tl.fma(w[:, None], part, acc * alpha[:, None])
+
+
+@triton.jit
+def _folded(m, den, acc, sink, HAS_SINKS: tl.constexpr):
+    """The rows' output from the fold's running sums."""
+    if HAS_SINKS:
+        den += tl.exp2(sink - m)
+    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
+
+
+@triton.jit
 def _combined(
     part_ptr, lse_ptr, sink, rows, num_splits, split_rows, row_ok, d, D_PAD: tl.constexpr, UNROLL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """The splits' partial outputs of `rows` (split 0's flat indices) weighted by their
-    log-sum-exps, in one pass (a running max, as the online softmax); the loads are independent of
-    the running sums, so unrolled they are in flight together. With sinks the sink is a split of
-    zero output: it starts the running max (finite, so a row that no split holds keys of gets 0,
-    and no term overflows) and adds its weight to the denominator at the end."""
-    m = tl.full(rows.shape, float("-inf"), tl.float32)
-    if HAS_SINKS:
-        m = sink
-    den = tl.zeros(rows.shape, tl.float32)
-    acc = tl.zeros([rows.shape[0], D_PAD], tl.float32)
+    """The splits' partial outputs of `rows` (split 0's flat indices) folded in order by their
+    log-sum-exps (`_fold`); the loads are independent of the running sums, so unrolled they are in
+    flight together."""
+    m, den, acc = _fold_start(sink, rows, D_PAD, HAS_SINKS)
     for i in tl.range(0, num_splits, loop_unroll_factor=UNROLL):
         at = i * split_rows + rows
         lse = tl.load(lse_ptr + at, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         part = tl.load(
             part_ptr + at[:, None] * D_PAD + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
         )
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, w = tl.exp2(m - m_safe), tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + w[:, None] * part
-        den = den * alpha + w
-        m = m_new
-    if HAS_SINKS:
-        den += tl.exp2(sink - m)
-    return acc / tl.where(den == 0.0, 1.0, den)[:, None]
+        m, den, acc = _fold(m, den, acc, lse, part)
+    return _folded(m, den, acc, sink, HAS_SINKS)
+
+
+@triton.jit
+def _split_partial(m_i, l_i, acc):
+    """A split's (log-sum-exp in the log2 domain, normalized output) of its keys' running softmax:
+    -inf and zeros where it holds none of a row's keys."""
+    empty = l_i == 0.0
+    l_i = tl.where(empty, 1.0, l_i)
+    return tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), acc / l_i[:, None]
 
 
 @triton.jit
@@ -134,13 +159,9 @@ def _finish(
     D_PAD] (fp32; zeros where the split holds none of a row's keys) and its log-sum-exp to lse_ptr
     [splits, B, S, Hq] (log2 domain) at `flat`, and the group's last split to arrive combines them.
     `sink`: the rows' sink logits (log2 domain, HAS_SINKS), added once a row's output is whole."""
-    empty = l_i == 0.0  # a split that holds none of a row's keys, or a row that sees none (acc is 0 there)
-    l_i = tl.where(empty, 1.0, l_i)
-    if HAS_SINKS and not SPLIT:  # split: the combine adds it (a partial's lse must stay its keys' own)
-        l_i += tl.exp2(sink - m_i)  # may overflow to inf, where the keys' weight rounds to 0 anyway
-    out = acc / l_i[:, None]
-    if SPLIT:
-        tl.store(lse_ptr + flat, tl.where(empty, float("-inf"), m_i + tl.log2(l_i)), mask=row_ok)
+    if SPLIT:  # the combine adds the sink (a partial's lse must stay its keys' own)
+        lse, out = _split_partial(m_i, l_i, acc)
+        tl.store(lse_ptr + flat, lse, mask=row_ok)
         tl.store(part_ptr + flat[:, None] * D_PAD + d[None, :], out, mask=row_ok[:, None])
         if ARRIVE:
             tl.debug_barrier()  # every thread's partial is stored before the arrival releases them
@@ -150,6 +171,11 @@ def _finish(
                                 d, D_PAD, UNROLL, HAS_SINKS)  # fmt: skip
                 tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
+        empty = l_i == 0.0  # a row that sees no key (acc is 0 there)
+        l_i = tl.where(empty, 1.0, l_i)
+        if HAS_SINKS:
+            l_i += tl.exp2(sink - m_i)  # may overflow to inf, where the keys' weight rounds to 0 anyway
+        out = acc / l_i[:, None]
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -204,6 +230,7 @@ def _attention_kernel(
     UNROLL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -221,6 +248,14 @@ def _attention_kernel(
     # This program's keys: its split's share of the union of its rows' ranges; with SPLIT_KEYS (row
     # invariance) its split's fixed positions, in key tiles at multiples of BLOCK_N.
     lo, hi = tl.min(k_start, 0), tl.max(k_end, 0)
+    if FOLD:  # row invariance, one program a tile: its splits in turn, folded as the combine folds them
+        _attend_splits_folded(
+            q_ptr, k_ptr, v_ptr, table_ptr + b * stride_tb, sinks_ptr, out_ptr, b, s, h, kv_head, row_ok, d, d_ok,
+            k_start, k_end, lo, hi, stride_qb, stride_qs, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+            stride_tm, stride_ob, stride_os, stride_oh, qk_scale, D_PAD, PAGE, BLOCK_M, BLOCK_N, PRECISION,
+            HAS_SINKS, SPLIT_KEYS,
+        )  # fmt: skip
+        return
     if SPLIT_KEYS > 0:
         # Splits past the tile's keys (a CUDA graph's tables span the context limit) hold none of
         # them: they neither write partials nor arrive, and the combine reads the tile's own (an
@@ -253,6 +288,40 @@ def _attention_kernel(
     sink = _sink_logits(sinks_ptr, h, HAS_SINKS)  # loaded after the key loop: no registers held across it
     _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, sink, group, split, num_splits, flat, split_rows, o_ptrs,
             row_ok, d, d_ok, D_PAD, SPLIT, ARRIVE, UNROLL, HAS_SINKS)  # fmt: skip
+
+
+@triton.jit
+def _attend_splits_folded(
+    q_ptr, k_ptr, v_ptr, table, sinks_ptr, out_ptr, b, s, h, kv_head, row_ok, d, d_ok, k_start, k_end, lo, hi,
+    stride_qb, stride_qs, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, stride_ob, stride_os,
+    stride_oh, qk_scale, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+):  # fmt: skip
+    """A tile's output under row invariance from its splits of SPLIT_KEYS fixed positions, each
+    attended as a split's program attends it and folded in order into registers (`_fold`), the
+    arithmetic of the last split to arrive combining their partials: the same bits, with no
+    partials and no arrivals."""
+    q = tl.load(
+        q_ptr + b * stride_qb + s[:, None] * stride_qs + h[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # fmt: skip
+    sink = _sink_logits(sinks_ptr, h, HAS_SINKS)
+    m, den, acc = _fold_start(sink, h, D_PAD, HAS_SINKS)
+    for split in range(tl.maximum(tl.cdiv(hi, SPLIT_KEYS), 1)):
+        start = tl.maximum(lo // BLOCK_N * BLOCK_N, split * SPLIT_KEYS)
+        end = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc_i = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        m_i, l_i, acc_i = _attend_cache(
+            q, m_i, l_i, acc_i, k_ptr, v_ptr, table, kv_head, start, end, k_start, k_end,
+            stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
+        )  # fmt: skip
+        lse, part = _split_partial(m_i, l_i, acc_i)
+        m, den, acc = _fold(m, den, acc, lse, part)
+    out = _folded(m, den, acc, sink, HAS_SINKS)
+    o_ptrs = out_ptr + b * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -528,20 +597,31 @@ def split_flags(num_splits: int, block_m: int) -> dict:
     return {"SPLIT": num_splits > 1, "ARRIVE": 1 < num_splits <= ARRIVE_MAX_SPLITS, "UNROLL": max(1, 64 // block_m)}
 
 
-# Row invariance: keys split at fixed positions, this many a split; a long prefill's query rows
-# attend this many (over the batch) a launch, which bounds the splits' partials (fp32, a split each).
+# Row invariance: keys split at fixed positions, this many a split; where the splits run as
+# programs of their own, a long prefill's query rows attend this many (over the batch) a launch,
+# which bounds the splits' partials (fp32, a split each).
 INVARIANT_SPLIT_KEYS = 512
 INVARIANT_QUERY_ROWS = 256
+FOLD_PROGRAMS_PER_SM = 2  # tiles a launch needs for each to fold its own splits: the SMs kept busy
 
 
-def invariant_launch(rows: int, max_keys: int) -> tuple[int, int, int, dict]:
+def invariant_folds(rows: int, programs: int, sms: int) -> bool:
+    """Whether a launch of `rows` query rows of a kv head for `programs` (sequence, kv head) pairs
+    runs each tile's splits in one program, folded in registers (`_attend_splits_folded`): where
+    its tiles alone fill the SMs, else the splits run as programs of their own."""
+    return triton.cdiv(rows, MAX_ROWS) * programs >= FOLD_PROGRAMS_PER_SM * sms
+
+
+def invariant_launch(rows: int, max_keys: int, fold: bool) -> tuple[int, int, int, dict]:
     """(rows per program, query tiles, key splits, split flags) under row invariance
     (`blockspec.layers.row_invariant`): every call the same query tile (MAX_ROWS rows: the same MMA
     shapes and reduction layouts for a row wherever it sits) and splits of INVARIANT_SPLIT_KEYS
-    fixed positions, always as partials combined in order by the last split to arrive (the unsplit
-    normalization and the tree of the combine kernel would round a row differently). A split
-    past a row's keys, or a key tile, adds exact zeros, so their number does not matter; splits
-    past all the tile's keys end at once, unread."""
+    fixed positions, folded in order (`_fold`) by the last split to arrive or, with `fold`, by the
+    tile's one program as it goes (the unsplit normalization and the tree of the combine kernel
+    would round a row differently). A split past a row's keys, or a key tile, adds exact zeros, so
+    their number does not matter; splits past all the tile's keys end at once, unread."""
+    if fold:
+        return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), 1, {"SPLIT": False, "ARRIVE": False, "UNROLL": 1}
     num_splits = triton.cdiv(max(max_keys, 1), INVARIANT_SPLIT_KEYS)
     flags = {"SPLIT": True, "ARRIVE": True, "UNROLL": 1}
     return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), num_splits, flags
@@ -600,7 +680,8 @@ def paged_attention_triton(
     q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    rows_per_call = max(1, INVARIANT_QUERY_ROWS // B) if invariant else S
+    fold = invariant and invariant_folds(S * (Hq // Hkv), B * Hkv, num_sms(q.device, interpreted=8))
+    rows_per_call = max(1, INVARIANT_QUERY_ROWS // B) if invariant and not fold else S
     if S > rows_per_call:  # row invariance: a row's result does not depend on the rows beside it
         for s0 in range(0, S, rows_per_call):
             part = slice(s0, s0 + rows_per_call)
@@ -610,7 +691,7 @@ def paged_attention_triton(
             )  # fmt: skip
         return out
     if invariant:
-        block_m, tiles, num_splits, flags = invariant_launch(S * (Hq // Hkv), block_tables.shape[1] * page_size)
+        block_m, tiles, num_splits, flags = invariant_launch(S * (Hq // Hkv), block_tables.shape[1] * page_size, fold)
     else:
         block_m, tiles = query_tiles(S * (Hq // Hkv))
         num_splits = num_splits or default_splits(q, k_cache, block_tables, page_size)
@@ -624,7 +705,7 @@ def paged_attention_triton(
         v_cache.stride(1), block_tables.stride(0), block_tables.stride(1), k_start.stride(0), k_start.stride(1),
         k_end.stride(0), k_end.stride(1), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
         G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, **flags, **has_sinks,
-        SPLIT_KEYS=INVARIANT_SPLIT_KEYS if invariant else 0, **_key_tile(q.dtype, d_pad),
+        SPLIT_KEYS=INVARIANT_SPLIT_KEYS if invariant else 0, FOLD=fold, **_key_tile(q.dtype, d_pad),
     )  # fmt: skip
     _combine(outputs, flags, sinks, has_sinks)
     return out
