@@ -83,6 +83,30 @@ def _attend_cache(
 
 
 @triton.jit
+def _attend_range(
+    q, k_ptr, v_ptr, table, kv_head, start, end, k_start, k_end,
+    stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(max, sum, output) of the rows' softmax over the cached keys [start, end) alone (`_attend_cache`
+    from an empty start)."""
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
+    return _attend_cache(
+        q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, start, end, k_start, k_end,
+        stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fixed_split(lo, hi, split, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+    """Keys [start, end) of the rows' range [lo, hi) in split `split` of SPLIT_KEYS fixed positions
+    (row invariance), starting on a key tile at a multiple of BLOCK_N."""
+    return tl.maximum(lo // BLOCK_N * BLOCK_N, split * SPLIT_KEYS), tl.minimum(hi, (split + 1) * SPLIT_KEYS)
+
+
+@triton.jit
 def _sink_logits(sinks_ptr, h, HAS_SINKS: tl.constexpr):
     """The sink logit of each row's query head h (always a real head, padding rows too), in the
     log2 domain of the kernels' log-sum-exps; zeros, unread, without sinks."""
@@ -248,23 +272,16 @@ def _attention_kernel(
     # This program's keys: its split's share of the union of its rows' ranges; with SPLIT_KEYS (row
     # invariance) its split's fixed positions, in key tiles at multiples of BLOCK_N.
     lo, hi = tl.min(k_start, 0), tl.max(k_end, 0)
-    if FOLD:  # row invariance, one program a tile: its splits in turn, folded as the combine folds them
-        _attend_splits_folded(
-            q_ptr, k_ptr, v_ptr, table_ptr + b * stride_tb, sinks_ptr, out_ptr, b, s, h, kv_head, row_ok, d, d_ok,
-            k_start, k_end, lo, hi, stride_qb, stride_qs, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-            stride_tm, stride_ob, stride_os, stride_oh, qk_scale, D_PAD, PAGE, BLOCK_M, BLOCK_N, PRECISION,
-            HAS_SINKS, SPLIT_KEYS,
-        )  # fmt: skip
-        return
     if SPLIT_KEYS > 0:
         # Splits past the tile's keys (a CUDA graph's tables span the context limit) hold none of
         # them: they neither write partials nor arrive, and the combine reads the tile's own (an
         # empty split only adds exact zeros, so a row's bits are the same). Split 0 always runs.
-        num_splits = tl.minimum(tl.maximum(tl.cdiv(hi, SPLIT_KEYS), 1), num_splits)
-        if split >= num_splits:
-            return
-        start = tl.maximum(lo // BLOCK_N * BLOCK_N, split * SPLIT_KEYS)
-        end = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
+        tile_splits = tl.maximum(tl.cdiv(hi, SPLIT_KEYS), 1)
+        if not FOLD:
+            num_splits = tl.minimum(tile_splits, num_splits)
+            if split >= num_splits:
+                return
+            start, end = _fixed_split(lo, hi, split, BLOCK_N, SPLIT_KEYS)
     else:
         chunk = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
         start = lo + split * chunk
@@ -274,54 +291,32 @@ def _attention_kernel(
     q = tl.load(
         q_ptr + b * stride_qb + s[:, None] * stride_qs + h[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
     )
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    m_i, l_i, acc = _attend_cache(
-        q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, start, end, k_start, k_end,
-        stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
-    )  # fmt: skip
-    split_rows = B * S * Hkv * G
-    flat = split * split_rows + (b * S + s) * (Hkv * G) + h
+    table = table_ptr + b * stride_tb
     o_ptrs = out_ptr + b * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
-    group = bh * tl.num_programs(0) + tile
-    sink = _sink_logits(sinks_ptr, h, HAS_SINKS)  # loaded after the key loop: no registers held across it
-    _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, sink, group, split, num_splits, flat, split_rows, o_ptrs,
-            row_ok, d, d_ok, D_PAD, SPLIT, ARRIVE, UNROLL, HAS_SINKS)  # fmt: skip
-
-
-@triton.jit
-def _attend_splits_folded(
-    q_ptr, k_ptr, v_ptr, table, sinks_ptr, out_ptr, b, s, h, kv_head, row_ok, d, d_ok, k_start, k_end, lo, hi,
-    stride_qb, stride_qs, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, stride_ob, stride_os,
-    stride_oh, qk_scale, D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-):  # fmt: skip
-    """A tile's output under row invariance from its splits of SPLIT_KEYS fixed positions, each
-    attended as a split's program attends it and folded in order into registers (`_fold`), the
-    arithmetic of the last split to arrive combining their partials: the same bits, with no
-    partials and no arrivals."""
-    q = tl.load(
-        q_ptr + b * stride_qb + s[:, None] * stride_qs + h[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )  # fmt: skip
-    sink = _sink_logits(sinks_ptr, h, HAS_SINKS)
-    m, den, acc = _fold_start(sink, h, D_PAD, HAS_SINKS)
-    for split in range(tl.maximum(tl.cdiv(hi, SPLIT_KEYS), 1)):
-        start = tl.maximum(lo // BLOCK_N * BLOCK_N, split * SPLIT_KEYS)
-        end = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc_i = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        m_i, l_i, acc_i = _attend_cache(
-            q, m_i, l_i, acc_i, k_ptr, v_ptr, table, kv_head, start, end, k_start, k_end,
+    if FOLD:  # row invariance, one program a tile: its splits in turn, folded as the combine folds them
+        sink = _sink_logits(sinks_ptr, h, HAS_SINKS)
+        m, den, acc = _fold_start(sink, h, D_PAD, HAS_SINKS)
+        for fixed in range(tile_splits):
+            start, end = _fixed_split(lo, hi, fixed, BLOCK_N, SPLIT_KEYS)
+            m_i, l_i, acc_i = _attend_range(
+                q, k_ptr, v_ptr, table, kv_head, start, end, k_start, k_end,
+                stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
+            )  # fmt: skip
+            lse, part = _split_partial(m_i, l_i, acc_i)
+            m, den, acc = _fold(m, den, acc, lse, part)
+        out = _folded(m, den, acc, sink, HAS_SINKS)
+        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=q_mask)
+    else:
+        m_i, l_i, acc = _attend_range(
+            q, k_ptr, v_ptr, table, kv_head, start, end, k_start, k_end,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
         )  # fmt: skip
-        lse, part = _split_partial(m_i, l_i, acc_i)
-        m, den, acc = _fold(m, den, acc, lse, part)
-    out = _folded(m, den, acc, sink, HAS_SINKS)
-    o_ptrs = out_ptr + b * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        split_rows = B * S * Hkv * G
+        flat = split * split_rows + (b * S + s) * (Hkv * G) + h
+        group = bh * tl.num_programs(0) + tile
+        sink = _sink_logits(sinks_ptr, h, HAS_SINKS)  # loaded after the key loop: no registers held across it
+        _finish(m_i, l_i, acc, part_ptr, lse_ptr, arrivals_ptr, sink, group, split, num_splits, flat, split_rows,
+                o_ptrs, row_ok, d, d_ok, D_PAD, SPLIT, ARRIVE, UNROLL, HAS_SINKS)  # fmt: skip
 
 
 @triton.jit
@@ -607,7 +602,7 @@ FOLD_PROGRAMS_PER_SM = 2  # tiles a launch needs for each to fold its own splits
 
 def invariant_folds(rows: int, programs: int, sms: int) -> bool:
     """Whether a launch of `rows` query rows of a kv head for `programs` (sequence, kv head) pairs
-    runs each tile's splits in one program, folded in registers (`_attend_splits_folded`): where
+    runs each tile's splits in one program, folded in registers (`_attention_kernel`'s FOLD): where
     its tiles alone fill the SMs, else the splits run as programs of their own."""
     return triton.cdiv(rows, MAX_ROWS) * programs >= FOLD_PROGRAMS_PER_SM * sms
 
