@@ -298,9 +298,11 @@ def test_invariant_launch_gives_the_same_bits_folded_in_one_program_as_split_acr
     case = make_case(*CASES[name], dtype=DTYPES[0])
     case["sinks"] = head_sinks(case["q"].shape[2]) if sinks else None
     outs = []
-    for sms in (1, 10_000):  # every launch folds; none does
+    for sms in (1, 10_000):  # every launch folds; none does: no split arrives, or they do
         monkeypatch.setattr(paged_attention_module, "num_sms", lambda device, interpreted, sms=sms: sms)
+        arrivals.clear()
         outs.append(paged_attention_triton(**case, invariant=True))
+        assert bool(arrivals) == (sms > 1), sms
     assert torch.equal(outs[0], outs[1])
     if sinks:
         check_sinks(outs[0], reference(case))

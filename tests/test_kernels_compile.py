@@ -147,11 +147,11 @@ MARKOV_POINTERS = {
 def test_markov_chain_compiles_for_any_draft_vocabulary(vocab, seqs):
     """The chain's sampled rows at the chunk counts `markov_chain` launches: one chunk too (a small
     vocabulary), as the JIT specializes it (aligned sizes)."""
-    tiles = markov_chain.ChainTiles() if seqs > 1 else markov_chain.chain_tiles(1, torch.empty(vocab, 32))
+    tiles = markov_chain.chain_tiles(seqs, torch.empty(vocab, 32))
     layout = markov_chain.chunk_layout(1, vocab, 132, tiles)
     flags = {"R": 32, "CHUNKS": layout.chunks, "CHUNKS_PAD": layout.pad, "CHUNK_ITERS": layout.iters,
              "FIRST": False, "ROW": True, "HAS_D2T": False, "SAMPLED": True, "SEQS": tiles.seqs,
-             "BLOCK": tiles.block, "RB": 32, "DOT": seqs >= 16, "MMA": False}  # fmt: skip
+             "BLOCK": tiles.block, "RB": 32, "DOT": tiles.seqs >= 16, "MMA": tiles.mma}  # fmt: skip
     aligned = ("stride_b", "stride_j", "n", "B", "Vd")
     compile_for_hopper(markov_chain._markov_row_kernel, flags, aligned, **MARKOV_POINTERS)
 
