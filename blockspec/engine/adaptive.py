@@ -258,8 +258,8 @@ class AdaptiveWidth:
         loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
         due = [w for w in allowed if costs.since[w] * share >= loss[w] * self.run_length]
         # and a close rival by the estimated rates (not the hopeful ones) whose time is the start's alone
-        gap = {w: costs.ratio[w] - expected[w - 1] / expected[best - 1] for w in costs.started.intersection(allowed)}
-        due += [w for w, g in gap.items() if g <= VERIFY_LOSS]
+        close = costs.started.intersection(allowed)
+        due += [w for w in close if costs.ratio[w] - expected[w - 1] / expected[best - 1] <= VERIFY_LOSS]
         return max(due, key=costs.since.__getitem__, default=best)
 
     def observe(
