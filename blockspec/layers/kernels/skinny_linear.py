@@ -405,11 +405,14 @@ def invariant_config(M: int, N: int, K: int, sms: int) -> SkinnyConfig:
     From 129 to 256 rows (16 sequences' 16-row verify), the H200's best of a sweep over Qwen3-8B's
     shapes at 256 rows: wide weights in 256-row tiles; others in 64 weight rows a tile where that
     makes one wave of programs, else 128 (qkv 42%, o 20%, gate|up 7%, down_proj 18% faster than
-    `choose_config`'s tiles)."""
+    `choose_config`'s tiles). At one row, from the same sweep, a wide weight streams best in 128
+    weight rows a tile with five K steps in flight; from 2 to 16 rows the 16-row tiles stay best."""
+    if M == 1 and N >= WIDE_N:
+        return SkinnyConfig(16, 128, 128, 1, 4, 5)
     if M <= 128 or M > 256:
         return dataclasses.replace(choose_config(max(M, 2), N, K, sms), split_k=1)
     if N >= WIDE_N:
-        return SkinnyConfig(256, 128, 64, 1, 8, 3)
+        return SkinnyConfig(256, 128, 64, 1, 8, 4)
     if triton.cdiv(M, 128) * triton.cdiv(N, 64) <= sms:
         return SkinnyConfig(128, 64, 128, 1, 4, 3)
     return SkinnyConfig(128, 128, 64, 1, 4, 4)
