@@ -597,6 +597,7 @@ def split_flags(num_splits: int, block_m: int) -> dict:
 # which bounds the splits' partials (fp32, a split each).
 INVARIANT_SPLIT_KEYS = 512
 INVARIANT_QUERY_ROWS = 256
+INVARIANT_COMBINE_UNROLL = 4  # partials the last split to arrive has in flight: long contexts fold many
 FOLD_PROGRAMS_PER_SM = 2  # tiles a launch needs for each to fold its own splits: the SMs kept busy
 
 
@@ -618,7 +619,7 @@ def invariant_launch(rows: int, max_keys: int, fold: bool) -> tuple[int, int, in
     if fold:
         return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), 1, {"SPLIT": False, "ARRIVE": False, "UNROLL": 1}
     num_splits = triton.cdiv(max(max_keys, 1), INVARIANT_SPLIT_KEYS)
-    flags = {"SPLIT": True, "ARRIVE": True, "UNROLL": 1}
+    flags = {"SPLIT": True, "ARRIVE": True, "UNROLL": INVARIANT_COMBINE_UNROLL}
     return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), num_splits, flags
 
 
