@@ -12,14 +12,13 @@ weight in memory. `KernelConfig.cpu_packed` off makes no copies at load and leav
 unused. A float32 engine's drafter may hold bfloat16 copies (`SpeculativeConfig.cpu_bf16`): its
 float32 rows are rounded to bf16 on the way in and its outputs come back in float32.
 
-Under row invariance a float32 copy serves whole calls where oneDNN keeps a row's bits: its
-float32 GEMM on a packed weight computes each row in the same order at any number of rows but one
-(a lone row takes another path, so it is padded to two). That is a property of oneDNN's kernels,
-not a promise, so `invariant_rows` checks it on this CPU, once per weight shape and thread count
-(set the threads before the engine starts), over calls of up to INVARIANT_CALL_ROWS rows, and
-larger calls are split into calls of that many. Its bf16 GEMM does not keep a row's bits (its
-kernels follow the row count): a bf16 copy, or a float32 one that fails the check, serves
-`row_invariant.tiled_linear`'s fixed tiles of rows instead."""
+Under row invariance a copy serves whole calls where oneDNN keeps a row's bits: its GEMM on a
+packed weight computes each row in the same order at any number of rows but one (a lone row may
+take another path, so it is padded to two), in float32 and, on the AVX512-BF16 CPUs measured, in
+bf16. That is a property of oneDNN's kernels, not a promise, so `invariant_rows` checks it on this
+CPU, once per weight shape, dtype and thread count (set the threads before the engine starts),
+over calls of up to INVARIANT_CALL_ROWS rows, and larger calls are split into calls of that many.
+A copy that fails the check serves `row_invariant.tiled_linear`'s fixed tiles of rows instead."""
 
 import time
 
@@ -42,7 +41,7 @@ _min_rows: dict[int, int] = {}  # threads -> the fp32 rows from which the packed
 INVARIANT_CALL_ROWS = 128
 # Row counts whose rows `invariant_rows` compares with the same rows of one call of INVARIANT_CALL_ROWS
 CHECK_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 33, 64, 100)
-_checked: dict[tuple[int, int, int], bool] = {}  # (N, K, threads) -> what `invariant_rows` found
+_checked: dict[tuple, bool] = {}  # (N, K, dtype, threads) -> what `invariant_rows` found
 
 
 def packing_supported(device: torch.device) -> bool:
@@ -120,12 +119,13 @@ def onednn_gemm(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def invariant_rows(packed: torch.Tensor) -> bool:
-    """Whether oneDNN's float32 GEMM on a packed [N, K] weight, at this process's threads, gives each
-    row the same bits at every row count of CHECK_ROWS and at an offset as in one call of
-    INVARIANT_CALL_ROWS (random rows, `invariant_gemm`'s calls), found once per shape and threads."""
-    key = (*packed.shape, torch.get_num_threads())
+    """Whether oneDNN's GEMM on a packed [N, K] weight, at this process's threads, gives each row the
+    same bits at every row count of CHECK_ROWS and at an offset as in one call of INVARIANT_CALL_ROWS
+    (random rows in the copy's dtype, `invariant_gemm`'s calls), found once per shape, dtype and threads."""
+    key = (*packed.shape, packed.dtype, torch.get_num_threads())
     if key not in _checked:
         x = torch.randn(INVARIANT_CALL_ROWS, packed.shape[1], generator=torch.Generator().manual_seed(0))
+        x = x.to(packed.dtype)
         whole = invariant_gemm(x, packed)
         parts = [(x[:m], whole[:m]) for m in CHECK_ROWS] + [(x[7:40], whole[7:40])]
         _checked[key] = all(torch.equal(invariant_gemm(rows, packed), want) for rows, want in parts)
@@ -157,12 +157,12 @@ def usable(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
 
 def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether a linear of x runs in one call on its weight's packed copy: where the copy is
-    `usable`, from the copy dtype's `min_rows`; under row invariance a float32 copy whose rows oneDNN
-    keeps (`invariant_rows`) at any rows, and no other."""
+    `usable`, from the copy dtype's `min_rows`; under row invariance a copy whose rows oneDNN keeps
+    (`invariant_rows`) at any rows, and no other."""
     if not usable(x, packed):
         return False
     if active_kernels().row_invariant:
-        return packed.dtype == torch.float32 and invariant_rows(packed)
+        return invariant_rows(packed)
     return x.numel() >= min_rows(packed.dtype) * x.shape[-1]
 
 

@@ -8,8 +8,8 @@ size, the draft width and the prefill chunking, near-ties flip, and bf16 specula
 leaves plain decoding. With `KernelConfig.row_invariant` in force every product runs at shapes
 that do not depend on the call:
 - linear: the rows in tiles of ROW_TILE (the last one padded with zeros), one GEMM a tile, on the
-  weight's packed copy where the CPU has one; all rows in one GEMM on a float32 packed copy
-  instead where oneDNN keeps a row's bits at any row count (`cpu_gemm.invariant_rows`);
+  weight's packed copy where the CPU has one; all rows in one GEMM on the packed copy (float32
+  or bf16) instead where oneDNN keeps a row's bits at any row count (`cpu_gemm.invariant_rows`);
 - attention: the query rows in tiles of ROW_TILE and the keys in chunks of KEY_CHUNK positions
   counted from position 0, each (tile, chunk) one fixed-shape GEMM for the scores and one for the
   weighted values; the chunks' sums meet in order (cumsum, a sequential scan) under one max per
