@@ -21,7 +21,7 @@ from blockspec.config import KernelConfig
 from blockspec.layers.attention import paged_attention_ref
 from blockspec.layers.cpu_gemm import pack
 from blockspec.layers.fast_path import use_kernels
-from blockspec.layers.row_invariant import ROW_TILE, elementwise, tiled_attention, tiled_linear
+from blockspec.layers.row_invariant import ROW_TILE, elementwise, keeps_bits, tiled_attention, tiled_linear
 
 DTYPES = [torch.float32, torch.bfloat16]
 # The target's LM head rows come in twins this far apart (relative): whichever token leads, its twin's
@@ -91,14 +91,33 @@ def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_bat
     torch.testing.assert_close(together, reference, rtol=tol, atol=tol)
 
 
-def test_elementwise_runs_in_float64_only_under_row_invariance():
+@pytest.mark.parametrize("fn", [F.silu, torch.exp])
+def test_elementwise_runs_in_float64_only_under_row_invariance_where_the_kernel_moves_bits(fn):
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 4
-    exact = F.silu(x.double()).float()
-    assert not torch.equal(exact, F.silu(x))  # the two ways round differently somewhere: the test tells them apart
+    exact = fn(x.double()).float()
+    assert not torch.equal(exact, fn(x))  # the two ways round differently somewhere: the test tells them apart
     use_kernels(KernelConfig(row_invariant=True))
-    assert torch.equal(elementwise(F.silu, x), exact)
+    assert torch.equal(elementwise(fn, x), fn(x) if keeps_bits(fn, x.dtype) else exact)
     use_kernels(KernelConfig(row_invariant=False))
-    assert torch.equal(elementwise(F.silu, x), F.silu(x))
+    assert torch.equal(elementwise(fn, x), fn(x))
+
+
+def test_keeps_bits_tells_a_kernel_whose_tail_rounds_apart():
+    """The check passes an exact elementwise op and fails one whose last elements of a call take
+    other math (as a scalar tail loop would), and finds whatever the CPU's exp does consistently."""
+
+    def scalar_tail(x: torch.Tensor) -> torch.Tensor:
+        out = torch.exp(x)
+        out[-3:] = torch.exp(x[-3:].double()).float() * (1 + 2**-20)
+        return out
+
+    assert keeps_bits(torch.neg, torch.float32)
+    assert not keeps_bits(scalar_tail, torch.float32)
+    x = torch.randn(70_001, generator=torch.Generator().manual_seed(1)) * 8
+    if keeps_bits(torch.exp, torch.float32):
+        assert all(
+            torch.equal(torch.exp(x[i : i + n].clone()), torch.exp(x)[i : i + n]) for i, n in [(3, 40_000), (9, 7)]
+        )
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,12 @@ that do not depend on the call:
   counted from position 0, each (tile, chunk) one fixed-shape GEMM for the scores and one for the
   weighted values; the chunks' sums meet in order (cumsum, a sequential scan) under one max per
   row, and a chunk past a row's keys adds exact zeros, so the number of chunks does not matter;
-- elementwise SiLU, sigmoid and tanh in float64, rounded once: torch's CPU kernels run the last elements
-  of a call on a scalar path that rounds differently from the vector one (fp32 SiLU: 4% of them),
-  and which elements those are depends on the call's size. A last-bit difference in float64
-  survives the rounding to fp32 about once in 2**29.
+- elementwise exp, SiLU, sigmoid and tanh in float64, rounded once, where torch's CPU kernel runs
+  the last elements of a call on a scalar path that rounds differently from the vector one (fp32
+  SiLU: 4% of them), which elements those are depending on the call's size; a last-bit
+  difference in float64 survives the rounding to fp32 about once in 2**29. A kernel that keeps
+  an element's bits wherever it sits (`keeps_bits`, checked on the machine) runs in the input's
+  dtype.
 Norms, rope, residual adds and sampling compute each row on its own already. On CUDA the Triton
 kernels take fixed shapes instead (`linear.invariant_linear`, `kernels.rms_norm`,
 `kernels.paged_attention.invariant_launch`). The cost (the padding, smaller GEMMs, ops apart that
@@ -64,11 +66,39 @@ def tiled_linear(
 
 
 def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn(x) of an elementwise transcendental fn (SiLU, sigmoid, tanh), in float64 on the CPU under
-    row invariance (see the module's note)."""
-    if x.is_cuda or not row_invariant():
+    """fn(x) of an elementwise transcendental fn (exp, SiLU, sigmoid, tanh); on the CPU under row
+    invariance in float64, rounded once, unless torch's kernel keeps an element's bits in x's
+    dtype (`keeps_bits`; see the module's note)."""
+    if x.is_cuda or not row_invariant() or keeps_bits(fn, x.dtype):
         return fn(x)
     return fn(x.double()).to(x.dtype)
+
+
+_kept: dict[tuple, bool] = {}  # (fn, dtype, threads) -> what `keeps_bits` found
+# `keeps_bits`' slices (offset, length) of one call over CHECK_ELEMENTS: tails of a vector, of a
+# thread's share (above torch's grain of 32768 elements a call is shared) and of a whole call
+CHECK_ELEMENTS = 150_001
+CHECK_SLICES = ((0, 15), (1, 37), (17, 33), (5, 1000), (3, 70_001), (100, 149_800))
+
+
+def keeps_bits(fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether torch's CPU kernel of `fn` in `dtype` gives an element the same bits wherever it sits
+    in a call and whatever the call's size, at this process's threads: whether the elements past
+    the vector loop (a call's last ones, or a thread's share's) take the same math. A property of
+    the kernel and the CPU (exp keeps them on the EPYC measured; SiLU and sigmoid do not), not a
+    promise, so checked once per function, dtype and thread count, over values from softmax's
+    (down to exp's underflow) to activations'."""
+    key = (fn, dtype, torch.get_num_threads())
+    if key not in _kept:
+        gen = torch.Generator().manual_seed(0)
+        wide = torch.rand(CHECK_ELEMENTS, generator=gen) * -120  # scores less their max
+        x = (torch.randn(CHECK_ELEMENTS, generator=gen) * 8).where(
+            torch.rand(CHECK_ELEMENTS, generator=gen) < 0.5, wide
+        )
+        x = x.to(dtype)
+        whole = fn(x)
+        _kept[key] = all(torch.equal(fn(x[i : i + n].clone()), whole[i : i + n]) for i, n in CHECK_SLICES)
+    return _kept[key]
 
 
 def tiled_attention(
@@ -132,11 +162,11 @@ def _attend_tile(
     scores = scores.masked_fill(hidden, float("-inf"))
     top = scores.amax(dim=(2, 5), keepdim=True)  # [B, Hkv, 1, R, G, 1]
     top = torch.where(top == float("-inf"), 0.0, top)  # rows without keys
-    p = torch.exp((scores - top).double()).float()
+    p = elementwise(torch.exp, scores - top)
     total = p.sum(dim=5).cumsum(dim=2)[:, :, -1]  # [B, Hkv, R, G]
     if sinks is not None:
         sink = sinks.float().view(1, Hkv, 1, G)
-        total = total + torch.exp((sink - top[:, :, 0, :, :, 0]).double()).float()
+        total = total + elementwise(torch.exp, sink - top[:, :, 0, :, :, 0])
     p = F.pad(p.view(B, Hkv, chunks, R * G, chunk), (0, 0, 0, (ROW_TILE - R) * G))
     acc = (p @ vc).cumsum(dim=2)[:, :, -1, : R * G].view(B, Hkv, R, G, D)
     out = torch.where(total[..., None] > 0, acc / total[..., None], 0.0)
