@@ -291,6 +291,5 @@ def test_a_float32_engines_drafter_reads_bf16_copies_and_stays_lossless(llama_pa
     head_rows.clear()
     head["copy"] = invariant.engine.drafter.lm_head_packed
     assert [o.outputs[0].token_ids for o in invariant.generate(prompts, params)] == plain
-    copy = invariant.engine.drafter.lm_head_packed
     # one call of a step's rows where oneDNN keeps a row's bits in bf16 here, else fixed tiles
-    assert head_rows and (set(head_rows) != {16} if invariant_rows(copy) else set(head_rows) == {16})
+    assert head_rows and (set(head_rows) != {16} if invariant_rows(head["copy"]) else set(head_rows) == {16})

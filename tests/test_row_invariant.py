@@ -104,7 +104,8 @@ def test_elementwise_runs_in_float64_only_under_row_invariance_where_the_kernel_
 
 def test_keeps_bits_tells_a_kernel_whose_tail_rounds_apart():
     """The check passes an exact elementwise op and fails one whose last elements of a call take
-    other math (as a scalar tail loop would), and finds whatever the CPU's exp does consistently."""
+    other math (as a scalar tail loop would); a kernel it passes keeps an element's bits on other
+    values and slices too."""
 
     def scalar_tail(x: torch.Tensor) -> torch.Tensor:
         out = torch.exp(x)
@@ -114,10 +115,10 @@ def test_keeps_bits_tells_a_kernel_whose_tail_rounds_apart():
     assert keeps_bits(torch.neg, torch.float32)
     assert not keeps_bits(scalar_tail, torch.float32)
     x = torch.randn(70_001, generator=torch.Generator().manual_seed(1)) * 8
-    if keeps_bits(torch.exp, torch.float32):
-        assert all(
-            torch.equal(torch.exp(x[i : i + n].clone()), torch.exp(x)[i : i + n]) for i, n in [(3, 40_000), (9, 7)]
-        )
+    for fn in (torch.exp, F.silu, torch.sigmoid, torch.tanh):
+        if keeps_bits(fn, torch.float32):
+            whole = fn(x)
+            assert all(torch.equal(fn(x[i : i + n].clone()), whole[i : i + n]) for i, n in [(3, 40_000), (9, 7)]), fn
 
 
 @pytest.fixture(scope="module")
