@@ -6,6 +6,7 @@ import torch
 from conftest import count_launches_ahead
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench.presets import random_drafter, random_target
 from blockspec.cli import GREEN, RESET, marked_text
 from blockspec.llm import DEFAULT_DRAFTER
 from blockspec.loading.gguf import default_gguf_path
@@ -96,3 +97,21 @@ def test_steps_launched_ahead_change_nothing(pair: tuple[LLM, LLM]) -> None:
             lengths += f.metrics.acceptance_lengths
     assert sum(launched) > 20  # most steps were launched ahead
     assert max(lengths) > 3  # blocks with accepted drafts moved the next anchor on the device
+
+
+def shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in module.state_dict().items()}
+
+
+def test_smollm2_presets_have_the_shipped_pairs_geometry(pair: tuple[LLM, LLM]) -> None:
+    """`random:SmolLM2-135M` and its drafter presets time the shipped pair without the GGUF: every
+    tensor the loaded pair has, in the same shape; the DSpark preset adds only its two heads."""
+    spec, _ = pair
+    meta = torch.device("meta")
+    target = random_target("random:SmolLM2-135M", torch.float32, meta).model
+    assert shapes(target) == shapes(spec.engine.target.model)
+    drafter = shapes(random_drafter("random:SmolLM2-135M-DFlash", target, torch.float32, meta))
+    assert drafter == shapes(spec.engine.drafter)
+    dspark = shapes(random_drafter("random:SmolLM2-135M-DSpark", target, torch.float32, meta))
+    extra = {name.split(".")[0] for name in dspark.keys() - drafter.keys()}
+    assert extra == {"markov_head", "confidence_head"} and drafter.items() <= dspark.items()

@@ -1,6 +1,7 @@
 """Models with random weights at real geometry, for timing without any download:
 `random:Qwen3-8B`, `random:Qwen3-8B-DFlash-b16`, `random:Qwen3-8B-DSpark-b7`, `random:Qwen3-8B-DFlash2-b8`,
-`random:Llama-3.1-8B`; MoE targets `random:Qwen3-Coder-30B-A3B` and `random:gpt-oss-20b` with their
+`random:Llama-3.1-8B`; the embedded default pair's geometry `random:SmolLM2-135M` with
+`random:SmolLM2-135M-DFlash` and `random:SmolLM2-135M-DSpark`; MoE targets `random:Qwen3-Coder-30B-A3B` and `random:gpt-oss-20b` with their
 drafters `random:Qwen3-Coder-30B-A3B-DFlash` and `random:gpt-oss-20b-DFlash`; hybrid (Gated DeltaNet)
 targets `random:Qwen3.5-27B` and `random:Qwen3.6-35B-A3B` with `random:Qwen3.5-27B-DFlash` and
 `random:Qwen3.6-35B-A3B-DFlash`;
@@ -175,6 +176,20 @@ TARGETS = {
         tie_word_embeddings=True,
         architectures=["Qwen3_5ForCausalLM"],
     ),
+    # the embedded default target's geometry (SmolLM2-135M-Instruct)
+    "SmolLM2-135M": lambda: LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    ),
     "small": lambda: Qwen3Config(
         **SMALL_WIDTHS, num_hidden_layers=8, tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"]
     ),
@@ -202,6 +217,21 @@ QWEN3_8B_LAYERS = {
     "rope_theta": 1000000.0,
 }
 SMALL_LAYERS = SMALL_WIDTHS | {"num_hidden_layers": 2}
+# the shipped default drafter's geometry (blockspec/assets/SmolLM2-135M-Instruct-DFlash)
+SMOLLM2_LAYERS = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "block_size": 16,
+}
+SMOLLM2_IDS = {"mask_token_id": 16, "target_layer_ids": [1, 10, 18, 27]}
 QWEN3_8B_IDS = {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
 # z-lab's released DFlash2 drafters' fields (Qwen3.8-27B-DFlash2): 2-tap convolutions over groups of
 # 16 channels, a selector of rank 256 over 16 candidates, bidirectional sliding layers of 2048.
@@ -286,6 +316,17 @@ DRAFTERS = {
     # the same drafter without its convolutions and selector: DFlash2's cost over DFlash's
     "Qwen3-8B-DFlash2-b8-plain": lambda: Qwen3Config(
         **QWEN3_8B_LAYERS, **DFLASH2_LAYERS, block_size=8, dflash_config=QWEN3_8B_IDS
+    ),
+    "SmolLM2-135M-DFlash": lambda: Qwen3Config(
+        **SMOLLM2_LAYERS, dflash_config=SMOLLM2_IDS, architectures=[ARCHITECTURE]
+    ),
+    # a DSpark drafter made from it (`blockspec train --method dspark --rows filled --init ...
+    # --markov-rank 32`): z-lab's filled rows, a rank-32 Markov head and a confidence head
+    "SmolLM2-135M-DSpark": lambda: Qwen3Config(
+        **SMOLLM2_LAYERS
+        | SMOLLM2_IDS
+        | DSPARK_FIELDS
+        | {"block_size": 16, "markov_rank": 32, "sample_from_anchor": False}
     ),
     "small-DSpark": lambda: Qwen3Config(**SMALL_LAYERS, **DSPARK_FIELDS, mask_token_id=8191),
     "small-DFlash": lambda: Qwen3Config(
