@@ -45,6 +45,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = [[5, 9, 2, 11], list(range(20, 57)), [7] * 3, [(i * 37) % 120 for i in range(70)]]
 
 
+def cuda_llm(target, spec=None, **kwargs) -> LLM:
+    """An fp32 engine on the GPU without warm-up (its tests are test_cuda_graphs' and
+    test_warm_up_leaves_nothing_to_capture_at_request_time): graphs are captured at first use."""
+    return LLM(str(target), spec, device="cuda", dtype="float32", warm_up=False, **kwargs)
+
+
 def outputs(llm, prompts=PROMPTS, n=24):
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -56,7 +62,7 @@ def test_fp32_fast_path_equals_cpu_reference(tmp_path, sliding):
     d = make_drafter(tmp_path / "d", t, block_size=8)
     for spec in (None, {"model": str(d)}):  # the same model on both: norm weights folded (the GPU's default)
         cpu = outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
-        gpu_llm = LLM(str(t), spec, device="cuda", dtype="float32")
+        gpu_llm = cuda_llm(t, spec)
         assert gpu_llm.engine.target.model.norms_folded  # folded by default
         assert outputs(gpu_llm) == cpu
 
@@ -74,7 +80,7 @@ def test_fp32_moe_fast_path_equals_cpu_reference(tmp_path, family):
     d = make_drafter(tmp_path / "d", t, block_size=8)
     for spec in (None, {"model": str(d)}):
         cpu = outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
-        gpu = LLM(str(t), spec, device="cuda", dtype="float32", mxfp4_experts=family.endswith("mxfp4"))
+        gpu = cuda_llm(t, spec, mxfp4_experts=family.endswith("mxfp4"))
         assert gpu.engine.target.model.layers[0].mlp.experts.mxfp4 == family.endswith("mxfp4")
         assert outputs(gpu) == cpu
 
@@ -92,7 +98,7 @@ def test_fp32_hybrid_fast_path_equals_cpu_reference(tmp_path, family):
     for spec in (None, {"model": str(d)}):
         cpu = outputs(LLM(str(t), spec, device="cpu", fold_norms=True), prompts)
         for graphs in (True, False):  # without graphs a step launched ahead reads its starts strided
-            assert outputs(LLM(str(t), spec, device="cuda", dtype="float32", cuda_graphs=graphs), prompts) == cpu
+            assert outputs(cuda_llm(t, spec, cuda_graphs=graphs), prompts) == cpu
 
 
 @pytest.mark.parametrize("rows", [1, 16, 300])  # decode, verify (recurrent kernel); a prompt (chunked)
@@ -117,7 +123,7 @@ def test_dspark_fast_path_equals_cpu_reference(tmp_path, kwargs):
     reproducible from graph replays."""
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
     spec = {"model": str(make_dspark(tmp_path / "d", t, block_size=6, markov_scale=4.0, **kwargs))}
-    gpu = LLM(str(t), spec, device="cuda", dtype="float32")
+    gpu = cuda_llm(t, spec)
     assert outputs(gpu) == outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
     params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, seed=i, ignore_eos=True) for i in range(4)]
     runs = [[o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] for _ in range(2)]
@@ -133,7 +139,7 @@ def test_dflash2_fast_path_equals_cpu_reference(tmp_path):
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(config | extra | {"is_causal": False}))
     spec = {"model": str(d)}
-    gpu = LLM(str(t), spec, device="cuda", dtype="float32")
+    gpu = cuda_llm(t, spec)
     assert outputs(gpu) == outputs(LLM(str(t), spec, device="cpu", fold_norms=True))
     params = [SamplingParams(temperature=0.7, max_tokens=24, seed=i, ignore_eos=True) for i in range(4)]
     runs = [[o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params)] for _ in range(2)]
@@ -143,10 +149,10 @@ def test_dflash2_fast_path_equals_cpu_reference(tmp_path):
 def test_fast_attention_matches_reference_in_the_model(tmp_path):
     t = make_target(tmp_path / "t", "llama", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
-    llm = LLM(str(t), {"model": str(d)}, device="cuda", dtype="float32", warm_up=False)
+    llm = cuda_llm(t, {"model": str(d)})
     fast = outputs(llm)
     with reference_ops():
-        ref = outputs(LLM(str(t), {"model": str(d)}, device="cuda", dtype="float32", cuda_graphs=False))
+        ref = outputs(cuda_llm(t, {"model": str(d)}, cuda_graphs=False))
     assert fast == ref
 
 
@@ -324,7 +330,7 @@ def test_fp32_structured_output_in_graphs_equals_cpu_reference(tmp_path):
     ]
     for spec in (None, {"model": str(d)}):
         cpu = LLM(str(t), spec, device="cpu", fold_norms=True).generate(PROMPTS, greedy)
-        gpu = LLM(str(t), spec, device="cuda", dtype="float32", warm_up=False)
+        gpu = cuda_llm(t, spec)
         assert [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, greedy)] == [o.outputs[0].token_ids for o in cpu]
         for o in gpu.generate(PROMPTS, sampled):
             *body, last = o.outputs[0].token_ids
