@@ -10,6 +10,7 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_drafter, make_target
@@ -529,3 +530,48 @@ def test_recorded_traces_adaptive_within_3_percent_of_the_best_fixed_width(trace
     fixed = {w: device.speed(lambda last, w=w: w) for w in width_classes(16)}
     adaptive = device.speed(adaptive_choice(AdaptiveWidth(16)))
     assert adaptive >= 0.97 * max(fixed.values()), (adaptive, fixed)
+
+
+def stretches_run(policy: AdaptiveWidth, cost, confident: bool, scale: float = 1.0, steps: int = 600) -> float:
+    """One sequence whose drafts alternate between easy stretches (each accepted 90% of the time given
+    the ones before were) and hard ones (5%) every 40 steps; with `confident`, the drafter reports each
+    offered draft's confidence (the stretch's rate times `scale`) -> tokens per second."""
+    rng, tokens, seconds = random.Random(0), 0, 0.0
+    for step in range(steps):
+        rate = 0.9 if (step // 40) % 2 == 0 else 0.05
+        w = policy.choose(1, 16, ["r"])
+        accepted = accepted_drafts(rng, w, rate)
+        confidence = [[min(1.0, rate * scale)] * (w - 1)] if confident and w > 1 else ()
+        policy.observe(1, w, cost(w), [w - 1], [accepted], (), ["r"], confidence)
+        tokens, seconds = tokens + accepted + 1, seconds + cost(w)
+    return tokens / seconds
+
+
+def test_confidences_follow_a_sequence_from_step_to_step() -> None:
+    """Rows cost time (a CPU): easy stretches want the widest block, hard ones the narrowest that
+    drafts. The drafts' confidences set the next step's width at once, where the counts of a
+    hundred past steps lag each change of stretch: faster by a tenth at least."""
+    cost = lambda w: 1.0 + 0.04 * w
+    speeds = {}
+    for confident in (True, False):
+        policy = AdaptiveWidth(16)
+        policy.start_from({1: {w: cost(w) for w in policy.classes}})
+        speeds[confident] = stretches_run(policy, cost, confident)
+    assert speeds[True] > 1.1 * speeds[False]
+
+
+def test_confidences_are_calibrated_by_the_acceptances_seen() -> None:
+    """A head that reports half the true chance: the acceptances seen over the confidences of the
+    drafts reached scale its rates back to the true ones; positions its latest drafts did not
+    reach keep the rates of the counts."""
+    policy = AdaptiveWidth(16)
+    cost = lambda w: 1.0 + 0.04 * w
+    policy.start_from({1: {w: cost(w) for w in policy.classes}})
+    stretches_run(policy, cost, True, scale=0.5, steps=360)  # ends an easy stretch
+    predicted, accepted = policy.calibration.counts
+    assert 1.8 < accepted[0] / predicted[0] < 2.2
+    counts = np.full((1, 15), 0.5)
+    rates, latest = policy.confident_rates(counts, ["r"])[0], policy.confidence["r"]
+    offered = ~np.isnan(latest)
+    assert offered[0] and np.abs(rates[offered][0] - 0.9) < 0.1
+    assert np.array_equal(rates[~offered], counts[0][~offered])

@@ -7,6 +7,7 @@ correction is caught; each mismatched checkpoint gets its own error."""
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_dspark, make_target
@@ -17,6 +18,7 @@ from test_sampling import CASES, VOCAB, N, chi_square_pvalue, exact_distribution
 from transformers import AutoModelForCausalLM
 
 from blockspec import LLM, SamplingParams
+from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.engine.kv_cache import allocate_kv_cache
 from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.engine.runner import ModelRunner
@@ -148,6 +150,36 @@ def test_greedy_speculative_equals_plain(tmp_path, target, dialect, kwargs, spec
     if "draft_vocab" in kwargs:  # the target's tokens the drafter cannot propose come from the target
         vocab = set(drafter.draft_to_target.tolist())
         assert any(t not in vocab for out in plain for t in out)
+
+
+def test_confidences_reach_the_width_policy_as_the_proposer_made_them(tmp_path, target, monkeypatch):
+    """Each step's confidences cross to the host beside its drafts (fixed point) and reach the
+    adaptive width policy, which sets them beside the drafts accepted; output stays the target's."""
+    d = make_dspark(tmp_path / "d", target, block_size=6, markov_scale=4.0)
+    llm = LLM(str(target), {"model": str(d)}, device="cpu", warm_up=False)  # its first steps time every width
+    made, seen = [], []
+    propose, observe = DSparkProposer.propose, AdaptiveWidth.observe
+
+    def recording_propose(self, runner, inputs):
+        proposal = propose(self, runner, inputs)
+        made.append(proposal.confidence[0].tolist())
+        return proposal
+
+    def recording_observe(self, *args):
+        if any(args[-1]):
+            seen.append(args[-1][0])
+        return observe(self, *args)
+
+    monkeypatch.setattr(DSparkProposer, "propose", recording_propose)
+    monkeypatch.setattr(AdaptiveWidth, "observe", recording_observe)
+    assert greedy(llm, PROMPTS[:1], n=40) == greedy(LLM(str(target), None, device="cpu"), PROMPTS[:1], n=40)
+    assert len(seen) == len(made) >= 3
+    for observed, proposed in zip(seen, made):
+        assert 0 < len(observed) <= len(proposed)
+        assert max(abs(a - b) for a, b in zip(observed, proposed)) <= 2**-24
+    policy = llm.engine.adaptive  # every drafting step had confidences: its acceptances are all the counts'
+    predicted, accepted = policy.calibration.counts
+    assert predicted[0] > 0 and np.allclose(accepted, policy.counts.hits)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,13 @@ first live timing replaces its start time, and a close rival still timed only at
 timed live at its first chance. The width never changes the output (in exact arithmetic), only
 the speed.
 
+Where the drafter predicts each draft's chance of acceptance (a DSpark confidence head), a
+sequence's rates are the confidences of its latest drafts, calibrated per position against the
+acceptances seen (the confidences of drafts reached and how many of those were accepted, decayed
+as the counts are): they follow each sequence from step to step where counts follow it over a
+hundred. They are the drafts of a step already read, never those of the step being sized, as
+DSpark's production scheduler does (so no draft is kept by a confidence that reads it).
+
 Where steps run ahead (CUDA), a step's wall time is not its own: the host commits the step
 before it and launches the step after it while the device runs it, and on a fast device that
 host work is most of the time. A timing therefore counts only where both those neighbours ran
@@ -157,6 +164,9 @@ class AdaptiveWidth:
         self.costs: dict[int, BucketCosts] = {}  # batch bucket -> its step times
         self.width_steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
         self.estimates: dict[float, tuple[tuple[str, ...], np.ndarray]] = {}  # optimism -> (rows, E(w))
+        # [0, k]: confidences of draft k+1 where reached, [1, k]: those accepted (all sequences')
+        self.calibration = AcceptCounts.zeros(max_width - 1)
+        self.confidence: dict[str, np.ndarray] = {}  # request id -> its latest drafts' confidences (NaN: none)
 
     def start_from(self, seconds: dict[int, dict[int, float]]) -> None:
         """Step times measured before any request (`step_costs`), per batch bucket and width
@@ -191,13 +201,24 @@ class AdaptiveWidth:
         rates = (self.counts.hits + PRIOR * pooled) / seen
         if optimism:
             rates = np.minimum(rates + optimism * np.sqrt(rates * (1 - rates) / seen), 1.0)
-        slots = [self.slots[r] for r in rows if r in self.slots]
-        if slots:  # [R, positions]: each sequence's rates, leaning on all sequences' where its counts are few
-            own = self.own.counts[slots]
+        known = [r for r in rows if r in self.slots]
+        if known:  # [R, positions]: each sequence's rates, leaning on all sequences' where its counts are few
+            own = self.own.counts[[self.slots[r] for r in known]]
             rates = (own[:, 1] + ROW_PRIOR * rates) / (own[:, 0] + ROW_PRIOR)
+            if not optimism:
+                rates = self.confident_rates(rates, known)
         expected = np.ones(rates.shape[-1] + 1)
         expected[1:] += np.cumprod(np.atleast_2d(rates), axis=1).cumsum(axis=1).mean(0)
         return expected
+
+    def confident_rates(self, rates: np.ndarray, rows: list[str]) -> np.ndarray:
+        """rates [R, positions] of the sequences `rows`, where their latest drafts have confidences
+        those, scaled per position by the acceptances seen over the confidences of drafts reached
+        (the scale leans on 1, trusting the head, where few were)."""
+        latest = np.stack([self.confidence.get(r, np.full(rates.shape[-1], np.nan)) for r in rows])
+        predicted, accepted = self.calibration.counts
+        scaled = np.minimum(latest * (accepted + PRIOR) / (predicted + PRIOR), 1.0)
+        return np.where(np.isnan(latest), rates, scaled)
 
     def row_class(self, rows: int) -> int:
         return round_up(rows, self.classes)
@@ -271,11 +292,13 @@ class AdaptiveWidth:
         accepted: list[int],
         beside: tuple[int | None, ...] = (),
         rows: list[str] = (),
+        confidence: list[list[float] | None] = (),
     ) -> None:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
         that width), per sequence the drafts offered and accepted, `beside`: the width classes
-        of the steps whose host work fell in its time (committed, launched; None: none), and the
-        sequences' request ids `rows` (none: the counts of all sequences only)."""
+        of the steps whose host work fell in its time (committed, launched; None: none), the
+        sequences' request ids `rows` (none: the counts of all sequences only) and, where the
+        drafter predicts them, each one's confidences of its drafts (None: none)."""
         self.width_steps[width] += 1
         unshared = all(w in (None, width) for w in beside)
         if seconds and unshared:  # None: not a timing (and a zero would make no ratio)
@@ -289,6 +312,20 @@ class AdaptiveWidth:
         if drafted:
             slots = self.slot_rows([rows[i] for i in drafted])  # first: it may grow `own`
             self.own.add_rows(seen[drafted] if len(drafted) < len(seen) else seen, slots)
+        if any(c for c in confidence):
+            self.observe_confidence(seen, rows, confidence)
+
+    def observe_confidence(self, seen: np.ndarray, rows: list[str], confidence: list[list[float] | None]) -> None:
+        """A step's confidences: each sequence's as its latest, and those of the drafts reached
+        (`seen` [sequences, 2, positions]) beside their acceptances for the calibration."""
+        latest = np.full(seen.shape[::2], np.nan)
+        for i, c in enumerate(confidence):
+            latest[i, : len(c or ())] = c or ()
+        reached = seen[:, 0] & ~np.isnan(latest)
+        self.calibration.add(np.stack([np.where(reached, latest, 0.0).sum(0), (reached & seen[:, 1]).sum(0)]))
+        for row, c, values in zip(rows, confidence, latest):
+            if c:
+                self.confidence[row] = values
 
     def slot_rows(self, rows: list[str]) -> list[int]:
         """The rows of `own` of the sequences `rows`, a zeroed one for each new to it."""
@@ -305,5 +342,6 @@ class AdaptiveWidth:
 
     def forget(self, row: str) -> None:
         """A sequence has finished: its row of counts is free."""
+        self.confidence.pop(row, None)
         if (slot := self.slots.pop(row, None)) is not None:
             self.free.append(slot)

@@ -446,7 +446,10 @@ class LLMEngine:
             beside = (flight.before, self.in_flight and self.step_class(self.in_flight))
             seconds = now - started if ran else None
             rows = [s.request_id for s, _ in live]
-            self.adaptive.observe(len(seqs), self.step_class(flight), seconds, offered, accepted, beside, rows)
+            confidence = [o.confidence for _, o in live]
+            self.adaptive.observe(
+                len(seqs), self.step_class(flight), seconds, offered, accepted, beside, rows, confidence
+            )
         self.last_completion = now
         for seq, out in live:
             self.commit(seq, out)

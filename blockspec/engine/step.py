@@ -116,22 +116,30 @@ class StepInputs:
 
 class StepOutcome:
     """A step's results as named views of one int64 tensor [B, 3 + w-1] (one copy to the host):
-    bonus tokens | accepted counts | the next step's starts | the drafts. A step launched ahead reads
-    its anchors and starts from columns 0 and 2, 16-byte aligned as the host's inputs are (Triton
-    compiles a kernel variant per alignment)."""
+    bonus tokens | accepted counts | the next step's starts | the drafts, then where the proposal
+    has them the drafts' confidences [B, w-1] in fixed point (CONFIDENCE_SCALE). A step launched
+    ahead reads its anchors and starts from columns 0 and 2, 16-byte aligned as the host's inputs
+    are (Triton compiles a kernel variant per alignment)."""
 
     BONUS, ACCEPTED, NEXT_STARTS, DRAFTS = 0, 1, 2, 3
+    CONFIDENCE_SCALE = 1 << 24
 
     def __init__(self, packed: torch.Tensor) -> None:
         self.packed = packed
 
-    @staticmethod
+    @classmethod
     def pack(
-        bonus: torch.Tensor, accepted: torch.Tensor, next_starts: torch.Tensor, drafts: torch.Tensor
+        cls,
+        bonus: torch.Tensor,
+        accepted: torch.Tensor,
+        next_starts: torch.Tensor,
+        drafts: torch.Tensor,
+        confidence: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return torch.cat(
-            [bonus[:, None].long(), accepted[:, None].long(), next_starts[:, None].long(), drafts.long()], 1
-        )
+        columns = [bonus[:, None], accepted[:, None], next_starts[:, None], drafts]
+        if confidence is not None:
+            columns.append(torch.round(confidence.float() * cls.CONFIDENCE_SCALE))
+        return torch.cat([c.long() for c in columns], 1)
 
     @property
     def bonus(self) -> torch.Tensor:
@@ -175,7 +183,7 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     if proposer is not None:
         proposer.commit(runner, features, inputs.starts, committed, inputs.block_tables)
     runner.mark("context")
-    packed = StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts)
+    packed = StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts, proposal.confidence)
     if not inputs.logprobs:
         return packed, None
     return packed, token_logprobs(logits, committed_tokens(proposal.drafts, accepted, bonus))
@@ -231,6 +239,7 @@ class StepOutput:
     new_token_ids: list[int]  # accepted drafts followed by the bonus token
     draft_token_ids: list[int]  # what the proposer proposed this step
     logprobs: list[TokenLogprob] | None = None  # of the new tokens, where the request asks for them
+    confidence: list[float] | None = None  # of each draft, where the proposer predicts them
 
 
 @dataclass
@@ -246,6 +255,7 @@ class LaunchedStep:
     host: torch.Tensor  # its packed copy on the host
     logprobs: torch.Tensor | None  # its log-probabilities' copy on the host (None: no row asked)
     ready: torch.cuda.Event | None
+    confident: bool = False  # the packed rows end in the drafts' confidences
 
 
 def launch_step(
@@ -276,7 +286,9 @@ def launch_step(
     inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts, bitmask, q)
     packed, logprobs = runner.step(inputs)
     (host, host_logprobs), ready = runner.to_host(packed, logprobs)
-    return LaunchedStep(seqs, widths, StepOutcome(packed), host, host_logprobs, ready)
+    # as step_forward proposes: inside the step, where it drafts and no grammar proposed before it
+    confident = proposer is not None and proposer.confident and max(widths) > 1 and bitmask is None
+    return LaunchedStep(seqs, widths, StepOutcome(packed), host, host_logprobs, ready, confident)
 
 
 def finish_step(step: LaunchedStep) -> list[StepOutput]:
@@ -286,6 +298,10 @@ def finish_step(step: LaunchedStep) -> list[StepOutput]:
     rows = step.host.tolist()
     a, b, d = StepOutcome.ACCEPTED, StepOutcome.BONUS, StepOutcome.DRAFTS
     outputs = [StepOutput(r[d : d + r[a]] + [r[b]], r[d : d + w - 1]) for r, w in zip(rows, step.widths)]
+    if step.confident:  # after the drafts, as many columns of their confidences
+        c = d + (step.host.shape[1] - d) // 2
+        for out, r, w in zip(outputs, rows, step.widths):
+            out.confidence = [x / StepOutcome.CONFIDENCE_SCALE for x in r[c : c + w - 1]]
     if step.logprobs is not None:
         for seq, out, rows_lp in zip(step.seqs, outputs, step.logprobs.tolist()):
             if seq.params.logprobs is not None:

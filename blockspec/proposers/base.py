@@ -26,6 +26,9 @@ class Proposal:
     accepted: torch.Tensor | None = None
     # [B] drafts to verify, where the proposer cuts them below the step's (a confident prefix)
     num_drafts: torch.Tensor | None = None
+    # [B, w-1] each draft's confidence: the predicted chance it is accepted given the drafts before
+    # it were (a DSpark confidence head); None: the proposer predicts none
+    confidence: torch.Tensor | None = None
 
 
 class Proposer:
@@ -33,6 +36,7 @@ class Proposer:
     anchors among them), so a step can launch before the results of the one before reach the host."""
 
     on_device = True
+    confident = False  # its proposals carry each draft's confidence (`Proposal.confidence`)
     capture_layers: tuple[int, ...] = ()  # target layers whose outputs `commit` reads (features)
 
     def cache_reaches(self) -> dict[str, int | None]:

@@ -3,7 +3,9 @@ row by row, each row's logits corrected by the Markov head from the token drafte
 distribution a sampled draft is drawn from (q, for the acceptance test) is that corrected one.
 With a confidence head and a threshold, only the leading drafts whose confidence is at least the
 threshold are verified, possibly none (DeepSpec's cut: keeping row j's draft reads the confidences of rows 0..j only,
-each of which reads the token before its row, so the cut never depends on a draft it keeps)."""
+each of which reads the token before its row, so the cut never depends on a draft it keeps). The
+confidences also reach the adaptive width policy (`engine.adaptive`), which sets later steps' widths
+by them."""
 
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,7 @@ class DSparkProposer(DFlashProposer):
     def __init__(self, drafter: DSparkDrafter, window: int | None = None, confidence_threshold: float = 0.0) -> None:
         super().__init__(drafter, window)
         self.confidence_threshold = confidence_threshold
+        self.confident = drafter.confidence_head is not None
 
     @classmethod
     def from_config(cls, drafter: DSparkDrafter, spec: "SpeculativeConfig") -> "DSparkProposer":
@@ -43,10 +46,12 @@ class DSparkProposer(DFlashProposer):
         else:
             proposal, prev_embeddings = self.markov_chain(runner, inputs, hidden, base)
         logits = d.confidence_logits(hidden, prev_embeddings)
-        if logits is None or self.confidence_threshold <= 0:
+        if logits is None:
             return proposal
-        confident = torch.sigmoid(logits) >= self.confidence_threshold
-        proposal.num_drafts = confident.int().cumprod(1).sum(1)
+        proposal.confidence = torch.sigmoid(logits)
+        if self.confidence_threshold > 0:
+            confident = proposal.confidence >= self.confidence_threshold
+            proposal.num_drafts = confident.int().cumprod(1).sum(1)
         return proposal
 
     def markov_chain(

@@ -59,6 +59,7 @@ class SimulatedProposer(Proposer):
         varied = random_bits(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
         proposal.drafts = (varied % runner.target.config.vocab_size).to(proposal.drafts.dtype)
         proposal.accepted = self.accepted(inputs.seeds, inputs.starts, inputs.lengths - 1)
+        proposal.confidence = None  # the drafter's, of drafts replaced: the acceptance is simulated
         return proposal
 
     def accepted(self, seeds: torch.Tensor, starts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
