@@ -23,6 +23,7 @@ from blockspec.engine.kv_cache import allocate_kv_cache
 from blockspec.engine.kv_cache_manager import KVCacheManager
 from blockspec.engine.runner import ModelRunner
 from blockspec.engine.sequence import Sequence
+from blockspec.engine.step import LaunchedStep, StepOutcome, finish_step
 from blockspec.loading.drafters import load_drafter
 from blockspec.loading.hf import load_target
 from blockspec.loading.weights import CheckpointError
@@ -166,7 +167,7 @@ def test_confidences_reach_the_width_policy_as_the_proposer_made_them(tmp_path, 
         return proposal
 
     def recording_observe(self, *args):
-        if any(args[-1]):
+        if args[-1][0] is not None:
             seen.append(args[-1][0])
         return observe(self, *args)
 
@@ -180,6 +181,21 @@ def test_confidences_reach_the_width_policy_as_the_proposer_made_them(tmp_path, 
     policy = llm.engine.adaptive  # every drafting step had confidences: its acceptances are all the counts'
     predicted, accepted = policy.calibration.counts
     assert predicted[0] > 0 and np.allclose(accepted, policy.counts.hits)
+
+
+def test_confidences_read_back_per_sequence_and_none_for_drafts_made_before_the_step():
+    """The packed outcome's confidence columns: each sequence's first w-1, and none where the step
+    had drafts proposed before it (a grammar's), which pack -1."""
+    drafts = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    known = StepOutcome.pack(torch.tensor([1, 2]), torch.tensor([0, 3]), torch.tensor([4, 4]), drafts,
+                             torch.tensor([[0.25, 0.5, 0.75], [1.0, 0.125, 0.0]]))  # fmt: skip
+    unknown = StepOutcome.pack(torch.tensor([1, 2]), torch.tensor([0, 3]), torch.tensor([4, 4]), drafts,
+                               torch.full((2, 3), -1.0))  # fmt: skip
+    out = finish_step(LaunchedStep([], [4, 2], StepOutcome(known), known, None, None, True))
+    assert [o.confidence.tolist() for o in out] == [[0.25, 0.5, 0.75], [1.0]]
+    assert [o.draft_token_ids for o in out] == [[5, 6, 7], [8]]
+    out = finish_step(LaunchedStep([], [4, 2], StepOutcome(unknown), unknown, None, None, True))
+    assert [o.confidence for o in out] == [None, None]
 
 
 @pytest.fixture(scope="module")

@@ -292,7 +292,7 @@ class AdaptiveWidth:
         accepted: list[int],
         beside: tuple[int | None, ...] = (),
         rows: list[str] = (),
-        confidence: list[list[float] | None] = (),
+        confidence: list[np.ndarray | None] = (),
     ) -> None:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
         that width), per sequence the drafts offered and accepted, `beside`: the width classes
@@ -312,20 +312,23 @@ class AdaptiveWidth:
         if drafted:
             slots = self.slot_rows([rows[i] for i in drafted])  # first: it may grow `own`
             self.own.add_rows(seen[drafted] if len(drafted) < len(seen) else seen, slots)
-        if any(c for c in confidence):
-            self.observe_confidence(seen, rows, confidence)
+        given = [i for i, c in enumerate(confidence) if c is not None and len(c)]
+        if given:
+            self.observe_confidence(seen, rows, confidence, given)
 
-    def observe_confidence(self, seen: np.ndarray, rows: list[str], confidence: list[list[float] | None]) -> None:
-        """A step's confidences: each sequence's as its latest, and those of the drafts reached
-        (`seen` [sequences, 2, positions]) beside their acceptances for the calibration."""
+    def observe_confidence(
+        self, seen: np.ndarray, rows: list[str], confidence: list[np.ndarray | None], given: list[int]
+    ) -> None:
+        """A step's confidences (of the sequences `given`): each one's as its latest, and those of the
+        drafts reached (`seen` [sequences, 2, positions]) beside their acceptances for the calibration."""
         latest = np.full(seen.shape[::2], np.nan)
-        for i, c in enumerate(confidence):
-            latest[i, : len(c or ())] = c or ()
+        for i in given:
+            latest[i, : len(confidence[i])] = confidence[i]
         reached = seen[:, 0] & ~np.isnan(latest)
         self.calibration.add(np.stack([np.where(reached, latest, 0.0).sum(0), (reached & seen[:, 1]).sum(0)]))
-        for row, c, values in zip(rows, confidence, latest):
-            if c:
-                self.confidence[row] = values
+        for i in given:
+            if i < len(rows):
+                self.confidence[rows[i]] = latest[i]
 
     def slot_rows(self, rows: list[str]) -> list[int]:
         """The rows of `own` of the sequences `rows`, a zeroed one for each new to it."""

@@ -12,6 +12,7 @@ device."""
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from blockspec.engine.sequence import Sequence
@@ -116,8 +117,9 @@ class StepInputs:
 
 class StepOutcome:
     """A step's results as named views of one int64 tensor [B, 3 + w-1] (one copy to the host):
-    bonus tokens | accepted counts | the next step's starts | the drafts, then where the proposal
-    has them the drafts' confidences [B, w-1] in fixed point (CONFIDENCE_SCALE). A step launched
+    bonus tokens | accepted counts | the next step's starts | the drafts, then where the proposer
+    predicts them the drafts' confidences [B, w-1] in fixed point (CONFIDENCE_SCALE; negative: drafts
+    proposed before the step, whose confidences the step does not have). A step launched
     ahead reads its anchors and starts from columns 0 and 2, 16-byte aligned as the host's inputs
     are (Triton compiles a kernel variant per alignment)."""
 
@@ -183,7 +185,10 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     if proposer is not None:
         proposer.commit(runner, features, inputs.starts, committed, inputs.block_tables)
     runner.mark("context")
-    packed = StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts, proposal.confidence)
+    confidence = proposal.confidence
+    if confidence is None and proposer is not None and proposer.confident:  # drafts made before the step
+        confidence = torch.full(proposal.drafts.shape, -1.0, device=proposal.drafts.device)
+    packed = StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts, confidence)
     if not inputs.logprobs:
         return packed, None
     return packed, token_logprobs(logits, committed_tokens(proposal.drafts, accepted, bonus))
@@ -239,7 +244,7 @@ class StepOutput:
     new_token_ids: list[int]  # accepted drafts followed by the bonus token
     draft_token_ids: list[int]  # what the proposer proposed this step
     logprobs: list[TokenLogprob] | None = None  # of the new tokens, where the request asks for them
-    confidence: list[float] | None = None  # of each draft, where the proposer predicts them
+    confidence: np.ndarray | None = None  # of each draft, where the proposer predicts them
 
 
 @dataclass
@@ -286,8 +291,7 @@ def launch_step(
     inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts, bitmask, q)
     packed, logprobs = runner.step(inputs)
     (host, host_logprobs), ready = runner.to_host(packed, logprobs)
-    # as step_forward proposes: inside the step, where it drafts and no grammar proposed before it
-    confident = proposer is not None and proposer.confident and max(widths) > 1 and bitmask is None
+    confident = proposer is not None and proposer.confident
     return LaunchedStep(seqs, widths, StepOutcome(packed), host, host_logprobs, ready, confident)
 
 
@@ -299,9 +303,10 @@ def finish_step(step: LaunchedStep) -> list[StepOutput]:
     a, b, d = StepOutcome.ACCEPTED, StepOutcome.BONUS, StepOutcome.DRAFTS
     outputs = [StepOutput(r[d : d + r[a]] + [r[b]], r[d : d + w - 1]) for r, w in zip(rows, step.widths)]
     if step.confident:  # after the drafts, as many columns of their confidences
-        c = d + (step.host.shape[1] - d) // 2
-        for out, r, w in zip(outputs, rows, step.widths):
-            out.confidence = [x / StepOutcome.CONFIDENCE_SCALE for x in r[c : c + w - 1]]
+        known = step.host[:, -1] >= 0 if step.host.shape[1] > d else None
+        confidence = step.host[:, d + (step.host.shape[1] - d) // 2 :].numpy() / StepOutcome.CONFIDENCE_SCALE
+        for i, (out, w) in enumerate(zip(outputs, step.widths)):
+            out.confidence = confidence[i, : w - 1] if known is not None and known[i] else None
     if step.logprobs is not None:
         for seq, out, rows_lp in zip(step.seqs, outputs, step.logprobs.tolist()):
             if seq.params.logprobs is not None:
