@@ -162,9 +162,10 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
 
 
 def test_acceptance_second_pass_takes_turns(monkeypatch):
-    """The first pass runs each engine over every prompt, one engine after another; in the second
-    the engines take turns, a batch of prompts each, each batch starting one engine later, and each
-    engine's second pass is summarized from its own batches' outputs and seconds."""
+    """The first pass runs each engine over the prompts in batches, one engine after another (the
+    batches of the second pass: the same work); in the second the engines take turns, a batch of
+    prompts each, each batch starting one engine later, and each engine's second pass is summarized
+    from its own batches' outputs and seconds."""
     calls = []
 
     def timed(llm, prompts, params):
@@ -175,12 +176,12 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
     monkeypatch.setattr(acceptance, "summarize", lambda outs, s: {"outs": outs, "tok_per_s": len(outs) / s})
     engines = {n: SimpleNamespace(name=n, engine=SimpleNamespace(adaptive=None)) for n in "abc"}
     rows = acceptance.two_passes(engines, [[1], [2], [3], [4], [5]], None, 2)
-    first = [(n, [[1], [2], [3], [4], [5]]) for n in "abc"]
+    first = [(n, batch) for n in "abc" for batch in ([[1], [2]], [[3], [4]], [[5]])]
     turns = [("a", [[1], [2]]), ("b", [[1], [2]]), ("c", [[1], [2]]), ("b", [[3], [4]]), ("c", [[3], [4]]),
              ("a", [[3], [4]]), ("c", [[5]]), ("a", [[5]]), ("b", [[5]])]  # fmt: skip
     assert calls == first + turns
-    assert rows["a"] == {"outs": ["a"] * 5, "tok_per_s": 5 / 3, "first_pass_tok_per_s": 5.0}
-    assert rows["b"]["tok_per_s"] == 5 / 6 and rows["c"]["first_pass_tok_per_s"] == 2.5
+    assert rows["a"] == {"outs": ["a"] * 5, "tok_per_s": 5 / 3, "first_pass_tok_per_s": 5 / 3}
+    assert rows["b"]["tok_per_s"] == 5 / 6 and rows["c"]["first_pass_tok_per_s"] == 5 / 6
 
 
 def test_acceptance_refuses_a_block_without_drafts():

@@ -52,20 +52,29 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return outs, time.perf_counter() - start
 
 
+def grouped_generate(llm: LLM, groups: list[list[list[int]]], params: SamplingParams) -> tuple[list, float]:
+    """The groups one after another: their outputs, and their seconds summed."""
+    runs = [timed_generate(llm, g, params) for g in groups]
+    return [o for outs, _ in runs for o in outs], sum(seconds for _, seconds in runs)
+
+
 def two_passes(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, group: int) -> dict:
     """Each engine's second pass over the prompts summarized, with its first pass's tok/s beside it
     (a capture or compile at request time, or adaptive width still exploring, shows as a slower
-    first pass) and, with adaptive width, the steps the second pass ran at each width. The first
-    pass runs engine after engine. In the second the engines take turns, `group` prompts each,
-    each group in a rotated order: a machine whose speed wanders (a shared CPU, a busy host) then
-    slows every engine alike, and the ratios between them hold."""
-    first = {name: summarize(*timed_generate(llm, prompts, params)) for name, llm in engines.items()}
+    first pass) and, with adaptive width, the steps the second pass ran at each width. Both passes
+    run the prompts in groups of `group`, so that they are the same work (all prompts at once would
+    admit newcomers one by one as others finish, a prefill step each). The first pass runs engine
+    after engine. In the second the engines take turns, a group each, each group in a rotated
+    order: a machine whose speed wanders (a shared CPU, a busy host) then slows every engine alike,
+    and the ratios between them hold."""
+    groups = [prompts[i : i + group] for i in range(0, len(prompts), group)]
+    first = {name: summarize(*grouped_generate(llm, groups, params)) for name, llm in engines.items()}
     adaptive = {name: llm.engine.adaptive for name, llm in engines.items() if llm.engine.adaptive is not None}
     before = {name: dict(policy.width_steps) for name, policy in adaptive.items()}
     outs, seconds, names = {name: [] for name in engines}, dict.fromkeys(engines, 0.0), list(engines)
-    for turn, i in enumerate(range(0, len(prompts), group)):
+    for turn, prompts_of_turn in enumerate(groups):
         for name in names[turn % len(names) :] + names[: turn % len(names)]:
-            out, elapsed = timed_generate(engines[name], prompts[i : i + group], params)
+            out, elapsed = timed_generate(engines[name], prompts_of_turn, params)
             outs[name] += out
             seconds[name] += elapsed
     rows = {}
