@@ -25,7 +25,6 @@ from blockspec.bench.presets import random_drafter, random_target
 from blockspec.config import EngineConfig, SpeculativeConfig
 from blockspec.engine.batch import batch_rows, causal_range, window_range
 from blockspec.engine.engine import LLMEngine
-from blockspec.layers.activation import silu_mul
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.gated_deltanet import (
     RECURRENT_MAX_ROWS,
@@ -35,7 +34,6 @@ from blockspec.layers.gated_deltanet import (
     gated_delta_rule_ref,
     gated_rms_norm,
 )
-from blockspec.layers.norm import rms_norm_compiled
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.layers.rotary import norm_rope, rope_tables
 from blockspec.models.causal_lm import embedding
@@ -194,8 +192,6 @@ def test_fused_elementwise_ops_match_their_eager_reference():
     angles = torch.rand(3, 16, 128, device="cuda")
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     cases = [
-        (rms_norm_compiled, (x, weight, 1e-6)),
-        (silu_mul, (torch.cat([x, delta], dim=-1),)),
         (norm_rope, (heads, weight[:128], 1e-6, cos, sin)),
         (rope_tables, (torch.randint(0, 40960, (3, 16), device="cuda"), angles[0, 0, :64], 1.0, torch.bfloat16)),
         (rope_tables, (torch.tensor([[40000]], device="cuda"), angles[0, 0, :64], 1.0, torch.bfloat16)),

@@ -21,10 +21,10 @@ pytest.importorskip("triton")
 from conftest import CUDA, interpreter_test, runs_kernel, swiglu_rounded
 
 from blockspec.layers import linear as linear_module
-from blockspec.layers.activation import silu_mul
+from blockspec.layers.activation import silu_mul, silu_mul_ref
 from blockspec.layers.fast_path import reference_ops
 from blockspec.layers.kernels import skinny_linear as kernel
-from blockspec.layers.norm import RMSNorm, rms_norm_ref
+from blockspec.layers.norm import RMSNorm, rms_norm, rms_norm_ref
 from blockspec.layers.quantization import FP8_SKINNY_MAX_M, Fp8Linear, dequantize_weight, fp8_supported, quantize_weight
 
 test_kernels_in_interpreter = interpreter_test(__file__)
@@ -296,6 +296,40 @@ def test_rms_norm_kernel_is_the_reference_a_row_at_a_time():
             assert torch.equal(together, alone)
             tol = 1e-5 if dtype == torch.float32 else 2e-3
             torch.testing.assert_close(together, rms_norm_ref(x, weight, 1e-6), rtol=tol, atol=tol)
+
+
+@runs_kernel
+def test_swiglu_kernel_is_the_reference_a_row_at_a_time():
+    """The SwiGLU kernel against the eager reference (SiLU rounded to the dtype, then the product),
+    over rows of odd width (a masked last block) and more than one block, a strided gate|up view,
+    and none: each row the same alone as among the others."""
+    from blockspec.layers.kernels.swiglu import BLOCK, swiglu_rows
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, N in [(torch.float32, 37), (torch.float16, BLOCK + 300)]:
+        gate_up = (torch.randn(13, 2 * N, generator=gen) * 4).to(DEVICE, dtype)
+        together = swiglu_rows(gate_up)
+        assert torch.equal(together, torch.cat([swiglu_rows(gate_up[i : i + 1]) for i in range(13)]))
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(together, silu_mul_ref(gate_up), rtol=tol, atol=tol)
+        wide = torch.cat([gate_up, gate_up], -1)[:, : 2 * N]  # rows strided by 4N
+        torch.testing.assert_close(swiglu_rows(wide.view(13, 1, 2 * N)), together.view(13, 1, N), rtol=0, atol=0)
+    assert swiglu_rows(torch.empty(0, 8, device=DEVICE)).shape == (0, 4)
+
+
+@cuda
+@pytest.mark.cuda
+def test_norm_and_swiglu_run_their_kernels_on_cuda():
+    """On CUDA without grad the ops are their Triton kernels, bit for bit; with grad, the reference."""
+    from blockspec.layers.kernels.rms_norm import rms_norm_rows
+    from blockspec.layers.kernels.swiglu import swiglu_rows
+
+    x = torch.randn(5, 2, 576, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(576, device="cuda", dtype=torch.bfloat16) + 0.5
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_rows(x, w, 1e-6))
+        assert torch.equal(silu_mul(x), swiglu_rows(x))
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), rtol=0, atol=0)
 
 
 @runs_kernel

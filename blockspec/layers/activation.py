@@ -3,11 +3,16 @@
 import torch
 import torch.nn.functional as F
 
-from blockspec.layers.fast_path import cuda_compiled
+from blockspec.layers.fast_path import fast_kernels
 from blockspec.layers.row_invariant import elementwise
 
 
-@cuda_compiled
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return elementwise(F.silu, gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul_ref`; on CUDA one Triton kernel (`blockspec.layers.kernels.swiglu`)."""
+    kernels = fast_kernels(gate_up, "swiglu")
+    return silu_mul_ref(gate_up) if kernels is None else kernels.swiglu_rows(gate_up)

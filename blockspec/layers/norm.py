@@ -3,8 +3,7 @@
 import torch
 from torch import nn
 
-from blockspec.layers.fast_path import cuda_compiled, fast_kernels
-from blockspec.layers.row_invariant import row_invariant
+from blockspec.layers.fast_path import fast_kernels
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -14,16 +13,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     return x.to(dtype) if weight is None else weight * x.to(dtype)
 
 
-rms_norm_compiled = cuda_compiled(rms_norm_ref)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`rms_norm_ref`; on CUDA one compiled kernel, or under row invariance the Triton kernel of one
-    program a row (`blockspec.layers.kernels.rms_norm`)."""
-    kernels = fast_kernels(x, "rms_norm") if row_invariant() else None
-    if kernels is not None:
-        return kernels.rms_norm_rows(x, weight, eps)
-    return rms_norm_compiled(x, weight, eps)
+    """`rms_norm_ref`; on CUDA the Triton kernel of one program a row
+    (`blockspec.layers.kernels.rms_norm`): a row's sum in one order at any row count (row
+    invariance), and one launch from Python, where a compiled function's dispatch costs several
+    (an eager prefill calls it twice a layer)."""
+    kernels = fast_kernels(x, "rms_norm")
+    return rms_norm_ref(x, weight, eps) if kernels is None else kernels.rms_norm_rows(x, weight, eps)
 
 
 class RMSNorm(nn.Module):
