@@ -335,8 +335,11 @@ def test_fp32_structured_output_in_graphs_equals_cpu_reference(tmp_path):
 
 def test_warm_up_leaves_nothing_to_capture_at_request_time(tmp_path):
     """An engine started with warm-up on, then requests of every option (logprobs, min_tokens,
-    penalties, a grammar; greedy and sampled, alone and together): no step graph is captured and
-    no function compiled while they run, and no compiled function fell back to eager."""
+    penalties, a grammar; greedy and sampled, alone and together): no step graph is captured, no
+    function compiled and no Triton kernel compiled (a new specialization) while they run, and no
+    compiled function fell back to eager."""
+    from triton import knobs
+
     t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
     torch._dynamo.reset()
@@ -351,9 +354,15 @@ def test_warm_up_leaves_nothing_to_capture_at_request_time(tmp_path):
         SamplingParams(temperature=0, max_tokens=16, structured_output=grammar, frequency_penalty=0.5),
         SamplingParams(temperature=1.0, top_k=4, seed=2, max_tokens=16, structured_output=grammar),
     ]
-    for params in kinds:
-        llm.generate(PROMPTS, params)
-    llm.generate(PROMPTS[:4], kinds)
+    triton_compiled, hook = [], knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **k: triton_compiled.append(k["fn"].name)
+    try:
+        for params in kinds:
+            llm.generate(PROMPTS, params)
+        llm.generate(PROMPTS[:4], kinds)
+    finally:
+        knobs.runtime.jit_post_compile_hook = hook
+    assert not triton_compiled, triton_compiled
     assert len(graphs) == captured
     assert counters["stats"]["unique_graphs"] == compiled
     assert not [reason for reason in counters["unimplemented"] if "recompile limit" in reason.lower()]

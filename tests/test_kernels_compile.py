@@ -28,6 +28,7 @@ from blockspec.layers.kernels import (
     qk_norm_rope,
     quantize_rows,
     rms_norm,
+    swiglu,
 )
 from blockspec.layers.kernels import skinny_linear as kernel
 
@@ -187,6 +188,10 @@ def test_rms_norm_compiles(weight):
     compile_for_hopper(
         rms_norm._rms_norm_kernel, {"HAS_WEIGHT": weight, "BLOCK": 4096}, options={"num_warps": rms_norm.NUM_WARPS}
     )
+
+
+def test_swiglu_compiles():
+    compile_for_hopper(swiglu._swiglu_kernel, {"BLOCK": swiglu.BLOCK})
 
 
 @pytest.mark.parametrize("sinks", [False, True])

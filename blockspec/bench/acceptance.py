@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> None:
         max_width={name: llm.engine.max_width for name, llm in engines.items()},
         response_format=args.response_format,
         cpu_bf16=args.cpu_bf16,
+        first_pass="in batches",
         second_pass="engines in turn",
     )
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -69,7 +69,10 @@ second pass's, and a table gives the first pass's tok/s over the second's (1.00:
 captured, compiled or explored while the first requests ran). Where the meta says `second_pass:
 engines in turn`, the engines took turns in the second pass, a batch of prompts each, so that a
 machine whose speed wandered slowed them alike; before, each ran its pass whole, one after
-another.
+another. Where it says `first_pass: in batches`, the first pass ran the same batches, engine after
+engine, so that both passes were the same work; before, each engine's first pass took all the
+prompts at once (newcomers admitted as others finished, a prefill step each), at batch sizes
+above one not the second pass's work.
 
 **Determinism** (`python -m blockspec.bench.determinism`, in the acceptance shape). Real prompts at
 T=0, per *row invariant* setting (`EngineConfig.row_invariant`): *spec equals plain*, the prompts
