@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target, twin_head_pair
 
-from blockspec.bench import acceptance, arrival, bench, determinism, meta, report
+from blockspec import LLM, SamplingParams
+from blockspec.bench import acceptance, arrival, bench, determinism, meta, report, width_trace
 from blockspec.config import EngineConfig
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
 from blockspec.layers.linear import Linear
@@ -182,6 +183,25 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
     assert calls == first + turns
     assert rows["a"] == {"outs": ["a"] * 5, "tok_per_s": 5 / 3, "first_pass_tok_per_s": 5 / 3}
     assert rows["b"]["tok_per_s"] == 5 / 6 and rows["c"]["first_pass_tok_per_s"] == 5 / 6
+
+
+def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path):
+    """A width trace of 3 requests in groups of 2: each request's full-width steps chain from
+    position 0 (each block starts where the last one's tokens end) to its length; the forced run
+    times more than one width class, each step within its group's batch size."""
+    target = make_target(tmp_path / "t", "qwen3")
+    llm = LLM(str(target), {"model": str(make_drafter(tmp_path / "d", target))}, "cpu", "float32", max_num_seqs=2)
+    prompts = [[5, 9, 2, 11], list(range(20, 37)), [7, 7, 8]]
+    trace = width_trace.record(llm, prompts, SamplingParams(temperature=0, max_tokens=12), 2)
+    assert [r["group"] for r in trace["requests"]] == [0, 0, 1]
+    for r in trace["requests"]:
+        ends = [start + accepted + 1 for start, accepted in r["accepted"]]
+        assert [start for start, _ in r["accepted"]] == [0, *ends[:-1]] and ends[-1] >= r["tokens"] == 12
+    assert len({w for _, _, w, _, _ in trace["timed"]}) > 1 and all(ms > 0 for *_, ms, _ in trace["timed"])
+    assert all(batch <= (2 if g == 0 else 1) and tokens >= 0 for g, batch, _, _, tokens in trace["timed"])
+    no_adaptive = LLM(str(target), {"model": str(tmp_path / "d"), "adaptive_width": False}, "cpu", "float32")
+    with pytest.raises(ValueError, match="adaptive width"):
+        width_trace.record(no_adaptive, prompts, SamplingParams(max_tokens=4), 1)
 
 
 def test_acceptance_refuses_a_block_without_drafts():
