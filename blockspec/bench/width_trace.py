@@ -8,7 +8,8 @@ would accept, up to the drafts a block started elsewhere would make). Then with 
 through the classes, a run of steps each: each timed step's batch, width and milliseconds, with
 the tokens its group had committed by then, so that a replay takes a width's time from the
 machine as it was at that point of the run (the batch shrinking as requests finish, the contexts
-growing, the machine's load).
+growing, the machine's load). Also the step times the engine measured when it started, which
+its policy starts from.
 
     python -m blockspec.bench.width_trace --model M --draft D --batch-size 16 --limit 64 \\
         --set humaneval --humaneval HumanEval.jsonl.gz --out trace.json"""
@@ -69,11 +70,16 @@ class ForcedWidths(AdaptiveWidth):
 
 def record(llm: LLM, prompts: list[list[int]], params: SamplingParams, group: int) -> dict:
     """The trace of `prompts` decoded in groups of `group` on `llm` (an engine with adaptive width,
-    so that it holds every width class): {"requests": [{"group", "tokens", "accepted"}], "timed":
-    [[group, batch, width, ms, tokens], ...]}."""
+    so that it holds every width class): {"start": {bucket: {width: ms}} the engine timed when it
+    started, "requests": [{"group", "tokens", "accepted"}], "timed": [[group, batch, width, ms,
+    tokens], ...]}."""
     engine = llm.engine
     if engine.adaptive is None:
         raise ValueError("a width trace needs an engine with adaptive width (every width class)")
+    start = {  # the step times the engine measured when it started (`AdaptiveWidth.start_from`)
+        batch: {w: round(costs.seconds * r * 1e3, 4) for w, r in costs.ratio.items()}
+        for batch, costs in engine.adaptive.costs.items()
+    }
     groups = [prompts[i : i + group] for i in range(0, len(prompts), group)]
     runs = {}
     for cycle in (False, True):
@@ -90,7 +96,7 @@ def record(llm: LLM, prompts: list[list[int]], params: SamplingParams, group: in
         for g, group_outs in enumerate(outs)
         for o in group_outs
     ]
-    return {"requests": requests, "timed": runs[True][2]}
+    return {"start": start, "requests": requests, "timed": runs[True][2]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
