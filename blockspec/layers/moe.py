@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers.activation import silu_mul_ref
 from blockspec.layers.fast_path import cuda_compiled, fast_kernels
 from blockspec.layers.linear import Linear, gemm
 from blockspec.layers.mlp import MLP
@@ -81,9 +81,9 @@ def route(logits: torch.Tensor, m: MoESpec) -> tuple[torch.Tensor, torch.Tensor]
 
 def expert_activation(gate_up: torch.Tensor, m: MoESpec) -> torch.Tensor:
     """[..., 2I] (gate | up) -> [..., I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
     if m.activation == "swiglu":
-        return elementwise(F.silu, gate) * up
+        return silu_mul_ref(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     gate, up = gate.clamp(max=m.swiglu_limit), up.clamp(-m.swiglu_limit, m.swiglu_limit)
     return gate * elementwise(torch.sigmoid, gate * m.swiglu_alpha) * (up + 1)
 
