@@ -540,9 +540,11 @@ class RecordedBatches:
     """A device replayed from a trace of `blockspec.bench.width_trace`: groups of requests decoded
     together, each group's rows finishing at their recorded lengths. A row at position n accepts
     what its full block there accepted (less the positions since that block's start), cut to the
-    step's drafts; a step of width w at batch b takes the time of the forced run's latest step of
-    that width, bucket and group at or before the group's tokens so far (its first, before any;
-    the nearest bucket timed at that width where this one never was)."""
+    step's drafts (a block started mid-way through a recorded one would draft afresh and may accept
+    more: narrow blocks are replayed a little short); a step of width w at batch b takes the time
+    of the forced run's latest step of that width, bucket and group at or before the group's tokens
+    so far (its first, before any; the nearest bucket, then another group's, timed at that width
+    where this one never was)."""
 
     def __init__(self, path: Path) -> None:
         trace = json.loads(path.read_text())
@@ -566,8 +568,9 @@ class RecordedBatches:
 
     def seconds(self, group: int, batch: int, width: int, tokens: int) -> float:
         bucket = round_up(batch, BATCH_BUCKETS)
-        timed = [b for g, b, w in self.timed if g == group and w == width]
-        done, seconds = self.timed[group, min(timed, key=lambda b: (abs(b - bucket), b)), width]
+        timed = [(g != group, abs(b - bucket), b, g) for g, b, w in self.timed if w == width]
+        _, _, b, g = min(timed)  # this group's nearest bucket timed at that width, else another group's
+        done, seconds = self.timed[g, b, width]
         return seconds[max(bisect.bisect_right(done, tokens) - 1, 0)]
 
     def speed(self, choose, policy: AdaptiveWidth | None = None) -> float:
@@ -599,7 +602,7 @@ def test_recorded_batch_traces_adaptive_within_3_percent_of_the_best_fixed_width
     """Groups of requests decoded together, replayed from traces recorded on real prompts
     (`blockspec.bench.width_trace`): as rows finish the batch falls through the buckets, each
     timed as it was in that part of the run; the policy starts from the engine's times at its
-    start (batch 1 on the CPU). The requests' second pass, as the acceptance bench reports it: the
+    start (on the CPU batch 1 only, which a group of 16 does not reach until its last rows). The requests' second pass, as the acceptance bench reports it: the
     first pays for the first timings of every width at each bucket the engine did not time at its
     start (at batch 16 on the CPU, about half the first pass's speed)."""
     device = RecordedBatches(BATCH_TRACES / trace)

@@ -19,6 +19,7 @@ from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target,
 from blockspec import LLM, SamplingParams
 from blockspec.bench import acceptance, arrival, bench, determinism, meta, report, width_trace
 from blockspec.config import EngineConfig
+from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
 from blockspec.layers.linear import Linear
 from blockspec.loading.hf import load_target
@@ -197,8 +198,13 @@ def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path
     for r in trace["requests"]:
         ends = [start + accepted + 1 for start, accepted in r["accepted"]]
         assert [start for start, _ in r["accepted"]] == [0, *ends[:-1]] and ends[-1] >= r["tokens"] == 12
+        assert r["accepted"][-1][0] < r["tokens"]  # no step recorded past the request's end
     assert len({w for _, _, w, _, _ in trace["timed"]}) > 1 and all(ms > 0 for *_, ms, _ in trace["timed"])
     assert all(batch <= (2 if g == 0 else 1) and tokens >= 0 for g, batch, _, _, tokens in trace["timed"])
+    for g in (0, 1):  # a group's tokens only grow along its steps
+        tokens = [t for group, *_, t in trace["timed"] if group == g]
+        assert tokens == sorted(tokens)
+    assert type(llm.engine.adaptive) is AdaptiveWidth  # the engine's own policy back
     no_adaptive = LLM(str(target), {"model": str(tmp_path / "d"), "adaptive_width": False}, "cpu", "float32")
     with pytest.raises(ValueError, match="adaptive width"):
         width_trace.record(no_adaptive, prompts, SamplingParams(max_tokens=4), 1)

@@ -81,15 +81,18 @@ def record(llm: LLM, prompts: list[list[int]], params: SamplingParams, group: in
         for batch, costs in engine.adaptive.costs.items()
     }
     groups = [prompts[i : i + group] for i in range(0, len(prompts), group)]
-    runs = {}
-    for cycle in (False, True):
-        policy = engine.adaptive = ForcedWidths(engine.max_width, engine.adaptive.run_length, cycle)
-        outs, timed = [], []
-        for g, batch in enumerate(groups):
-            policy.tokens, first = 0, len(policy.timed)
-            outs.append(llm.generate(batch, params))
-            timed += [[g, *step] for step in policy.timed[first:]]
-        runs[cycle] = outs, policy, timed
+    runs, adaptive = {}, engine.adaptive
+    try:
+        for cycle in (False, True):
+            policy = engine.adaptive = ForcedWidths(engine.max_width, adaptive.run_length, cycle)
+            outs, timed = [], []
+            for g, batch in enumerate(groups):
+                policy.tokens, first = 0, len(policy.timed)
+                outs.append(llm.generate(batch, params))
+                timed += [[g, *step] for step in policy.timed[first:]]
+            runs[cycle] = outs, policy, timed
+    finally:
+        engine.adaptive = adaptive
     outs, full, _ = runs[False]
     requests = [
         {"group": g, "tokens": len(o.outputs[0].token_ids), "accepted": full.accepted.get(o.request_id, [])}
