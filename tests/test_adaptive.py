@@ -475,6 +475,19 @@ def test_a_step_left_in_flight_by_finished_sequences_is_not_timed(tmp_path) -> N
 TRACES = Path(__file__).parent / "fixtures" / "width_traces"
 
 
+def block_accepted(blocks: list[list[int]], position: int, width: int) -> int:
+    """Drafts a step of `width` rows from `position` accepts, from the full blocks [start, accepted]
+    decoded there: what the block holding the position accepted after it, cut to width - 1."""
+    k = bisect.bisect_right([start for start, _ in blocks], position) - 1
+    start, accepted = blocks[k]
+    return min(accepted - (position - start), width - 1)
+
+
+def latest(marks: list[int], seconds: list[float], at: int) -> float:
+    """The time of the latest timing marked at or before `at` (the first, before any)."""
+    return seconds[max(bisect.bisect_right(marks, at) - 1, 0)]
+
+
 class RecordedDevice:
     """A device replayed from a recorded trace (tests/fixtures/width_traces): requests decoded once
     at the full block (each block's accepted drafts, by the position it started at) and once with
@@ -486,20 +499,17 @@ class RecordedDevice:
 
     def __init__(self, path: Path) -> None:
         trace = json.loads(path.read_text())
-        self.starts, self.accepted = zip(*trace["full"])
+        self.blocks = trace["full"]
         self.timed = {}
         for width, ms, start in trace["cycle"]:
             starts, seconds = self.timed.setdefault(width, ([], []))
             starts.append(start)
             seconds.append(ms / 1000)
-        self.total = self.starts[-1] + self.accepted[-1] + 1
+        self.total = sum(self.blocks[-1]) + 1
 
     def step(self, width: int, position: int) -> tuple[int, float]:
         """(accepted drafts, seconds) of a step of `width` rows from `position`."""
-        k = bisect.bisect_right(self.starts, position) - 1
-        accepted = min(self.accepted[k] - (position - self.starts[k]), width - 1)
-        starts, seconds = self.timed[width]
-        return accepted, seconds[max(bisect.bisect_right(starts, position) - 1, 0)]
+        return block_accepted(self.blocks, position, width), latest(*self.timed[width], position)
 
     def speed(self, choose) -> float:
         """Tokens per second decoding the recorded text with widths from choose(width, seconds,
@@ -559,19 +569,11 @@ class RecordedBatches:
             done.append(tokens)
             seconds.append(ms / 1000)
 
-    @staticmethod
-    def accepted(request: dict, position: int, width: int) -> int:
-        starts = [start for start, _ in request["accepted"]]
-        k = bisect.bisect_right(starts, position) - 1
-        start, accepted = request["accepted"][k]
-        return min(accepted - (position - start), width - 1)
-
     def seconds(self, group: int, batch: int, width: int, tokens: int) -> float:
         bucket = round_up(batch, BATCH_BUCKETS)
         timed = [(g != group, abs(b - bucket), b, g) for g, b, w in self.timed if w == width]
         _, _, b, g = min(timed)  # this group's nearest bucket timed at that width, else another group's
-        done, seconds = self.timed[g, b, width]
-        return seconds[max(bisect.bisect_right(done, tokens) - 1, 0)]
+        return latest(*self.timed[g, b, width], tokens)
 
     def speed(self, choose, policy: AdaptiveWidth | None = None) -> float:
         """Tokens per second decoding every group with widths from choose(batch, limit, rows); a
@@ -584,7 +586,7 @@ class RecordedBatches:
                 names, caps = [f"{group}-{i}" for i in live], [requests[i]["tokens"] - position[i] for i in live]
                 width = choose(len(live), max(caps), names)
                 rows = [min(width, cap) for cap in caps]
-                accepted = [self.accepted(requests[i], position[i], w) for i, w in zip(live, rows)]
+                accepted = [block_accepted(requests[i]["accepted"], position[i], w) for i, w in zip(live, rows)]
                 seconds = self.seconds(group, len(live), width, done)
                 if policy is not None:
                     policy.observe(len(live), width, seconds, [w - 1 for w in rows], accepted, (), names)
@@ -602,9 +604,10 @@ def test_recorded_batch_traces_adaptive_within_3_percent_of_the_best_fixed_width
     """Groups of requests decoded together, replayed from traces recorded on real prompts
     (`blockspec.bench.width_trace`): as rows finish the batch falls through the buckets, each
     timed as it was in that part of the run; the policy starts from the engine's times at its
-    start (on the CPU batch 1 only, which a group of 16 does not reach until its last rows). The requests' second pass, as the acceptance bench reports it: the
-    first pays for the first timings of every width at each bucket the engine did not time at its
-    start (at batch 16 on the CPU, about half the first pass's speed)."""
+    start (on the CPU batch 1 only, which a group of 16 does not reach until its last rows). The
+    requests' second pass, as the acceptance bench reports it: the first pays for the first
+    timings of every width at each bucket the engine did not time at its start (at batch 16 on the
+    CPU, about half the first pass's speed)."""
     device = RecordedBatches(BATCH_TRACES / trace)
     classes = width_classes(16)
     fixed = {w: device.speed(lambda batch, limit, rows, w=w: min(w, round_up(limit, classes))) for w in classes}

@@ -22,7 +22,7 @@ import numpy as np
 
 from blockspec.bench.acceptance import humaneval_prompts, mtbench_prompts
 from blockspec.bench.meta import run_meta
-from blockspec.engine.adaptive import AdaptiveWidth
+from blockspec.engine.adaptive import AdaptiveWidth, is_timing
 from blockspec.llm import DEFAULT_DRAFTER, LLM
 from blockspec.sampling import SamplingParams
 
@@ -59,7 +59,7 @@ class ForcedWidths(AdaptiveWidth):
         rows: list[str] = (),
         confidence: list[np.ndarray | None] = (),
     ) -> None:
-        if seconds and all(w in (None, width) for w in beside):
+        if is_timing(width, seconds, beside):
             self.timed.append([batch, width, round(seconds * 1e3, 4), self.tokens])
         for row, n in zip(rows, accepted):
             start = self.positions.get(row, 0)

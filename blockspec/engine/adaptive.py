@@ -61,6 +61,12 @@ def first_run_length(run_length: int) -> int:
     return run_length + SAMPLES if run_length > 1 else 1
 
 
+def is_timing(width: int, seconds: float | None, beside: tuple[int | None, ...]) -> bool:
+    """Whether a step's wall time times its width class: it has one (None: not a timing; a zero
+    would make no ratio) and the host work in it was of steps of the same width (`beside`)."""
+    return bool(seconds) and all(w in (None, width) for w in beside)
+
+
 def width_classes(max_width: int) -> tuple[int, ...]:
     """1, 2, 4, ... and max_width: the widths steps run at (and CUDA graphs are captured for)."""
     return tuple(sorted({min(2**i, max_width) for i in range(max_width.bit_length() + 1)}))
@@ -300,8 +306,7 @@ class AdaptiveWidth:
         sequences' request ids `rows` (none: the counts of all sequences only) and, where the
         drafter predicts them, each one's confidences of its drafts (None: none)."""
         self.width_steps[width] += 1
-        unshared = all(w in (None, width) for w in beside)
-        if seconds and unshared:  # None: not a timing (and a zero would make no ratio)
+        if is_timing(width, seconds, beside):
             self.bucket(batch).record(width, seconds)
         if not any(offered):  # a plain step: it tells nothing, and the rates age by drafts seen
             return

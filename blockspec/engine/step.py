@@ -302,11 +302,11 @@ def finish_step(step: LaunchedStep) -> list[StepOutput]:
     rows = step.host.tolist()
     a, b, d = StepOutcome.ACCEPTED, StepOutcome.BONUS, StepOutcome.DRAFTS
     outputs = [StepOutput(r[d : d + r[a]] + [r[b]], r[d : d + w - 1]) for r, w in zip(rows, step.widths)]
-    if step.confident:  # after the drafts, as many columns of their confidences
-        known = step.host[:, -1] >= 0 if step.host.shape[1] > d else None
-        confidence = step.host[:, d + (step.host.shape[1] - d) // 2 :].numpy() / StepOutcome.CONFIDENCE_SCALE
-        for i, (out, w) in enumerate(zip(outputs, step.widths)):
-            out.confidence = confidence[i, : w - 1] if known is not None and known[i] else None
+    columns = step.host.shape[1]
+    if step.confident and columns > d:  # after the drafts, as many columns of their confidences
+        confidence = step.host[:, (columns + d) // 2 :].numpy() / StepOutcome.CONFIDENCE_SCALE
+        for out, c, w in zip(outputs, confidence, step.widths):
+            out.confidence = c[: w - 1] if c[-1] >= 0 else None  # negative: drafts made before the step
     if step.logprobs is not None:
         for seq, out, rows_lp in zip(step.seqs, outputs, step.logprobs.tolist()):
             if seq.params.logprobs is not None:
