@@ -64,10 +64,19 @@ def test_width_classes() -> None:
     assert width_classes(1) == (1,)
 
 
-def test_every_width_is_timed_first_widest_down_each_beside_the_widest() -> None:
-    chosen = widths(run(AdaptiveWidth(16), lambda w: 1.0 + 0.5 * w, 0.5, 31))
-    warm_up, widest = [16, 8, 4, 2, 1], [16] * 3
-    assert chosen == warm_up + widest + [8, 16] * 3 + [4, 16] * 3 + [2, 16] * 3 + [1, 16] * 2 + [1]
+def test_every_width_is_timed_first_beside_the_narrowest() -> None:
+    """A bucket's first steps: a warm-up of each width (its graph capture), narrowest first; then
+    a timing of each, widest first, each beside a step of the narrowest, the cheapest; then more
+    timings of the widths that may win. At acceptance 0.5 and a row costing half a plain step, the
+    full block commits about 2 tokens for 6 plain steps' time: it is timed once."""
+    chosen = widths(run(AdaptiveWidth(16), lambda w: 1.0 + 0.5 * w, 0.5, 25))
+    assert chosen == [1, 2, 4, 8, 16] + [1, 16, 1, 8, 1, 4, 1, 2] + [1, 8, 1, 4, 1, 2] * 2
+
+
+def test_without_graph_capture_a_first_step_is_a_timing() -> None:
+    """On a CPU no step builds anything, so the first step of a width times it: no warm-ups."""
+    chosen = widths(run(AdaptiveWidth(16, captures=False), lambda w: 1.0 + 0.5 * w, 0.5, 20))
+    assert chosen == [1, 16, 1, 8, 1, 4, 1, 2] + [1, 8, 1, 4, 1, 2] * 2
 
 
 def test_flat_cost_keeps_the_widest_block() -> None:
@@ -84,7 +93,6 @@ def test_row_cost_and_poor_acceptance_narrow_the_block() -> None:
     trace = run(AdaptiveWidth(16), cost, 0.5, 400)
     late = widths(trace)[-128:]
     assert max(set(late), key=late.count) == 2
-    assert 16 in widths(trace)[20:]  # a full-width step now and then keeps far positions measured
     assert speed_over_best_fixed_width(trace, cost, 0.5) > 0.97
 
 
@@ -116,14 +124,14 @@ def whole_run_speed(trace, batch: int) -> float:
 def test_widths_timed_at_start_spare_a_short_run_its_first_timings(run_length) -> None:
     """The H200 at batch 16, MT-Bench at T=0.7, as the acceptance bench runs it: a batch of
     requests of 192 tokens, about 150 steps in all, where plain decoding wins. Timing every width
-    on live steps first spends about 30 steps at widths twice as slow as plain ones, 7% of the
+    on live steps first spends 16-24 steps at widths twice as slow as plain ones, about 5% of the
     run; from step times measured at start the policy decodes plainly from its first steps."""
     cost = lambda w: 1.0 if w == 1 else 2.0 + 0.02 * w
     live = run(AdaptiveWidth(16, run_length), cost, 0.45, 150, batch=16)
     policy = AdaptiveWidth(16, run_length)
     policy.start_from({16: {w: cost(w) for w in policy.classes}})
     started = run(policy, cost, 0.45, 150, batch=16)
-    assert whole_run_speed(live, 16) < 0.94 and whole_run_speed(started, 16) > 0.97
+    assert whole_run_speed(live, 16) < 0.96 and whole_run_speed(started, 16) > 0.98
     assert widths(started).count(1) >= 140
 
 
@@ -186,11 +194,11 @@ def test_expected_tokens_kept_over_plain_steps_follow_the_next_drafts() -> None:
     before = policy.expected_tokens(rows=["a", "b"]).copy()
     policy.observe(2, 1, None, [0, 0], [0, 0], (), ["a", "b"])
     assert policy.expected_tokens(rows=["a", "b"]).tolist() == before.tolist()
-    assert policy.expected_tokens(rows=["b"]).tolist() == fresh.estimate(0.0, ["b"]).tolist() != before.tolist()
+    assert policy.expected_tokens(rows=["b"]).tolist() == fresh.estimate(["b"]).tolist() != before.tolist()
     for p in (policy, fresh):
         p.observe(2, 4, None, [3, 3], [0, 0], (), ["a", "b"])
     after = policy.expected_tokens(rows=["a", "b"])
-    assert after.tolist() == fresh.estimate(0.0, ["a", "b"]).tolist() and after[3] < before[3]
+    assert after.tolist() == fresh.estimate(["a", "b"]).tolist() and after[3] < before[3]
 
 
 def test_rows_capped_by_max_tokens_are_timed_at_the_class_they_run() -> None:
@@ -293,8 +301,8 @@ def test_steps_run_ahead_are_timed_by_their_own_host_work(case) -> None:
     fixed = {w: run_ahead(FixedWidth(w), *args)[0] for w in (1, 2, 4, 8, 16)}
     assert max(fixed, key=fixed.get) == best
     speed, chosen = run_ahead(AdaptiveWidth(16, run_length=3), *args)
-    # first runs, widest down: a warm-up, three timings, and the two ends whose time is not their own
-    assert chosen[:30] == [w for w in (16, 8, 4, 2, 1) for _ in range(6)]
+    # first runs, narrowest first: a warm-up, three timings, and the two ends whose time is not their own
+    assert chosen[:30] == [w for w in (1, 2, 4, 8, 16) for _ in range(6)]
     assert chosen[-256:].count(best) >= 230 and speed > 0.97 * fixed[best]
     blind_speed, _ = run_ahead(AdaptiveWidth(16, run_length=3), *args, beside=False)
     assert blind_speed < blind_reaches * fixed[best]
@@ -350,7 +358,7 @@ def test_the_engine_times_its_widths_when_it_starts(tmp_path, async_steps) -> No
     assert list(costs) == [1] and set(costs[1].ratio) == set(width_classes(8))
     assert costs[1].current == 8 and costs[1].ratio[8] == 1.0 and costs[1].seconds > 0
     assert all(r > 0 for r in costs[1].ratio.values())
-    assert AdaptiveWidth(8).first_timings(costs[1], list(width_classes(8))) is None
+    assert AdaptiveWidth(8).first_timings(costs[1], list(width_classes(8)), []) is None
     # each request's own counts while it runs, gone when it finishes
     policy, seen = llm.engine.adaptive, []
     observe = policy.observe
@@ -382,7 +390,7 @@ def test_steps_that_do_not_run_the_chosen_width_are_not_timed(tmp_path) -> None:
     policy = AdaptiveWidth(16)
     policy.observe(1, 16, None, [15], [3])  # e.g. a prefill ran first, or the step was left in flight
     policy.observe(1, 16, None, [15], [3])
-    assert policy.costs == {} and policy.choose(1, 16) == 16
+    assert policy.costs == {} and policy.choose(1, 16) == 1
     assert policy.counts.trials[:4].tolist() == [0.99 + 1] * 4  # acceptance still counts
 
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
@@ -443,13 +451,13 @@ def test_simulated_acceptance_draws_at_the_widths_the_steps_run(tmp_path) -> Non
     and with adaptive width's narrower steps, launched ahead and not."""
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
     d = make_drafter(tmp_path / "d", t, block_size=8)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     for adaptive, async_steps in ((False, False), (True, True)):
         spec = {"model": str(d), "simulate_tau": 5.0, "adaptive_width": adaptive}
         llm = LLM(str(t), spec, device="cpu", page_size=4, async_steps=async_steps)
         out = llm.generate([list(range(1, 30)), [3, 4] * 6], params)
         for o in out:
-            assert len(o.outputs[0].token_ids) == 40 and sum(o.metrics.acceptance_lengths) == 40
+            assert len(o.outputs[0].token_ids) == 80 and sum(o.metrics.acceptance_lengths) == 80
             assert max(o.metrics.acceptance_lengths) <= llm.engine.max_width
         lengths = [a for o in out for a in o.metrics.acceptance_lengths]
         assert max(lengths) > 1 and 2 < sum(lengths) / len(lengths) < 8  # random drafts of 128 tokens would not be
@@ -539,7 +547,7 @@ def test_recorded_traces_adaptive_within_3_percent_of_the_best_fixed_width(trace
     the machine's moods, not the widths."""
     device = RecordedDevice(TRACES / trace)
     fixed = {w: device.speed(lambda last, w=w: w) for w in width_classes(16)}
-    adaptive = device.speed(adaptive_choice(AdaptiveWidth(16)))
+    adaptive = device.speed(adaptive_choice(AdaptiveWidth(16, captures=False)))
     assert adaptive >= 0.97 * max(fixed.values()), (adaptive, fixed)
 
 
@@ -558,6 +566,7 @@ class RecordedBatches:
 
     def __init__(self, path: Path) -> None:
         trace = json.loads(path.read_text())
+        self.captures = not trace["meta"]["device"].startswith("cpu")  # a CUDA graph at a width's first step
         # the step times the engine measured when it started, which its policy starts from
         self.start = {int(b): {int(w): ms / 1000 for w, ms in t.items()} for b, t in trace["start"].items()}
         self.groups: dict[int, list[dict]] = {}
@@ -605,17 +614,19 @@ def test_recorded_batch_traces_adaptive_within_3_percent_of_the_best_fixed_width
     (`blockspec.bench.width_trace`): as rows finish the batch falls through the buckets, each
     timed as it was in that part of the run; the policy starts from the engine's times at its
     start (on the CPU batch 1 only, which a group of 16 does not reach until its last rows). The
-    requests' second pass, as the acceptance bench reports it: the first pays for the first
-    timings of every width at each bucket the engine did not time at its start (at batch 16 on the
-    CPU, about half the first pass's speed)."""
+    requests' second pass, as the acceptance bench reports it, within 3% of the best fixed width;
+    the first, which pays for the first timings of every width at each bucket the engine did not
+    time at its start, within a fifth (timing each width SAMPLES times beside the widest, at
+    batch 16 on the CPU, costs half its speed)."""
     device = RecordedBatches(BATCH_TRACES / trace)
     classes = width_classes(16)
     fixed = {w: device.speed(lambda batch, limit, rows, w=w: min(w, round_up(limit, classes))) for w in classes}
-    policy = AdaptiveWidth(16)
+    policy = AdaptiveWidth(16, captures=device.captures)
     policy.start_from(device.start)
     first = device.speed(policy.choose, policy)
     second = device.speed(policy.choose, policy)
-    assert second >= 0.97 * max(fixed.values()), (first, second, fixed)
+    best = max(fixed.values())
+    assert second >= 0.97 * best and first >= 0.8 * best, (first, second, fixed)
 
 
 def stretches_run(policy: AdaptiveWidth, cost, confident: bool, scale: float = 1.0, steps: int = 600) -> float:

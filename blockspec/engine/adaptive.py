@@ -14,11 +14,10 @@ Step times drift: contexts grow, and a machine's load comes and goes, so two wid
 minutes apart differ by more than their own costs do. Widths are therefore compared by the ratio
 of their step time to the current width's, each measured beside it: the current width's time
 follows its recent steps, and every other width is timed again now and then, in the step after
-one of the current width's, as often as keeps the time it loses within `EXPLORE_SHARE` of all
-step time (this also keeps the acceptance rates of the far positions, which only full blocks
-reach, current). A bucket first runs each width once untimed (graph capture, caches), widest
-down, then times each `SAMPLES` times, each step beside one of the widest, unless the engine
-timed its steps when it started (`start_from`). Those times leave out the host's commits, which
+one of the current width's, as often as keeps the time it is expected to lose within
+`EXPLORE_SHARE` of all step time. A bucket first runs each width once untimed where that step
+captures a CUDA graph, then times each up to `SAMPLES` times, each step beside one of the
+narrowest (the cheapest), unless the engine timed its steps when it started (`start_from`). Those times leave out the host's commits, which
 every width pays alike, so where the host bounds a step they set widths too far apart: a width's
 first live timing replaces its start time, and a close rival still timed only at the start is
 timed live at its first chance. The width never changes the output (in exact arithmetic), only
@@ -47,17 +46,17 @@ DECAY = 0.99  # per step that drafts, on acceptance counts: about the last hundr
 LEVEL_EMA = 0.3  # weight of a new step time in the current width's: it follows the drift
 RATIO_EMA = 0.2  # weight of a new sample in another width's ratio, after its first SAMPLES
 EXPLORE_SHARE = 0.01  # of the step time, at most this goes to widths the policy would not choose
-OPTIMISM = 1.5  # standard errors above the acceptance rates when pricing a width's next timing
 PRIOR = 4.0  # weight, in steps, of the pooled acceptance rate in each position's rate
 ROW_PRIOR = 4.0  # weight, in drafts reached, of all sequences' rate in one sequence's rate
 VERIFY_LOSS = 0.25  # of a step: a close rival whose time is the start's alone is timed live at once
 SAMPLES = 3  # timed steps of each width class before the policy chooses among them
+HOPELESS = 0.5  # of the best timed width's speed: a width slower than this is timed no more at first
 RUN_AHEAD_RUN = 3  # steps in a row where steps run ahead: the middle one holds only its own host work
 
 
 def first_run_length(run_length: int) -> int:
     """Steps of a bucket's first run of a width: where runs are longer than one step, its warm-up
-    and SAMPLES timings inside one run; else one step (the timings follow beside the widest)."""
+    and SAMPLES timings inside one run; else one step (the timings follow beside the narrowest)."""
     return run_length + SAMPLES if run_length > 1 else 1
 
 
@@ -86,6 +85,7 @@ class BucketCosts:
     repeat: int | None = None  # the width of the run of steps under way
     repeats: int = 0  # steps of it still due
     started: set[int] = field(default_factory=set)  # widths whose times are the start's (`start_from`) alone
+    warm_up: bool = True  # a width's first step captures its CUDA graph: no timing
 
     def rebase(self, width: int) -> None:
         """Make `width` the current one: its estimated time the level, the ratios relative to it."""
@@ -96,13 +96,14 @@ class BucketCosts:
 
     def record(self, width: int, seconds: float) -> None:
         """A step of `width` took `seconds`: its width's first step is a warm-up (graph capture)
-        and not a timing; the current width's moves the level, any other's its ratio. A width's
-        first live timing replaces a time from the start, which left out the host's commits."""
+        where the bucket has one and not a timing; the current width's moves the level, any other's
+        its ratio. A width's first live timing replaces a time from the start, which left out the
+        host's commits."""
         for w in self.since:
             self.since[w] += seconds
         self.since[width] = 0.0
-        n = self.steps.get(width, 0)
-        self.steps[width] = n + 1
+        self.steps[width] = self.steps.get(width, 0) + 1
+        n = self.timings(width)
         if n == 0:
             return
         first = width in self.started
@@ -115,6 +116,11 @@ class BucketCosts:
             old = self.ratio.get(width, sample)
             self.ratio[width] = old + (1.0 if first else max(RATIO_EMA, 1 / n)) * (sample - old)
         self.last = width
+
+    def timings(self, width: int) -> int:
+        """The steps of `width` that timed it (all but a warm-up)."""
+        n = self.steps.get(width, 0)
+        return max(n - 1, 0) if self.warm_up else n
 
 
 @dataclass
@@ -160,16 +166,17 @@ def drafts_seen(offered: list[int], accepted: list[int], positions: int) -> np.n
 
 
 class AdaptiveWidth:
-    def __init__(self, max_width: int, run_length: int = 1) -> None:
+    def __init__(self, max_width: int, run_length: int = 1, captures: bool = True) -> None:
         self.classes = width_classes(max_width)
         self.run_length = run_length  # steps in a row at each width chosen
+        self.captures = captures  # a bucket's first step of a width captures its CUDA graph
         self.counts = AcceptCounts.zeros(max_width - 1)  # all sequences'
         self.own = AcceptCounts.zeros(0, max_width - 1)  # each running sequence's, at its slot
         self.slots: dict[str, int] = {}  # request id -> its row of `own`
         self.free: list[int] = []  # rows of `own` that finished sequences left
         self.costs: dict[int, BucketCosts] = {}  # batch bucket -> its step times
         self.width_steps = dict.fromkeys(self.classes, 0)  # steps run at each width class (for benchmarks)
-        self.estimates: dict[float, tuple[tuple[str, ...], np.ndarray]] = {}  # optimism -> (rows, E(w))
+        self.estimates: tuple[tuple[str, ...], np.ndarray] | None = None  # (rows, E(w)) last computed
         # [0, k]: confidences of draft k+1 where reached, [1, k]: those accepted (all sequences')
         self.calibration = AcceptCounts.zeros(max_width - 1)
         self.confidence: dict[str, np.ndarray] = {}  # request id -> its latest drafts' confidences (NaN: none)
@@ -186,33 +193,26 @@ class AdaptiveWidth:
             costs.since = dict.fromkeys(times, 0.0)
             costs.started = set(times)
 
-    def expected_tokens(self, optimism: float = 0.0, rows: list[str] = ()) -> np.ndarray:
+    def expected_tokens(self, rows: list[str] = ()) -> np.ndarray:
         """E(w) for every width w = 1 .. max (index w - 1), the mean of the sequences `rows`'
-        (none: of any sequence); with `optimism`, from rates that many standard errors above
-        their estimates (seldom seen rates, high). Kept until the counts or the rows change: over
-        a run of plain steps neither does."""
+        (none: of any sequence). Kept until the counts or the rows change: over a run of plain
+        steps neither does."""
         key = tuple(rows)
-        known = self.estimates.get(optimism)
-        if known is None or known[0] != key:
-            known = self.estimates[optimism] = key, self.estimate(optimism, rows)
-        return known[1]
+        if self.estimates is None or self.estimates[0] != key:
+            self.estimates = key, self.estimate(rows)
+        return self.estimates[1]
 
-    def estimate(self, optimism: float, rows: list[str]) -> np.ndarray:
+    def estimate(self, rows: list[str]) -> np.ndarray:
         """`expected_tokens`, computed."""
         # Each position's rate leans on the pooled rate of all positions where its own counts are
         # few: far positions, seen only at full width, are not pulled toward an arbitrary prior.
         trials, hits = self.counts.counts.sum(1)
         pooled = (hits + 1) / (trials + 2)
-        seen = self.counts.trials + PRIOR
-        rates = (self.counts.hits + PRIOR * pooled) / seen
-        if optimism:
-            rates = np.minimum(rates + optimism * np.sqrt(rates * (1 - rates) / seen), 1.0)
+        rates = (self.counts.hits + PRIOR * pooled) / (self.counts.trials + PRIOR)
         known = [r for r in rows if r in self.slots]
         if known:  # [R, positions]: each sequence's rates, leaning on all sequences' where its counts are few
             own = self.own.counts[[self.slots[r] for r in known]]
-            rates = (own[:, 1] + ROW_PRIOR * rates) / (own[:, 0] + ROW_PRIOR)
-            if not optimism:
-                rates = self.confident_rates(rates, known)
+            rates = self.confident_rates((own[:, 1] + ROW_PRIOR * rates) / (own[:, 0] + ROW_PRIOR), known)
         expected = np.ones(rates.shape[-1] + 1)
         expected[1:] += np.cumprod(np.atleast_2d(rates), axis=1).cumsum(axis=1).mean(0)
         return expected
@@ -230,7 +230,7 @@ class AdaptiveWidth:
         return round_up(rows, self.classes)
 
     def bucket(self, batch: int) -> BucketCosts:
-        return self.costs.setdefault(round_up(batch, BATCH_BUCKETS), BucketCosts())
+        return self.costs.setdefault(round_up(batch, BATCH_BUCKETS), BucketCosts(warm_up=self.captures))
 
     def choose(self, batch: int, limit: int, rows: list[str] = ()) -> int:
         """The width class of a step of `batch` sequences (their request ids `rows`), none of which
@@ -250,7 +250,7 @@ class AdaptiveWidth:
 
     def next_width(self, costs: BucketCosts, allowed: list[int], rows: list[str]) -> int:
         """The width of the next run of steps: the first timings, else the best, or another due a timing."""
-        first = self.first_timings(costs, allowed)
+        first = self.first_timings(costs, allowed, rows)
         if first is not None:
             return first
         expected = self.expected_tokens(rows=rows)
@@ -259,34 +259,42 @@ class AdaptiveWidth:
             return best
         if best != costs.current:
             costs.rebase(best)
-        return best if costs.last != best else self.retime(costs, allowed, best, expected, rows)
+        return best if costs.last != best else self.retime(costs, allowed, best, expected)
 
-    def first_timings(self, costs: BucketCosts, allowed: list[int]) -> int | None:
-        """The width of a bucket's next run while it has not timed every width yet: a first run of
-        each, widest first (`first_run_length`), then, until each has SAMPLES timings, runs of
-        each beside runs of the widest."""
+    def first_timings(self, costs: BucketCosts, allowed: list[int], rows: list[str]) -> int | None:
+        """The width of a bucket's next run while its widths are not all timed: where a first step
+        is a warm-up or runs are longer than one step, a first run of each, narrowest first
+        (`first_run_length`); then, until each has SAMPLES timings, runs of each beside runs of the
+        narrowest (the cheapest step), a timing of every width before a second of any, widest first.
+        A width that would lose more than HOPELESS of the best's speed at the acceptance rates
+        taken high is timed no more (a full block of many rows on a CPU: one step costs several)."""
         if costs.current is None:
-            costs.current, costs.ratio[allowed[-1]] = allowed[-1], 1.0
-        cold = [w for w in reversed(allowed) if w not in costs.steps]
-        if cold:
+            costs.current, costs.ratio[allowed[0]] = allowed[0], 1.0
+        cold = [w for w in allowed if w not in costs.steps]
+        if cold and (costs.warm_up or self.run_length > 1):
             return cold[0]
-        untimed = [w for w in reversed(allowed) if w not in costs.ratio or costs.steps[w] <= SAMPLES]
+        untimed = [w for w in reversed(allowed) if costs.timings(w) < SAMPLES and not self.hopeless(costs, w, rows)]
         if costs.current in allowed and (costs.seconds is None or (untimed and costs.last != costs.current)):
             return costs.current
-        return untimed[0] if untimed else None
+        return min(untimed, key=costs.timings, default=None)
 
-    def retime(self, costs: BucketCosts, allowed: list[int], best: int, expected: np.ndarray, rows: list[str]) -> int:
+    def hopeless(self, costs: BucketCosts, width: int, rows: list[str]) -> bool:
+        """Whether `width`, timed, commits tokens at less than HOPELESS of the best timed width's speed."""
+        if costs.timings(width) == 0 or width == costs.current:
+            return False
+        expected = self.expected_tokens(rows=rows)
+        best = max(expected[w - 1] / costs.ratio[w] for w in costs.ratio if costs.timings(w))
+        return expected[width - 1] / costs.ratio[width] < HOPELESS * best
+
+    def retime(self, costs: BucketCosts, allowed: list[int], best: int, expected: np.ndarray) -> int:
         """After a step of the best width: another width whose time since it last ran, times its
-        share of EXPLORE_SHARE, covers what a run of its steps may lose against the best committing as
-        many tokens (the longest waiting of those), else the best again. Width 1 drafts nothing, so
-        while it is best the rates go unobserved: they are taken high."""
+        share of EXPLORE_SHARE, covers what a run of its steps is expected to lose against the best
+        committing as many tokens (the longest waiting of those), else the best again."""
         share = EXPLORE_SHARE / (len(allowed) - 1)
-        hopeful = self.expected_tokens(OPTIMISM, rows) if best == 1 else expected
-        loss = {w: costs.seconds * (costs.ratio[w] - hopeful[w - 1] / expected[best - 1]) for w in allowed}
-        due = [w for w in allowed if costs.since[w] * share >= loss[w] * self.run_length]
-        # and a close rival by the estimated rates (not the hopeful ones) whose time is the start's alone
-        close = costs.started.intersection(allowed)
-        due += [w for w in close if costs.ratio[w] - expected[w - 1] / expected[best - 1] <= VERIFY_LOSS]
+        loss = {w: costs.ratio[w] - expected[w - 1] / expected[best - 1] for w in allowed}  # of a step
+        due = [w for w in allowed if costs.since[w] * share >= costs.seconds * loss[w] * self.run_length]
+        # and a close rival whose time is the start's alone
+        due += [w for w in costs.started.intersection(allowed) if loss[w] <= VERIFY_LOSS]
         return max(due, key=costs.since.__getitem__, default=best)
 
     def observe(
@@ -312,7 +320,7 @@ class AdaptiveWidth:
             return
         seen = drafts_seen(offered, accepted, self.counts.counts.shape[-1])
         self.counts.add(seen.sum(0))
-        self.estimates.clear()
+        self.estimates = None
         drafted = [i for i, n in enumerate(offered[: len(rows)]) if n]
         if drafted:
             slots = self.slot_rows([rows[i] for i in drafted])  # first: it may grow `own`
