@@ -222,7 +222,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
         else None
     )
     # Adaptive width explores its widths before it settles: where steps run ahead, a first run of each
-    # (a step to capture its graphs, SAMPLES to time it, two at its ends whose time is not its own).
+    # (a step to capture its graphs on CUDA, SAMPLES to time it, two at its ends whose time is not its own).
     first_runs = first_run_length(RUN_AHEAD_RUN) * len(width_classes(args.block_size))
     warmup = args.warmup + (first_runs if args.adaptive_width and drafter else 0)
     # Admission takes max_num_batched_tokens of prompts a step: the first admitted decode meanwhile

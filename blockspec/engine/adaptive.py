@@ -16,9 +16,9 @@ of their step time to the current width's, each measured beside it: the current 
 follows its recent steps, and every other width is timed again now and then, in the step after
 one of the current width's, as often as keeps the time it is expected to lose within
 `EXPLORE_SHARE` of all step time. A bucket first runs each width once untimed where that step
-captures a CUDA graph, then times each up to `SAMPLES` times, each step beside one of the
-narrowest (the cheapest), unless the engine timed its steps when it started (`start_from`). Those times leave out the host's commits, which
-every width pays alike, so where the host bounds a step they set widths too far apart: a width's
+builds something (a CUDA graph), then times each up to `SAMPLES` times, each step beside one of
+the narrowest (the cheapest), unless the engine timed its steps when it started (`start_from`).
+Those times leave out the host's commits, which every width pays alike, so where the host bounds a step they set widths too far apart: a width's
 first live timing replaces its start time, and a close rival still timed only at the start is
 timed live at its first chance. The width never changes the output (in exact arithmetic), only
 the speed.
@@ -34,7 +34,7 @@ Where steps run ahead (CUDA), a step's wall time is not its own: the host commit
 before it and launches the step after it while the device runs it, and on a fast device that
 host work is most of the time. A timing therefore counts only where both those neighbours ran
 its width, and the policy runs every width it chooses RUN_AHEAD_RUN steps in a row, a bucket's
-first run of each SAMPLES steps longer (its warm-up and first timings in one run)."""
+first run of each SAMPLES steps longer (its warm-up, where it has one, and first timings in one run)."""
 
 from dataclasses import dataclass, field
 
@@ -79,13 +79,13 @@ class BucketCosts:
     current: int | None = None
     seconds: float | None = None
     ratio: dict[int, float] = field(default_factory=dict)
-    steps: dict[int, int] = field(default_factory=dict)  # timed steps of each width, the warm-up one included
+    steps: dict[int, int] = field(default_factory=dict)  # steps of each width, a warm-up included
     since: dict[int, float] = field(default_factory=dict)  # seconds of steps since each width last ran
     last: int | None = None  # the width of the last timed step
     repeat: int | None = None  # the width of the run of steps under way
     repeats: int = 0  # steps of it still due
     started: set[int] = field(default_factory=set)  # widths whose times are the start's (`start_from`) alone
-    warm_up: bool = True  # a width's first step captures its CUDA graph: no timing
+    warm_up: bool = True  # a width's first step builds what it runs (a CUDA graph): no timing
 
     def rebase(self, width: int) -> None:
         """Make `width` the current one: its estimated time the level, the ratios relative to it."""
@@ -169,7 +169,7 @@ class AdaptiveWidth:
     def __init__(self, max_width: int, run_length: int = 1, captures: bool = True) -> None:
         self.classes = width_classes(max_width)
         self.run_length = run_length  # steps in a row at each width chosen
-        self.captures = captures  # a bucket's first step of a width captures its CUDA graph
+        self.captures = captures  # a bucket's first step of a width builds what it runs (a CUDA graph)
         self.counts = AcceptCounts.zeros(max_width - 1)  # all sequences'
         self.own = AcceptCounts.zeros(0, max_width - 1)  # each running sequence's, at its slot
         self.slots: dict[str, int] = {}  # request id -> its row of `own`
@@ -189,7 +189,7 @@ class AdaptiveWidth:
             costs, widest = self.bucket(batch), max(times)
             costs.current, costs.seconds = widest, times[widest]
             costs.ratio = {w: s / times[widest] for w, s in times.items()}
-            costs.steps = dict.fromkeys(times, SAMPLES + 1)
+            costs.steps = dict.fromkeys(times, SAMPLES + costs.warm_up)
             costs.since = dict.fromkeys(times, 0.0)
             costs.started = set(times)
 
@@ -266,24 +266,30 @@ class AdaptiveWidth:
         is a warm-up or runs are longer than one step, a first run of each, narrowest first
         (`first_run_length`); then, until each has SAMPLES timings, runs of each beside runs of the
         narrowest (the cheapest step), a timing of every width before a second of any, widest first.
-        A width that would lose more than HOPELESS of the best's speed at the acceptance rates
-        taken high is timed no more (a full block of many rows on a CPU: one step costs several)."""
+        A `hopeless` width is timed no more (a full block of many rows on a CPU: one step costs
+        several plain ones)."""
         if costs.current is None:
             costs.current, costs.ratio[allowed[0]] = allowed[0], 1.0
         cold = [w for w in allowed if w not in costs.steps]
         if cold and (costs.warm_up or self.run_length > 1):
             return cold[0]
-        untimed = [w for w in reversed(allowed) if costs.timings(w) < SAMPLES and not self.hopeless(costs, w, rows)]
+        untimed = [
+            w
+            for w in reversed(allowed)
+            if (w not in costs.ratio or costs.timings(w) < SAMPLES) and not self.hopeless(costs, w, allowed, rows)
+        ]
         if costs.current in allowed and (costs.seconds is None or (untimed and costs.last != costs.current)):
             return costs.current
         return min(untimed, key=costs.timings, default=None)
 
-    def hopeless(self, costs: BucketCosts, width: int, rows: list[str]) -> bool:
-        """Whether `width`, timed, commits tokens at less than HOPELESS of the best timed width's speed."""
-        if costs.timings(width) == 0 or width == costs.current:
+    def hopeless(self, costs: BucketCosts, width: int, allowed: list[int], rows: list[str]) -> bool:
+        """Whether `width`, timed, commits tokens at less than HOPELESS of the speed of the best
+        timed width of those `allowed`."""
+        timed = [w for w in allowed if w in costs.ratio and costs.timings(w)]
+        if width == costs.current or width not in timed:
             return False
         expected = self.expected_tokens(rows=rows)
-        best = max(expected[w - 1] / costs.ratio[w] for w in costs.ratio if costs.timings(w))
+        best = max(expected[w - 1] / costs.ratio[w] for w in timed)
         return expected[width - 1] / costs.ratio[width] < HOPELESS * best
 
     def retime(self, costs: BucketCosts, allowed: list[int], best: int, expected: np.ndarray) -> int:

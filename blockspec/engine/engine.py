@@ -129,7 +129,9 @@ class LLMEngine:
         self.run_ahead = run_ahead and (self.proposer is None or self.proposer.on_device)
         # Steps run ahead share their time with their neighbours' host work: runs (`adaptive`)
         run_length = RUN_AHEAD_RUN if self.run_ahead else 1
-        self.adaptive = AdaptiveWidth(self.max_width, run_length, graphs is not None) if adaptive else None
+        # On CUDA a bucket's first step of a width captures its graph or compiles: it times nothing.
+        captures = self.device.type == "cuda"
+        self.adaptive = AdaptiveWidth(self.max_width, run_length, captures) if adaptive else None
         self.in_flight: Flight | None = None
         self.grammars: Grammars | None = None  # made at the first structured request
         self.grammars_made = threading.Lock()  # `structured_outputs` runs on any thread
