@@ -671,3 +671,17 @@ def test_confidences_are_calibrated_by_the_acceptances_seen() -> None:
     offered = ~np.isnan(latest)
     assert offered[0] and np.abs(rates[offered][0] - 0.9) < 0.1
     assert np.array_equal(rates[~offered], counts[0][~offered])
+
+
+@pytest.mark.parametrize("captures", [True, False])
+def test_a_bucket_whose_first_step_allows_one_width_times_every_width_after(captures) -> None:
+    """A bucket's first step may allow width 1 alone (every row at its last token): the runs of the
+    other widths that follow it, before any level of the current width, time nothing, and the
+    policy times them again beside it rather than read ratios it never measured."""
+    policy = AdaptiveWidth(16, run_length=3, captures=captures)
+    assert policy.choose(1, 1) == 1
+    policy.observe(1, 1, 1.0, [0], [0])
+    cost = lambda w: 1.0 + 0.05 * w
+    trace = run(policy, cost, 0.9, 600)
+    assert set(policy.costs[1].ratio) == set(policy.classes)
+    assert speed_over_best_fixed_width(trace, cost, 0.9) > 0.97
