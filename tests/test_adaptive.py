@@ -355,6 +355,7 @@ def test_the_engine_times_its_widths_when_it_starts(tmp_path, async_steps) -> No
     d = make_drafter(tmp_path / "d", t, block_size=8)
     llm = LLM(str(t), {"model": str(d)}, device="cpu", async_steps=async_steps)
     costs = llm.engine.adaptive.costs
+    assert not llm.engine.adaptive.captures  # a CPU step builds nothing: its first step at a width times it
     assert list(costs) == [1] and set(costs[1].ratio) == set(width_classes(8))
     assert costs[1].current == 8 and costs[1].ratio[8] == 1.0 and costs[1].seconds > 0
     assert all(r > 0 for r in costs[1].ratio.values())
