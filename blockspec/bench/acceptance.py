@@ -52,6 +52,11 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return outs, time.perf_counter() - start
 
 
+def in_groups(prompts: list[list[int]], group: int) -> list[list[list[int]]]:
+    """The prompts in order, `group` a list (the last one the rest)."""
+    return [prompts[i : i + group] for i in range(0, len(prompts), group)]
+
+
 def grouped_generate(llm: LLM, groups: list[list[list[int]]], params: SamplingParams) -> tuple[list, float]:
     """The groups one after another: their outputs, and their seconds summed."""
     runs = [timed_generate(llm, g, params) for g in groups]
@@ -67,7 +72,7 @@ def two_passes(engines: dict[str, LLM], prompts: list[list[int]], params: Sampli
     after engine. In the second the engines take turns, a group each, each group in a rotated
     order: a machine whose speed wanders (a shared CPU, a busy host) then slows every engine alike,
     and the ratios between them hold."""
-    groups = [prompts[i : i + group] for i in range(0, len(prompts), group)]
+    groups = in_groups(prompts, group)
     first = {name: summarize(*grouped_generate(llm, groups, params)) for name, llm in engines.items()}
     adaptive = {name: llm.engine.adaptive for name, llm in engines.items() if llm.engine.adaptive is not None}
     before = {name: dict(policy.width_steps) for name, policy in adaptive.items()}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from blockspec.bench.acceptance import humaneval_prompts, mtbench_prompts
+from blockspec.bench.acceptance import humaneval_prompts, in_groups, mtbench_prompts
 from blockspec.bench.meta import run_meta
 from blockspec.engine.adaptive import AdaptiveWidth, is_timing
 from blockspec.llm import DEFAULT_DRAFTER, LLM
@@ -80,7 +80,7 @@ def record(llm: LLM, prompts: list[list[int]], params: SamplingParams, group: in
         batch: {w: round(costs.seconds * r * 1e3, 4) for w, r in costs.ratio.items()}
         for batch, costs in engine.adaptive.costs.items()
     }
-    groups = [prompts[i : i + group] for i in range(0, len(prompts), group)]
+    groups = in_groups(prompts, group)
     runs, adaptive = {}, engine.adaptive
     try:
         for cycle in (False, True):

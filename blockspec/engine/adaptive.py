@@ -18,9 +18,9 @@ one of the current width's, as often as keeps the time it is expected to lose wi
 `EXPLORE_SHARE` of all step time. A bucket first runs each width once untimed where that step
 builds something (a CUDA graph), then times each up to `SAMPLES` times, each step beside one of
 the narrowest (the cheapest), unless the engine timed its steps when it started (`start_from`).
-Those times leave out the host's commits, which every width pays alike, so where the host bounds a step they set widths too far apart: a width's
-first live timing replaces its start time, and a close rival still timed only at the start is
-timed live at its first chance. The width never changes the output (in exact arithmetic), only
+Those times leave out the host's commits, which every width pays alike, so where the host bounds
+a step they set widths too far apart: a width's first live timing replaces its start time, and a
+close rival still timed only at the start is timed live at its first chance. The width never changes the output (in exact arithmetic), only
 the speed.
 
 Where the drafter predicts each draft's chance of acceptance (a DSpark confidence head), a
@@ -85,7 +85,7 @@ class BucketCosts:
     repeat: int | None = None  # the width of the run of steps under way
     repeats: int = 0  # steps of it still due
     started: set[int] = field(default_factory=set)  # widths whose times are the start's (`start_from`) alone
-    warm_up: bool = True  # a width's first step builds what it runs (a CUDA graph): no timing
+    captures: bool = True  # a width's first step builds what it runs (a CUDA graph): no timing
 
     def rebase(self, width: int) -> None:
         """Make `width` the current one: its estimated time the level, the ratios relative to it."""
@@ -120,7 +120,7 @@ class BucketCosts:
     def timings(self, width: int) -> int:
         """The steps of `width` that timed it (all but a warm-up)."""
         n = self.steps.get(width, 0)
-        return max(n - 1, 0) if self.warm_up else n
+        return max(n - 1, 0) if self.captures else n
 
 
 @dataclass
@@ -189,7 +189,7 @@ class AdaptiveWidth:
             costs, widest = self.bucket(batch), max(times)
             costs.current, costs.seconds = widest, times[widest]
             costs.ratio = {w: s / times[widest] for w, s in times.items()}
-            costs.steps = dict.fromkeys(times, SAMPLES + costs.warm_up)
+            costs.steps = dict.fromkeys(times, SAMPLES + costs.captures)
             costs.since = dict.fromkeys(times, 0.0)
             costs.started = set(times)
 
@@ -230,7 +230,7 @@ class AdaptiveWidth:
         return round_up(rows, self.classes)
 
     def bucket(self, batch: int) -> BucketCosts:
-        return self.costs.setdefault(round_up(batch, BATCH_BUCKETS), BucketCosts(warm_up=self.captures))
+        return self.costs.setdefault(round_up(batch, BATCH_BUCKETS), BucketCosts(captures=self.captures))
 
     def choose(self, batch: int, limit: int, rows: list[str] = ()) -> int:
         """The width class of a step of `batch` sequences (their request ids `rows`), none of which
@@ -271,26 +271,23 @@ class AdaptiveWidth:
         if costs.current is None:
             costs.current, costs.ratio[allowed[0]] = allowed[0], 1.0
         cold = [w for w in allowed if w not in costs.steps]
-        if cold and (costs.warm_up or self.run_length > 1):
+        if cold and (costs.captures or self.run_length > 1):
             return cold[0]
-        untimed = [
-            w
-            for w in reversed(allowed)
-            if (w not in costs.ratio or costs.timings(w) < SAMPLES) and not self.hopeless(costs, w, allowed, rows)
-        ]
+        untimed = [w for w in reversed(allowed) if w not in costs.ratio or costs.timings(w) < SAMPLES]
+        if untimed:
+            hopeless = self.hopeless(costs, allowed, rows)
+            untimed = [w for w in untimed if w not in hopeless]
         if costs.current in allowed and (costs.seconds is None or (untimed and costs.last != costs.current)):
             return costs.current
         return min(untimed, key=costs.timings, default=None)
 
-    def hopeless(self, costs: BucketCosts, width: int, allowed: list[int], rows: list[str]) -> bool:
-        """Whether `width`, timed, commits tokens at less than HOPELESS of the speed of the best
-        timed width of those `allowed`."""
-        timed = [w for w in allowed if w in costs.ratio and costs.timings(w)]
-        if width == costs.current or width not in timed:
-            return False
+    def hopeless(self, costs: BucketCosts, allowed: list[int], rows: list[str]) -> set[int]:
+        """The timed widths of those `allowed` (the current one aside) that commit tokens at less than
+        HOPELESS of the speed of the best of them."""
         expected = self.expected_tokens(rows=rows)
-        best = max(expected[w - 1] / costs.ratio[w] for w in timed)
-        return expected[width - 1] / costs.ratio[width] < HOPELESS * best
+        speed = {w: expected[w - 1] / costs.ratio[w] for w in allowed if w in costs.ratio and costs.timings(w)}
+        best = max(speed.values(), default=0.0)
+        return {w for w, s in speed.items() if s < HOPELESS * best and w != costs.current}
 
     def retime(self, costs: BucketCosts, allowed: list[int], best: int, expected: np.ndarray) -> int:
         """After a step of the best width: another width whose time since it last ran, times its
