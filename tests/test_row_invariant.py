@@ -18,6 +18,7 @@ from conftest import (
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig
+from blockspec.layers import row_invariant
 from blockspec.layers.attention import paged_attention_ref
 from blockspec.layers.cpu_gemm import pack
 from blockspec.layers.fast_path import use_kernels
@@ -65,11 +66,16 @@ def paged_case(lengths: list[int], dtype: torch.dtype, page_size: int = 4, heads
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), tables
 
 
+@pytest.mark.parametrize("calls", ["as checked", "fixed tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["causal", "window", "sinks"])
-def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_batch(dtype, kind):
+def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_batch(dtype, kind, calls, monkeypatch):
     """Each row of a batch of blocks (a verify step: causal rows; a windowed drafter block; with
-    gpt-oss's sinks) equals that row attending alone (a decode step), bit for bit, and the reference."""
+    gpt-oss's sinks) equals that row attending alone (a decode step) and in a block of two (a
+    width-2 verify), bit for bit, and the reference; with the GEMMs' rows as this machine's check
+    allows, and in the fixed tiles that serve where it fails."""
+    if calls == "fixed tiles":
+        monkeypatch.setattr(row_invariant, "attention_gemm_keeps_rows", lambda *_: False)
     lengths, block, page_size = [37, 300, 150], 20, 4
     k_cache, v_cache, tables = paged_case(lengths, dtype, page_size)
     g = torch.Generator().manual_seed(2)
@@ -81,14 +87,29 @@ def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_bat
     together = tiled_attention(q, k_cache, v_cache, tables, k_start, k_end, page_size, 0.25, sinks)
     for b in range(len(lengths)):
         for i in range(block):
-            ends = (k_start[b : b + 1, i : i + 1], k_end[b : b + 1, i : i + 1])
+            rows = slice(i, i + 1) if i % 2 == 0 else slice(i - 1, i + 1)
+            ends = (k_start[b : b + 1, rows], k_end[b : b + 1, rows])
             alone = tiled_attention(
-                q[b : b + 1, i : i + 1], k_cache, v_cache, tables[b : b + 1], *ends, page_size, 0.25, sinks
+                q[b : b + 1, rows], k_cache, v_cache, tables[b : b + 1], *ends, page_size, 0.25, sinks
             )
-            assert torch.equal(alone[0, 0], together[b, i]), (b, i)
+            assert torch.equal(alone[0, -1], together[b, i]), (b, i)
     reference = paged_attention_ref(q, k_cache, v_cache, tables, k_start, k_end, page_size, 0.25, sinks)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(together, reference, rtol=tol, atol=tol)
+
+
+def test_attention_gemm_check_refuses_a_gemm_whose_rows_round_by_the_row_count(monkeypatch):
+    """A GEMM whose rows round apart in calls of other row counts (as MKL's do at 5-7 rows) fails the
+    check, and every call then runs in fixed tiles."""
+
+    def by_row_count(q, k, out=None):
+        exact = torch.bmm(q.double(), k.double().transpose(1, 2)).float()
+        result = exact if q.shape[1] % 8 else torch.bmm(q, k.transpose(1, 2))
+        return result if out is None else out.copy_(result)
+
+    monkeypatch.setattr(row_invariant, "_attention_kept", {})
+    monkeypatch.setattr(row_invariant, "attention_scores", by_row_count)
+    assert not row_invariant.attention_gemm_keeps_rows(16, 128)
 
 
 @pytest.mark.parametrize("fn", [F.silu, torch.exp])

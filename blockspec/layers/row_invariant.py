@@ -10,10 +10,12 @@ that do not depend on the call:
 - linear: the rows in tiles of ROW_TILE (the last one padded with zeros), one GEMM a tile, on the
   weight's packed copy where the CPU has one; all rows in one GEMM on the packed copy (float32
   or bf16) instead where oneDNN keeps a row's bits at any row count (`cpu_gemm.invariant_rows`);
-- attention: the query rows in tiles of ROW_TILE and the keys in chunks of KEY_CHUNK positions
-  counted from position 0, each (tile, chunk) one fixed-shape GEMM for the scores and one for the
-  weighted values; the chunks' sums meet in order (cumsum, a sequential scan) under one max per
-  row, and a chunk past a row's keys adds exact zeros, so the number of chunks does not matter;
+- attention: the keys in chunks of KEY_CHUNK positions counted from position 0, each chunk one
+  GEMM for the scores and one for the weighted values, the chunks' sums meeting in order (cumsum,
+  a sequential scan) under one max per row; a chunk outside a row's keys adds exact zeros, so the
+  number of chunks does not matter. The query rows go in calls of up to CALL_ROWS GEMM rows, padded
+  with zero rows to a multiple of GEMM_ROW_MULTIPLE, where the machine's GEMMs give a row the same
+  bits at any such count (`attention_gemm_keeps_rows`), else in fixed tiles of ROW_TILE positions;
 - elementwise exp, SiLU, sigmoid and tanh in float64, rounded once, where torch's CPU kernel runs
   the last elements of a call on a scalar path that rounds differently from the vector one (fp32
   SiLU: 4% of them), which elements those are depending on the call's size; a last-bit
@@ -36,7 +38,12 @@ from blockspec.layers.fast_path import active_kernels
 
 ROW_TILE = 16  # rows per GEMM: a verify block of up to 16 tokens is one tile
 KEY_CHUNK = 128  # key positions per attention GEMM
-CONTIGUOUS = torch.contiguous_format  # a permuted view converted in one copy, laid out as the GEMM reads it
+# Attention GEMMs, where they keep a row's bits (`attention_gemm_keeps_rows`): a multiple of
+# GEMM_ROW_MULTIPLE rows (zero rows pad the rest), at most CALL_ROWS a call
+GEMM_ROW_MULTIPLE = 4
+CALL_ROWS = 256
+CHECK_GEMM_ROWS = (4, 8, 12, 16, 36, 100, 256)  # `attention_gemm_keeps_rows`' calls: rows, and where they start
+CHECK_OFFSETS = (0, 1, 3, 5)
 
 
 def row_invariant() -> bool:
@@ -112,26 +119,30 @@ def tiled_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`attention.paged_attention_ref` (same arguments and result) in float32, one query tile and
-    key chunk a GEMM (CPU: its cumsum is a sequential scan; CUDA runs the Triton kernel's
-    `invariant_launch` instead). The block tables are padded with the trash page 0 to whole chunks: the pools
-    start zeroed and hold only computed K/V, so a masked key's value is finite and its zero weight
-    adds exact zeros. A row with no visible key gives zeros."""
-    B, S, _, D = q.shape
+    """`attention.paged_attention_ref` (same arguments and result) in float32, each key chunk of a
+    call of query rows one GEMM for the scores and one for the weighted values (CPU: its cumsum is
+    a sequential scan; CUDA runs the Triton kernel's `invariant_launch` instead). The block tables
+    are padded with the trash page 0 to whole chunks: the pools start zeroed and hold only computed
+    K/V, so a masked key's value is finite and its zero weight adds exact zeros. Chunks past every
+    row's keys (or before them) would add only such zeros, and are left out. A row with no visible
+    key gives zeros."""
+    S, Hq, D = q.shape[1:]
     chunk = page_size * -(-KEY_CHUNK // page_size)  # fixed for the engine: whole pages
-    pages = -(-block_tables.shape[1] * page_size // chunk) * chunk // page_size
-    block_tables = F.pad(block_tables, (0, pages - block_tables.shape[1]))
-    k, v = (gather_pages(c, block_tables, page_size) for c in (k_cache, v_cache))  # [B, Lp, Hkv, D]
-    chunks, Hkv = k.shape[1] // chunk, k.shape[2]
-    # [B, Hkv, chunks, D, C] and [B, Hkv, chunks, C, D]: a chunk is the last two dims
-    kc = k.view(B, chunks, chunk, Hkv, D).permute(0, 3, 1, 4, 2).to(torch.float32, memory_format=CONTIGUOUS)
-    vc = v.view(B, chunks, chunk, Hkv, D).permute(0, 3, 1, 2, 4).to(torch.float32, memory_format=CONTIGUOUS)
-    pos = torch.arange(chunks * chunk, device=q.device)
+    chunks = max(1, -(-int(k_end.max()) // chunk))
+    pages = chunks * chunk // page_size
+    block_tables = F.pad(block_tables[:, :pages], (0, max(0, pages - block_tables.shape[1])))
+    k, v = (gather_pages(c, block_tables, page_size).float() for c in (k_cache, v_cache))  # [B, L, Hkv, D]
+    keeps = q.device.type == "cpu" and attention_gemm_keeps_rows(D, chunk)
+    positions = max(1, CALL_ROWS // (Hq // k.shape[2])) if keeps else ROW_TILE  # query positions a call
     out = torch.empty_like(q)
-    for s0 in range(0, S, ROW_TILE):
-        rows = slice(s0, min(s0 + ROW_TILE, S))
-        visible = (pos >= k_start[:, rows, None]) & (pos < k_end[:, rows, None])  # [B, R, Lp]
-        out[:, rows] = _attend_tile(q[:, rows], kc, vc, visible, scale, sinks)
+    for s0 in range(0, S, positions):
+        rows = slice(s0, min(s0 + positions, S))
+        first = int(k_start[:, rows].min()) // chunk
+        last = max(first + 1, -(-int(k_end[:, rows].max()) // chunk))
+        keys = slice(first * chunk, last * chunk)
+        out[:, rows] = _attend_rows(
+            q[:, rows], k[:, keys], v[:, keys], k_start[:, rows], k_end[:, rows], keys, chunk, scale, sinks, keeps
+        )
     return out
 
 
@@ -142,33 +153,90 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, page_size: int
     return pages.view(block_tables.shape[0], -1, *cache.shape[1:])
 
 
-def _attend_tile(
+def _attend_rows(
     q: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    visible: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
+    keys: slice,
+    chunk: int,
     scale: float,
     sinks: torch.Tensor | None,
+    keeps: bool,
 ) -> torch.Tensor:
-    """One query tile q [B, R <= ROW_TILE, Hq, D] against the key chunks (`tiled_attention`) ->
-    [B, R, Hq, D]. A kv head's GEMM rows are its G query heads at each of the ROW_TILE positions
-    (the tile padded; r = t * G + g); the softmax sees only the R real positions."""
+    """Query rows q [B, R, Hq, D] against the float32 K and V [B, L, Hkv, D] of key positions `keys`,
+    whole chunks -> [B, R, Hq, D]. A kv head's GEMM rows are its G query heads at each position
+    (r = t * G + g), padded with zero rows to `gemm_rows`; the softmax sees only the real ones. Each
+    head's chunks are one batch of GEMM operands as gathered (rows Hkv * D apart), not copied."""
     B, R, Hq, D = q.shape
-    Hkv, chunks, chunk = kc.shape[1], kc.shape[2], kc.shape[4]
+    Hkv, n = k.shape[2], k.shape[1] // chunk
     G = Hq // Hkv
-    qt = F.pad(q.float() * scale, (0, 0, 0, 0, 0, ROW_TILE - R)).view(B, ROW_TILE, Hkv, G, D)
-    qt = qt.permute(0, 2, 1, 3, 4).reshape(B, Hkv, 1, ROW_TILE * G, D)
-    scores = (qt @ kc)[..., : R * G, :].view(B, Hkv, chunks, R, G, chunk)
-    hidden = ~visible.view(B, R, chunks, chunk).transpose(1, 2)[:, None, :, :, None, :]  # [B, 1, chunks, R, 1, C]
+    M = gemm_rows(R * G, G, keeps)
+    qt = (q.float() * scale).view(B, R, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, 1, R * G, D)
+    qt = F.pad(qt, (0, 0, 0, M - R * G)).expand(Hkv, B, n, M, D).reshape(Hkv, B * n, M, D)
+    scores = torch.empty(Hkv, B * n, M, chunk, device=q.device)
+    for h in range(Hkv):
+        attention_scores(qt[h], k[:, :, h].reshape(B * n, chunk, D), out=scores[h])
+    scores = scores.view(Hkv, B, n, M, chunk)[:, :, :, : R * G].reshape(Hkv, B, n, R, G, chunk)
+    pos = torch.arange(keys.start, keys.stop, device=q.device)
+    visible = (pos >= k_start[..., None]) & (pos < k_end[..., None])  # [B, R, n * C]
+    hidden = ~visible.view(B, R, n, chunk).transpose(1, 2)[None, :, :, :, None, :]  # [1, B, n, R, 1, C]
     scores = scores.masked_fill(hidden, float("-inf"))
-    top = scores.amax(dim=(2, 5), keepdim=True)  # [B, Hkv, 1, R, G, 1]
+    top = scores.amax(dim=(2, 5), keepdim=True)  # [Hkv, B, 1, R, G, 1]
     top = torch.where(top == float("-inf"), 0.0, top)  # rows without keys
     p = elementwise(torch.exp, scores - top)
-    total = p.sum(dim=5).cumsum(dim=2)[:, :, -1]  # [B, Hkv, R, G]
+    total = p.sum(dim=5).cumsum(dim=2)[:, :, -1]  # [Hkv, B, R, G]
     if sinks is not None:
-        sink = sinks.float().view(1, Hkv, 1, G)
-        total = total + elementwise(torch.exp, sink - top[:, :, 0, :, :, 0])
-    p = F.pad(p.view(B, Hkv, chunks, R * G, chunk), (0, 0, 0, (ROW_TILE - R) * G))
-    acc = (p @ vc).cumsum(dim=2)[:, :, -1, : R * G].view(B, Hkv, R, G, D)
+        total = total + elementwise(torch.exp, sinks.float().view(Hkv, 1, 1, G) - top[:, :, 0, :, :, 0])
+    p = F.pad(p.view(Hkv, B * n, R * G, chunk), (0, 0, 0, M - R * G))
+    acc = torch.empty(Hkv, B * n, M, D, device=q.device)
+    for h in range(Hkv):
+        weighted_values(p[h], v[:, :, h].reshape(B * n, chunk, D), out=acc[h])
+    acc = acc.view(Hkv, B, n, M, D).cumsum(dim=2)[:, :, -1, : R * G].view(Hkv, B, R, G, D)
     out = torch.where(total[..., None] > 0, acc / total[..., None], 0.0)
-    return out.permute(0, 2, 1, 3, 4).reshape(B, R, Hq, D).to(q.dtype)
+    return out.permute(1, 2, 0, 3, 4).reshape(B, R, Hq, D).to(q.dtype)
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, M, D] query rows times [N, C, D] keys, transposed in the GEMM -> [N, M, C]."""
+    return torch.bmm(q, k.transpose(1, 2), out=out)
+
+
+def weighted_values(p: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, M, C] weights times [N, C, D] values -> [N, M, D]."""
+    return torch.bmm(p, v, out=out)
+
+
+def gemm_rows(rows: int, group: int, keeps: bool) -> int:
+    """The GEMM rows that a call of `rows` query rows (`group` a position) runs at: where the attention
+    GEMMs keep a row's bits (`attention_gemm_keeps_rows`), its rows rounded up to a multiple of
+    GEMM_ROW_MULTIPLE; else always a whole tile of ROW_TILE positions."""
+    return -(-rows // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE if keeps else ROW_TILE * group
+
+
+_attention_kept: dict[tuple, bool] = {}  # (head size, chunk, threads) -> what the check found
+
+
+def attention_gemm_keeps_rows(head_dim: int, chunk: int) -> bool:
+    """Whether torch's float32 batched GEMMs of `tiled_attention` give a row the same bits in a call of
+    any multiple of GEMM_ROW_MULTIPLE rows up to CALL_ROWS, at any place in it, and in a batch of any
+    size. MKL's kernels do on the EPYC measured, and not at other row counts below twelve (a row
+    rounds apart at 1-3, 5-7 and 9-11 rows); a GEMM library promises none of it, so it is checked on
+    the machine, once per head size, chunk and thread count. Where it fails, every call runs at the
+    fixed rows of a ROW_TILE tile."""
+    key = (head_dim, chunk, torch.get_num_threads())
+    if key not in _attention_kept:
+        gen = torch.Generator().manual_seed(0)
+        total = CALL_ROWS + max(CHECK_OFFSETS)
+        q = torch.randn(3, total, head_dim, generator=gen)
+        k, v = torch.randn(2, 3, chunk, 2, head_dim, generator=gen)[..., 1, :]  # rows apart, as gathered
+        p = torch.rand(3, total, chunk, generator=gen)
+        calls = [(slice(None), slice(i, i + m)) for m in CHECK_GEMM_ROWS for i in CHECK_OFFSETS]
+        calls += [(slice(0, 1), slice(3, 11)), (slice(1, 3), slice(5, 9))]  # fewer matrices in the batch
+        checks = []
+        for gemm, rows, keys in ((attention_scores, q, k), (weighted_values, p, v)):
+            whole = gemm(rows, keys)
+            checks += [torch.equal(gemm(rows[b, r], keys[b]), whole[b, r]) for b, r in calls]
+        _attention_kept[key] = all(checks)
+    return _attention_kept[key]
