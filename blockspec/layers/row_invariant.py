@@ -76,9 +76,19 @@ def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
     """fn(x) of an elementwise transcendental fn (exp, SiLU, sigmoid, tanh); on the CPU under row
     invariance in float64, rounded once, unless torch's kernel keeps an element's bits in x's
     dtype (`keeps_bits`; see the module's note)."""
-    if x.is_cuda or not row_invariant() or keeps_bits(fn, x.dtype):
+    if native(fn, x):
         return fn(x)
     return fn(x.double()).to(x.dtype)
+
+
+def exp_(x: torch.Tensor) -> torch.Tensor:
+    """x = exp(x) in place, rounded as `elementwise(torch.exp, x)` rounds it."""
+    return x.exp_() if native(torch.exp, x) else x.copy_(x.double().exp_())
+
+
+def native(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> bool:
+    """Whether `elementwise` runs fn in x's own dtype."""
+    return x.is_cuda or not row_invariant() or keeps_bits(fn, x.dtype)
 
 
 _kept: dict[tuple, bool] = {}  # (fn, dtype, threads) -> what `keeps_bits` found
@@ -173,23 +183,23 @@ def _attend_rows(
     Hkv, n = k.shape[2], k.shape[1] // chunk
     G = Hq // Hkv
     M = gemm_rows(R * G, G, keeps)
-    qt = (q.float() * scale).view(B, R, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, 1, R * G, D)
-    qt = F.pad(qt, (0, 0, 0, M - R * G)).expand(Hkv, B, n, M, D).reshape(Hkv, B * n, M, D)
-    scores = torch.empty(Hkv, B * n, M, chunk, device=q.device)
+    qt = torch.zeros(Hkv, B, n, M, D, device=q.device)  # the rows of every chunk's GEMM, zeros past R * G
+    qt[:, :, :, : R * G] = (q.float() * scale).view(B, R, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, 1, -1, D)
+    qt = qt.view(Hkv, B * n, M, D)
+    p = torch.empty(Hkv, B * n, M, chunk, device=q.device)  # the scores, then in place their weights
     for h in range(Hkv):
-        attention_scores(qt[h], k[:, :, h].reshape(B * n, chunk, D), out=scores[h])
-    scores = scores.view(Hkv, B, n, M, chunk)[:, :, :, : R * G].reshape(Hkv, B, n, R, G, chunk)
+        attention_scores(qt[h], k[:, :, h].reshape(B * n, chunk, D), out=p[h])
+    scores = p.view(Hkv, B, n, M, chunk)[:, :, :, : R * G].view(Hkv, B, n, R, G, chunk)
     pos = torch.arange(keys.start, keys.stop, device=q.device)
     visible = (pos >= k_start[..., None]) & (pos < k_end[..., None])  # [B, R, n * C]
     hidden = ~visible.view(B, R, n, chunk).transpose(1, 2)[None, :, :, :, None, :]  # [1, B, n, R, 1, C]
-    scores = scores.masked_fill(hidden, float("-inf"))
+    scores.masked_fill_(hidden, float("-inf"))
     top = scores.amax(dim=(2, 5), keepdim=True)  # [Hkv, B, 1, R, G, 1]
     top = torch.where(top == float("-inf"), 0.0, top)  # rows without keys
-    p = elementwise(torch.exp, scores - top)
-    total = p.sum(dim=5).cumsum(dim=2)[:, :, -1]  # [Hkv, B, R, G]
+    weights = exp_(scores.sub_(top))  # the padding rows keep their zero scores: their results are dropped
+    total = weights.sum(dim=5).cumsum(dim=2)[:, :, -1]  # [Hkv, B, R, G]
     if sinks is not None:
         total = total + elementwise(torch.exp, sinks.float().view(Hkv, 1, 1, G) - top[:, :, 0, :, :, 0])
-    p = F.pad(p.view(Hkv, B * n, R * G, chunk), (0, 0, 0, M - R * G))
     acc = torch.empty(Hkv, B * n, M, D, device=q.device)
     for h in range(Hkv):
         weighted_values(p[h], v[:, :, h].reshape(B * n, chunk, D), out=acc[h])
