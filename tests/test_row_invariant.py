@@ -66,14 +66,38 @@ def paged_case(lengths: list[int], dtype: torch.dtype, page_size: int = 4, heads
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), tables
 
 
-@pytest.mark.parametrize("calls", ["as checked", "fixed tiles"])
+def float64_scores(q, k, out=None):
+    """`row_invariant.attention_scores` in float64, rounded once: a row's bits do not follow the call."""
+    result = torch.bmm(q.double(), k.double().transpose(1, 2)).float()
+    return result if out is None else out.copy_(result)
+
+
+def float64_values(p, v, out=None):
+    """`row_invariant.weighted_values` in float64, rounded once."""
+    result = torch.bmm(p.double(), v.double()).float()
+    return result if out is None else out.copy_(result)
+
+
+def use_float64_attention_gemms(monkeypatch) -> None:
+    """Attention GEMMs that keep a row's bits in calls of any rows, on any CPU: the check passes
+    them, and calls take the rows padded to a multiple of four."""
+    monkeypatch.setattr(row_invariant, "_attention_kept", {})
+    monkeypatch.setattr(row_invariant, "attention_scores", float64_scores)
+    monkeypatch.setattr(row_invariant, "weighted_values", float64_values)
+
+
+@pytest.mark.parametrize("calls", ["as checked", "multiples of four", "fixed tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["causal", "window", "sinks"])
 def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_batch(dtype, kind, calls, monkeypatch):
     """Each row of a batch of blocks (a verify step: causal rows; a windowed drafter block; with
     gpt-oss's sinks) equals that row attending alone (a decode step) and in a block of two (a
     width-2 verify), bit for bit, and the reference; with the GEMMs' rows as this machine's check
-    allows, and in the fixed tiles that serve where it fails."""
+    allows; with GEMMs that pass the check on any CPU, so that its rows padded to a multiple of four
+    are tested wherever the machine's own GEMMs fail it; and in the fixed tiles that serve then."""
+    if calls == "multiples of four":
+        use_float64_attention_gemms(monkeypatch)
+        assert row_invariant.attention_gemm_keeps_rows(16, 128)
     if calls == "fixed tiles":
         monkeypatch.setattr(row_invariant, "attention_gemm_keeps_rows", lambda *_: False)
     lengths, block, page_size = [37, 300, 150], 20, 4
@@ -99,14 +123,16 @@ def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_bat
 
 
 def test_attention_gemm_check_refuses_a_gemm_whose_rows_round_by_the_row_count(monkeypatch):
-    """A GEMM whose rows round apart in calls of other row counts (as MKL's do at 5-7 rows) fails the
-    check, and every call then runs in fixed tiles."""
+    """GEMMs whose rows keep their bits pass the check; one whose rows round apart in calls of other
+    row counts (as MKL's do at 5-7 rows) fails it, and every call then runs in fixed tiles."""
 
     def by_row_count(q, k, out=None):
-        exact = torch.bmm(q.double(), k.double().transpose(1, 2)).float()
-        result = exact if q.shape[1] % 8 else torch.bmm(q, k.transpose(1, 2))
-        return result if out is None else out.copy_(result)
+        if q.shape[1] % 8:
+            return float64_scores(q, k, out)
+        return torch.bmm(q, k.transpose(1, 2), out=out)
 
+    use_float64_attention_gemms(monkeypatch)
+    assert row_invariant.attention_gemm_keeps_rows(16, 128)
     monkeypatch.setattr(row_invariant, "_attention_kept", {})
     monkeypatch.setattr(row_invariant, "attention_scores", by_row_count)
     assert not row_invariant.attention_gemm_keeps_rows(16, 128)
