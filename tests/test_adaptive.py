@@ -16,7 +16,7 @@ import torch
 from conftest import make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.adaptive import AdaptiveWidth, width_classes
+from blockspec.engine.adaptive import RUN_AHEAD_RUN, AdaptiveWidth, width_classes
 from blockspec.engine.cuda_graphs import BATCH_BUCKETS, round_up
 from blockspec.proposers.base import Proposer
 from blockspec.proposers.simulated import SimulatedProposer
@@ -567,7 +567,9 @@ class RecordedBatches:
 
     def __init__(self, path: Path) -> None:
         trace = json.loads(path.read_text())
-        self.captures = not trace["meta"]["device"].startswith("cpu")  # a CUDA graph at a width's first step
+        # On CUDA a width's first step captures its graph, and steps run ahead (runs of a width)
+        self.captures = not trace["meta"]["device"].startswith("cpu")
+        self.run_length = RUN_AHEAD_RUN if self.captures else 1
         # the step times the engine measured when it started, which its policy starts from
         self.start = {int(b): {int(w): ms / 1000 for w, ms in t.items()} for b, t in trace["start"].items()}
         self.groups: dict[int, list[dict]] = {}
@@ -621,7 +623,7 @@ def test_recorded_batch_traces_adaptive_within_3_percent_of_the_best_fixed_width
     device = RecordedBatches(BATCH_TRACES / trace)
     classes = width_classes(16)
     fixed = {w: device.speed(lambda batch, limit, rows, w=w: min(w, round_up(limit, classes))) for w in classes}
-    policy = AdaptiveWidth(16, captures=device.captures)
+    policy = AdaptiveWidth(16, device.run_length, device.captures)
     policy.start_from(device.start)
     first = device.speed(policy.choose, policy)
     second = device.speed(policy.choose, policy)
