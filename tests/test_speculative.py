@@ -127,6 +127,24 @@ def test_stream_yields_growing_outputs_that_end_as_generate(tmp_path, async_step
     assert parts[-1].outputs[0].text == final.outputs[0].text
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_a_sequence_ending_at_max_tokens_does_not_stall_the_steps_launched_ahead(tmp_path, speculative):
+    """A sequence that the step in flight may take to max_tokens still gets a row in the step
+    launched ahead (dropped where it ended): every step after the first is launched ahead, and the
+    outputs are those of steps taken one at a time."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    drafter = {"model": str(make_drafter(tmp_path / "d", t, block_size=8))} if speculative else None
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 13, 30)]
+    prompts = PROMPTS[1:]
+    ahead = LLM(str(t), drafter, device="cpu", async_steps=True)
+    launched = count_launches_ahead(ahead)
+    outs = [o.outputs[0].token_ids for o in ahead.generate(prompts, params)]
+    lock_step = LLM(str(t), drafter, device="cpu", async_steps=False).generate(prompts, params)
+    assert outs == [o.outputs[0].token_ids for o in lock_step]
+    assert [len(o) for o in outs] == [5, 13, 30]
+    assert len(launched) > 5 and all(launched)
+
+
 def test_streams_end_complete_when_others_drive_the_engine(tmp_path):
     """A generate (or another stream) run between two reads of a stream finishes its request:
     the stream still yields that final output."""

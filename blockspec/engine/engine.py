@@ -240,9 +240,12 @@ class LLMEngine:
 
     def width(self, seq: Sequence, ahead: int = 0) -> int:
         """Most rows the next step may verify: anchor + drafts, never past max_tokens or the
-        context. `ahead`: rows of a step in flight, counted as if all were committed (< 1: the
-        sequence may finish with that step)."""
-        remaining = seq.params.max_tokens - seq.num_generated - ahead
+        context. `ahead`: rows of a step in flight, counted as if all were committed. A sequence
+        that step may finish at max_tokens still takes one row, dropped if it did (as a row after a
+        stop token is): rows finish at different steps under speculation, and each would otherwise
+        stall the batch's next step until the host has read this one. < 1: the step in flight may
+        reach the context's end."""
+        remaining = max(seq.params.max_tokens - seq.num_generated - ahead, 1)
         room = self.max_model_len - len(seq.token_ids) - ahead
         return min(self.max_width, remaining, room)
 
@@ -408,12 +411,15 @@ class LLMEngine:
 
     def launch_ahead(self, prev: Flight) -> Flight | None:
         """The next step of prev's sequences, anchored at prev's bonus tokens and its new lengths,
-        both still on the device; None where it cannot start before prev is committed (newcomers
-        to admit, a prompt still prefilling, a sequence that finished or may finish with prev,
-        pages short)."""
-        seqs, widths = prev.step.seqs, prev.step.widths
-        if not self.run_ahead or self.scheduler.admission_open() or any(s.finished for s in seqs):
+        both still on the device, less the rows of sequences that have finished; None where it
+        cannot start before prev is committed (newcomers to admit, a prompt still prefilling, a
+        sequence that prev may take to the context's end, pages short)."""
+        if not self.run_ahead or self.scheduler.admission_open():
             return None
+        rows = [i for i, s in enumerate(prev.step.seqs) if not s.finished]
+        if not rows:
+            return None
+        seqs, widths = [prev.step.seqs[i] for i in rows], [prev.step.widths[i] for i in rows]
         if any(s.grammar is not None for s in seqs):  # its masks follow the tokens prev commits
             return None
         if any(s.needs_prefill for s in self.scheduler.running):  # its next chunk comes first
@@ -426,8 +432,11 @@ class LLMEngine:
         if not self.scheduler.allocate_ahead(seqs, ends):
             return None
         widths_next, chosen = self.step_widths(seqs, bound)
-        outcome = prev.step.outcome
-        launched = launch_step(self.runner, seqs, widths_next, outcome.bonus[:, None], outcome.next_starts)
+        anchors, starts = prev.step.outcome.bonus, prev.step.outcome.next_starts
+        if len(rows) < len(prev.step.seqs):
+            kept = self.runner.tensor(rows)
+            anchors, starts = anchors[kept], starts[kept]
+        launched = launch_step(self.runner, seqs, widths_next, anchors[:, None], starts)
         return Flight(launched, chosen, time.perf_counter(), True, self.step_class(prev))
 
     def complete(self, flight: Flight) -> list[Sequence]:
