@@ -411,12 +411,13 @@ class LLMEngine:
 
     def launch_ahead(self, prev: Flight) -> Flight | None:
         """The next step of prev's sequences, anchored at prev's bonus tokens and its new lengths,
-        both still on the device, less the rows of sequences that have finished; None where it
-        cannot start before prev is committed (newcomers to admit, a prompt still prefilling, a
-        sequence that prev may take to the context's end, pages short)."""
+        both still on the device, less the rows of sequences that have finished or that prev ends
+        for sure; None where it cannot start before prev is committed (newcomers to admit, a prompt
+        still prefilling, a sequence that prev may take to the context's end, pages short)."""
         if not self.run_ahead or self.scheduler.admission_open():
             return None
-        rows = [i for i, s in enumerate(prev.step.seqs) if not s.finished]
+        # Left out: the finished, and those prev ends for sure (one token left: it commits at least one)
+        rows = [i for i, s in enumerate(prev.step.seqs) if not s.finished and s.params.max_tokens - s.num_generated > 1]
         if not rows:
             return None
         seqs, widths = [prev.step.seqs[i] for i in rows], [prev.step.widths[i] for i in rows]
