@@ -618,7 +618,9 @@ def test_recorded_batch_traces_adaptive_within_3_percent_of_the_best_fixed_width
     """Groups of requests decoded together, replayed from traces recorded on real prompts
     (`blockspec.bench.width_trace`): as rows finish the batch falls through the buckets, each
     timed as it was in that part of the run; the policy starts from the engine's times at its
-    start (on the CPU batch 1 only, which a group of 16 does not reach until its last rows). The
+    start (on the CPU batch 1 only, which a group of 16 does not reach until its last rows; on the
+    H200 every bucket) and, on the H200, runs each width it picks three steps in a row, as the
+    engine does where steps run ahead. The
     requests' second pass, as the acceptance bench reports it, within 3% of the best fixed width;
     the first, which pays for the first timings of every width at each bucket the engine did not
     time at its start, within a fifth."""
