@@ -128,20 +128,31 @@ def test_stream_yields_growing_outputs_that_end_as_generate(tmp_path, async_step
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
-def test_a_sequence_ending_at_max_tokens_does_not_stall_the_steps_launched_ahead(tmp_path, speculative):
+def test_sequences_ending_do_not_stall_the_steps_launched_ahead(tmp_path, speculative):
     """A sequence that the step in flight may take to max_tokens still gets a row in the step
-    launched ahead (dropped where it ended): every step after the first is launched ahead but the
-    one after the last sequence's end, and the outputs are those of steps taken one at a time."""
+    launched ahead (dropped where it ended), and one that ended (here on a stop token, mid-batch)
+    is left out of the next: every step after the first is launched ahead but the one after the
+    last sequence's end, and the outputs are those of steps taken one at a time."""
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
-    drafter = {"model": str(make_drafter(tmp_path / "d", t, block_size=8))} if speculative else None
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 13, 30)]
+    # the full block each step: a step's rows may run past a sequence's max_tokens
+    drafter = {"model": str(make_drafter(tmp_path / "d", t, block_size=8)), "adaptive_width": False}
+    drafter = drafter if speculative else None
     prompts = PROMPTS[1:]
-    ahead = LLM(str(t), drafter, device="cpu", async_steps=True)
-    launched = count_launches_ahead(ahead)
-    outs = [o.outputs[0].token_ids for o in ahead.generate(prompts, params)]
-    lock_step = LLM(str(t), drafter, device="cpu", async_steps=False).generate(prompts, params)
-    assert outs == [o.outputs[0].token_ids for o in lock_step]
-    assert [len(o) for o in outs] == [5, 13, 30]
+    free = LLM(str(t), None, device="cpu").generate(prompts[2], SamplingParams(temperature=0, max_tokens=30))
+    stop = free[0].outputs[0].token_ids[10]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 5)]
+    params.append(SamplingParams(temperature=0, max_tokens=30))  # ends on `stop`, at most 11 tokens in
+
+    def run(async_steps: bool) -> tuple[list, list[bool]]:
+        llm = LLM(str(t), drafter, device="cpu", async_steps=async_steps)
+        llm.engine.target.eos_token_ids = [stop]
+        launched = count_launches_ahead(llm)
+        return [o.outputs[0] for o in llm.generate(prompts, params)], launched
+
+    (ahead, launched), (lock_step, _) = run(True), run(False)
+    assert [o.token_ids for o in ahead] == [o.token_ids for o in lock_step]
+    assert [len(o.token_ids) for o in ahead[:2]] == [30, 5] and len(ahead[2].token_ids) <= 11
+    assert ahead[2].finish_reason == "stop"
     assert len(launched) > 5 and all(launched[:-1]) and not launched[-1]
 
 
