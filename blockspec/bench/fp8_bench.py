@@ -1,7 +1,8 @@
 """Micro-benchmark of the linears on CUDA: bf16 F.linear (cuBLAS), bf16 `linear` (the models'
-path: the Triton skinny kernel up to 16 rows, cuBLAS above), and Fp8Linear's two W8A8 paths (the
-activations quantized per row by `quantize_rows`, then the Triton skinny kernel on FP8 tensor
-cores, its path up to FP8_SKINNY_MAX_M rows, or `torch._scaled_mm`, above), at the shapes of the
+path: the Triton skinny kernel up to 16 rows, cuBLAS above; under row invariance, column
+"invariant µs", the MMA kernel at every M, `linear.invariant_linear`), and Fp8Linear's two W8A8
+paths (the activations quantized per row by `quantize_rows`, then the Triton skinny kernel on FP8
+tensor cores, its path up to FP8_SKINNY_MAX_M rows, or `torch._scaled_mm`, above), at the shapes of the
 Qwen3-8B DFlash drafter (hidden 4096, intermediate 12288, q 4096, kv 1024, 5 layers, fc over 5
 target layers) and of the LM head (151936 x 4096).
 
@@ -32,7 +33,7 @@ from blockspec.bench.timing import time_us
 from blockspec.layers.kernels import num_sms
 from blockspec.layers.kernels.quantize_rows import quantize_rows
 from blockspec.layers.kernels.skinny_linear import SkinnyConfig, choose_config, skinny_scaled_mm
-from blockspec.layers.linear import linear
+from blockspec.layers.linear import invariant_linear, linear
 from blockspec.layers.quantization import FP8_SKINNY_MAX_M, Fp8Linear, quantize_weight
 
 LAYERS = 5
@@ -107,7 +108,9 @@ def main() -> None:
     bw = copy_bandwidth(torch.device("cuda")) / 1e9
     print(f"{torch.cuda.get_device_name()}  {sms} SMs  torch {torch.__version__}  copy {bw:.0f} GB/s (r+w)")
     print(f"Fp8Linear: W8A8, the skinny kernel for M <= {FP8_SKINNY_MAX_M}, _scaled_mm above\n")
-    head = f"{'shape':<13} {'M':>5} {'N':>6} {'K':>6} | {'bf16 µs':>8} {'GB/s':>5} {'linear µs':>9}"
+    head = (
+        f"{'shape':<13} {'M':>5} {'N':>6} {'K':>6} | {'bf16 µs':>8} {'GB/s':>5} {'linear µs':>9} {'invariant µs':>12}"
+    )
     head += f" | {'skinny µs':>9} {'GB/s':>5} {'config':<22} | {'scaled_mm µs':>12} | {'fp8 vs bf16':>11}"
     print(head + f" | {'err':>7} {'q-err':>6}")
     totals: dict[int, list[float]] = {}
@@ -133,6 +136,9 @@ def main() -> None:
             qerr = (y_mm.float() - y_bf16.float()).abs().max().item() / top
             t_bf16 = time_us([lambda w=w_, x=x: F.linear(x, w) for w_ in ws], calls, args.reps)
             t_linear = time_us([lambda w=w_, x=x: linear(x, w) for w_ in ws], calls, args.reps)
+            t_inv = time_us(
+                [lambda w=w_, x=x: invariant_linear(x, w, None, None, False, None) for w_ in ws], calls, args.reps
+            )
             t_sk = time_us([lambda p=p, x=x, c=cfg: w8a8_skinny(x, *p, c) for p in qs], calls, args.reps)
             t_mm = time_us(
                 [lambda m=m, x=x: m.forward_w8a8(x, None, False, None, skinny=False) for m in layers], calls, args.reps
@@ -140,11 +146,11 @@ def main() -> None:
             t_fp8 = t_sk if M <= FP8_SKINNY_MAX_M else t_mm
             gb_bf16 = (w.nbytes + act) / t_bf16 / 1e3
             gb_sk = (q.nbytes + scale.nbytes + act) / t_sk / 1e3
-            line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} {t_linear:>9.1f}"
+            line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} {t_linear:>9.1f} {t_inv:>12.1f}"
             line += f" | {t_sk:>9.1f} {gb_sk:>5.0f} {describe(cfg):<22} | {t_mm:>12.1f} | {t_bf16 / t_fp8:>10.2f}x"
             print(line + f" | {err:>7.1e} {qerr:>6.3f}", flush=True)
-            row = totals.setdefault(M, [0.0, 0.0, 0.0, 0.0])
-            for i, t in enumerate((t_bf16, t_linear, t_sk, t_mm)):
+            row = totals.setdefault(M, [0.0, 0.0, 0.0, 0.0, 0.0])
+            for i, t in enumerate((t_bf16, t_linear, t_sk, t_mm, t_inv)):
                 row[i] += per_step * t
             if args.sweep:
                 results = []
@@ -164,10 +170,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     if set(shapes) == set(LAYOUTS[args.layout]):
         print(f"\ndrafter linears per step ({args.layout}: 5 layers + fc + fused K/V + LM head, every GEMM at M):")
-        for M, (b, lin, sk, mm) in totals.items():
+        for M, (b, lin, sk, mm, inv) in totals.items():
             fp8 = sk if M <= FP8_SKINNY_MAX_M else mm
             print(
-                f"  M={M:>5}: bf16 cuBLAS {b:>8.1f} µs   bf16 linear {lin:>8.1f} µs   W8A8 skinny {sk:>8.1f} µs"
+                f"  M={M:>5}: bf16 cuBLAS {b:>8.1f} µs   bf16 linear {lin:>8.1f} µs   invariant {inv:>8.1f} µs"
+                f"   W8A8 skinny {sk:>8.1f} µs"
                 f"   W8A8 _scaled_mm {mm:>8.1f} µs   Fp8Linear {fp8:>8.1f} µs ({b / fp8:.2f}x)"
             )
 
