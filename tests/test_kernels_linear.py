@@ -471,22 +471,37 @@ def test_linear_uses_kernel_for_few_rows_on_cuda(monkeypatch, rows):
 @pytest.mark.parametrize("rows", [1, 16, 17])
 def test_linear_fusions_match_the_unfused_ops_on_cuda(monkeypatch, rows):
     """`Linear` as a decoder layer calls it: q|k|v with the RMSNorm prologue, gate|up with the norm
-    and the SwiGLU epilogue, down with the residual add: the fused kernel (<= LINEAR_MAX_M rows)
-    or the unfused path (cuBLAS), against the ops one by one in `reference_ops` (bf16 rounding
-    apart)."""
+    and the SwiGLU epilogue, down with the residual add: the fused kernel (<= LINEAR_MAX_M rows at
+    Qwen3-8B's shapes) or the unfused path (cuBLAS), against the ops one by one in `reference_ops`
+    (bf16 rounding apart)."""
+    check_layer_linears(monkeypatch, rows, 4096, 12288, 6144, rows <= linear_module.LINEAR_MAX_M)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [17, 64, 65])
+def test_small_weights_take_the_kernel_up_to_more_rows_on_cuda(monkeypatch, rows):
+    """A small model's layers (SmolLM2-135M's shapes, each weight within SMALL_WEIGHT) take the fused
+    kernel up to SMALL_LINEAR_MAX_M rows, cuBLAS above, and match the ops one by one."""
+    check_layer_linears(monkeypatch, rows, 576, 1536, 960, rows <= linear_module.SMALL_LINEAR_MAX_M)
+
+
+def check_layer_linears(monkeypatch, rows: int, hidden: int, inter: int, qkv_out: int, kernel: bool) -> None:
+    """A decoder layer's linears at `rows` rows: the fused kernel serves all three (`kernel`) or
+    none, and each equals the unfused ops within bf16 rounding."""
     torch.manual_seed(0)
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    qkv = linear_module.Linear(4096, 6144, bias=False, device=dev, dtype=dtype).requires_grad_(False)
-    gate_up = linear_module.Linear(4096, 2 * 12288, bias=False, device=dev, dtype=dtype).requires_grad_(False)
-    down = linear_module.Linear(12288, 4096, bias=False, device=dev, dtype=dtype).requires_grad_(False)
-    norm = RMSNorm(4096, 1e-6).to(dev, dtype).requires_grad_(False)
+    qkv = linear_module.Linear(hidden, qkv_out, bias=False, device=dev, dtype=dtype).requires_grad_(False)
+    gate_up = linear_module.Linear(hidden, 2 * inter, bias=False, device=dev, dtype=dtype).requires_grad_(False)
+    down = linear_module.Linear(inter, hidden, bias=False, device=dev, dtype=dtype).requires_grad_(False)
+    norm = RMSNorm(hidden, 1e-6).to(dev, dtype).requires_grad_(False)
     norm.weight.uniform_(0.5, 1.5)
-    x, res = torch.randn(rows, 4096, device=dev, dtype=dtype), torch.randn(rows, 4096, device=dev, dtype=dtype)
-    h = torch.randn(rows, 12288, device=dev, dtype=dtype)
+    x, res = torch.randn(rows, hidden, device=dev, dtype=dtype), torch.randn(rows, hidden, device=dev, dtype=dtype)
+    h = torch.randn(rows, inter, device=dev, dtype=dtype)
     calls = count_kernel_calls(monkeypatch)
     with torch.inference_mode():
         got = qkv(x, norm=norm), gate_up(x, norm=norm, swiglu=True), down(h, residual=res)
-        assert len(calls) == (3 if rows <= linear_module.LINEAR_MAX_M else 0)
+        assert len(calls) == (3 if kernel else 0)
         with reference_ops():
             want = (
                 F.linear(norm(x), qkv.weight),

@@ -1,5 +1,5 @@
 """Micro-benchmark of the linears on CUDA: bf16 F.linear (cuBLAS), bf16 `linear` (the models'
-path: the Triton skinny kernel up to 16 rows, cuBLAS above; under row invariance, column
+path: the Triton skinny kernel up to 16 rows at these shapes, cuBLAS above; under row invariance, column
 "invariant µs", the MMA kernel at every M, `linear.invariant_linear`), and Fp8Linear's two W8A8
 paths (the activations quantized per row by `quantize_rows`, then the Triton skinny kernel on FP8
 tensor cores, its path up to FP8_SKINNY_MAX_M rows, or `torch._scaled_mm`, above), at the shapes of the

@@ -18,8 +18,12 @@ from blockspec.layers.kernels import kernel_module, num_sms
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.row_invariant import row_invariant, tiled_linear
 
-# Rows up to which the kernel reads bf16/fp16 weights faster than cuBLAS.
+# Rows up to which the kernel reads bf16/fp16 weights faster than cuBLAS; and for weights of at
+# most SMALL_WEIGHT elements (a small model's layers: latency-bound, where the kernel's fused norm,
+# SwiGLU and residual add save more than cuBLAS's tiles gain), up to SMALL_LINEAR_MAX_M rows.
 LINEAR_MAX_M = 16
+SMALL_LINEAR_MAX_M = 64
+SMALL_WEIGHT = 1 << 21
 
 
 def _skinny_on() -> bool:
@@ -79,7 +83,7 @@ def fused_linear(
     swiglu: bool,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The skinny kernel (triton needed; at most LINEAR_MAX_M rows, as `linear` sends them) with
+    """The skinny kernel (triton needed; at most `skinny_max_rows` rows, as `linear` sends them) with
     the RMSNorm as its prologue (at one row on x, past it on the MMA kernel's weight tile, its
     register operand; only 1 / rms where the norm's weight is folded into the GEMM's,
     `CausalLM.fold_norms`), and SwiGLU or the residual add as its epilogue (as a prologue of
@@ -107,6 +111,11 @@ def invariant_linear(
     return module.skinny_linear(x, weight, bias, config, None, swiglu, residual)
 
 
+def skinny_max_rows(weight: torch.Tensor) -> int:
+    """Rows up to which `linear` runs the skinny kernel on `weight`."""
+    return SMALL_LINEAR_MAX_M if weight.numel() <= SMALL_WEIGHT else LINEAR_MAX_M
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -118,12 +127,12 @@ def linear(
 ) -> torch.Tensor:
     """`dense`: residual + F.linear(norm(x), weight, bias), or SiLU(gate) * up of it with `swiglu`
     (residual None: no add); on CUDA, without grad, for bf16/fp16, the skinny kernel: at most
-    LINEAR_MAX_M rows (`fused_linear`), or any number under row invariance (`invariant_linear`).
+    `skinny_max_rows` rows (`fused_linear`), or any number under row invariance (`invariant_linear`).
     `packed`: the weight's packed copy for the CPU (`cpu_gemm.pack`)."""
     if fast_path(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and _skinny_on():
         if row_invariant():
             return invariant_linear(x, weight, bias, norm, swiglu, residual)
-        if x.numel() <= LINEAR_MAX_M * x.shape[-1]:
+        if x.numel() <= skinny_max_rows(weight) * x.shape[-1]:
             return fused_linear(x, weight, bias, norm, swiglu, residual)
     return dense(x, weight, bias, residual, norm, swiglu, packed)
 

@@ -1,7 +1,7 @@
 """Skinny linear in Triton: y = residual + norm(x) @ w.T + bias for the few rows of a decode,
 verify or propose step. Two entry points share the kernels:
 - `skinny_linear` (through `blockspec.layers.linear.linear`): x and w in bf16/fp16 (or fp32, with
-  exact fp32 products), up to `LINEAR_MAX_M` rows, where it reads the weight faster than cuBLAS
+  exact fp32 products), up to `linear.skinny_max_rows` rows, where it reads the weight faster than cuBLAS
   (`python -m blockspec.bench.fp8_bench` times the drafter's shapes, column "linear µs");
 - `skinny_scaled_mm` (through `blockspec.layers.quantization.Fp8Linear`), W8A8: x and w in
   float8_e4m3fn, each with one float32 scale per row, multiplied on FP8 tensor cores; the scales
