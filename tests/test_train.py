@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_target
+from conftest import add_word_tokenizer, make_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -54,7 +54,8 @@ from blockspec.train.loss import (
 )
 from blockspec.train.masks import FlexBlockAttention, block_mask, flex_block_mask
 from blockspec.train.model import build_drafter
-from blockspec.train.prompts import build_prompts
+from blockspec.train.prompts import build_prompts, read_prompts
+from blockspec.train.self_prompts import MIN_CHARS, target_prompts, user_turn
 from blockspec.train.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -503,6 +504,7 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
         ({"method": "dflash2", "selector_weight": -1.0}, "selector_weight must be >= 0"),
         ({"rows": "diagonal"}, "rows must be auto/shifted/filled, got 'diagonal'"),
         ({"method": "dflash2", "rows": "shifted"}, "rows shifted: dflash2 drafters fill their rows"),
+        ({"prompt_source": "web"}, "prompt_source must be offline/target, got 'web'"),
     ],
 )
 def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -> None:
@@ -749,6 +751,31 @@ def test_prompts_come_from_offline_text() -> None:
     assert build_prompts(40, seed=0) == prompts != build_prompts(40, seed=1)  # deterministic per seed
     assert build_prompts(400, seed=0)[:40] == prompts  # more prompts extend the list: none is asked twice
     assert build_prompts(400, seed=0)[:5] == build_prompts(5, seed=0)  # also where a tenth rounds to 0
+
+
+def test_the_target_writes_its_own_user_requests(tmp_path) -> None:
+    """Magpie: the template up to a user's message (w3 in the test template, whose user turn ends at
+    w4), sampled on: requests ended by the turn's end, distinct, long enough, reproducible for a
+    seed; draws cut off by max_tokens (or too short) are dropped, and too few usable is an error.
+    `blockspec train --write-prompts --prompt-source target` writes them."""
+    target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
+    llm = LLM(str(target), None, "cpu", "float32", max_num_seqs=16, warm_up=False)
+    turn = user_turn(llm)
+    assert (turn.prefix, turn.end) == ([3], 4)
+    prompts = target_prompts(llm, 6, seed=0, max_tokens=64)
+    assert len(set(prompts)) == 6 and all(len(p) >= MIN_CHARS for p in prompts)
+    words = [w for p in prompts for w in p.split()]
+    assert all(w.startswith("w") for w in words) and "w4" not in words
+    assert target_prompts(llm, 6, seed=0, max_tokens=64) == prompts != target_prompts(llm, 6, seed=1, max_tokens=64)
+    assert all(len(p.split()) < 8 for p in target_prompts(llm, 2, seed=0, max_tokens=8))  # none cut off
+    with pytest.raises(ValueError, match="usable prompts of 3"):
+        target_prompts(llm, 3, seed=0, max_tokens=1)  # one token: cut off, or the turn's end alone
+    out = tmp_path / "prompts.jsonl"
+    train(TrainConfig(model=str(target), device="cpu", write_prompts=str(out), prompt_source="target", num_prompts=4))
+    assert len(set(read_prompts(out))) == 4
+    untemplated = make_target(tmp_path / "u", "qwen3")
+    with pytest.raises(ValueError, match="needs a target with a chat template"):
+        user_turn(LLM(str(untemplated), None, "cpu", "float32", warm_up=False))
 
 
 def test_word_problems_stay_within_a_tenth(monkeypatch) -> None:

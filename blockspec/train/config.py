@@ -13,6 +13,7 @@ from blockspec.models.dspark import MARKOV_HEADS
 
 METHODS = ("dflash", "dspark", "dflash2")
 ROWS = ("auto", "shifted", "filled")
+PROMPT_SOURCES = ("offline", "target")
 
 
 def knob(default, doc: str):
@@ -31,7 +32,12 @@ class TrainConfig:
         None, "reuse this generated-data JSONL as is (default: OUTPUT/data.jsonl, made or extended)"
     )
     prompts: str | None = knob(None, "text file of prompts, one JSON string a line (default: built from offline text)")
-    write_prompts: str | None = knob(None, "only build num_prompts prompts from offline text into this file, then exit")
+    write_prompts: str | None = knob(None, "only write num_prompts prompts into this file, then exit")
+    prompt_source: str = knob(
+        "offline",
+        "where --write-prompts takes them: offline (built from text on this machine) or target (user requests "
+        "the target writes itself from its chat template's user turn, Magpie)",
+    )
     num_prompts: int = knob(1000, "prompts to generate responses for")
     max_new_tokens: int = knob(256, "response length cap")
     max_prompt_tokens: int = knob(384, "prompts longer than this (chat template applied) are skipped")
@@ -93,6 +99,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}"),
+            (
+                self.prompt_source in PROMPT_SOURCES,
+                f"prompt_source must be {'/'.join(PROMPT_SOURCES)}, got {self.prompt_source!r}",
+            ),
             (self.rows in ROWS, f"rows must be {'/'.join(ROWS)}, got {self.rows!r}"),
             (
                 not (self.method == "dflash2" and self.rows == "shifted"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.llm import resolve_device, resolve_dtype
+from blockspec.llm import LLM, resolve_device, resolve_dtype
 from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.train.config import TrainConfig, config_from_args
@@ -16,6 +16,7 @@ from blockspec.train.distributed import World, close_world, init_world
 from blockspec.train.evaluate import acceptance_lengths, describe
 from blockspec.train.model import build_drafter, default_mask_token_id
 from blockspec.train.prompts import build_prompts, write_prompts
+from blockspec.train.self_prompts import target_prompts
 from blockspec.train.trainer import Trainer, uses_flex
 
 
@@ -23,13 +24,21 @@ def train(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the directory of the saved drafter (or the
     prompt file with cfg.write_prompts)."""
     if cfg.write_prompts:
-        write_prompts(build_prompts(cfg.num_prompts, cfg.seed), cfg.write_prompts)
+        write_prompts(prompts_from(cfg), cfg.write_prompts)
         return Path(cfg.write_prompts)
     world, device = init_world(resolve_device(cfg.device))
     try:
         return train_on(cfg, world, device)
     finally:
         close_world(world)
+
+
+def prompts_from(cfg: TrainConfig) -> list[str]:
+    """cfg.num_prompts prompts from cfg.prompt_source."""
+    if cfg.prompt_source == "offline":
+        return build_prompts(cfg.num_prompts, cfg.seed)
+    llm = LLM(cfg.model, speculative_config=None, device=resolve_device(cfg.device), max_num_seqs=cfg.gen_batch_size)
+    return target_prompts(llm, cfg.num_prompts, cfg.seed)
 
 
 def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
