@@ -16,7 +16,7 @@ from blockspec.train.distributed import World, close_world, init_world
 from blockspec.train.evaluate import acceptance_lengths, describe
 from blockspec.train.model import build_drafter, default_mask_token_id
 from blockspec.train.prompts import build_prompts, write_prompts
-from blockspec.train.self_prompts import target_prompts
+from blockspec.train.self_prompts import MAX_TOKENS, target_prompts
 from blockspec.train.trainer import Trainer, uses_flex
 
 
@@ -37,7 +37,9 @@ def prompts_from(cfg: TrainConfig) -> list[str]:
     """cfg.num_prompts prompts from cfg.prompt_source."""
     if cfg.prompt_source == "offline":
         return build_prompts(cfg.num_prompts, cfg.seed)
-    llm = LLM(cfg.model, speculative_config=None, device=resolve_device(cfg.device), max_num_seqs=cfg.gen_batch_size)
+    # The context: the template up to a user's message (within max_prompt_tokens) and the request.
+    context = cfg.max_prompt_tokens + MAX_TOKENS + 1
+    llm = LLM(cfg.model, None, resolve_device(cfg.device), max_num_seqs=cfg.gen_batch_size, max_model_len=context)
     return target_prompts(llm, cfg.num_prompts, cfg.seed)
 
 

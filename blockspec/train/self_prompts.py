@@ -11,6 +11,7 @@ from blockspec.sampling import SamplingParams
 
 MARKER = "BLOCKSPEC_USER_MESSAGE"  # stands for the message in the rendered template
 MIN_CHARS = 12  # a shorter request ("Hi!") asks for little to answer
+MAX_TOKENS = 128  # a request's length cap: one cut off there is dropped
 ROUNDS = 20  # batches of draws before giving up on reaching the number asked for
 
 
@@ -34,7 +35,7 @@ def user_turn(llm: LLM) -> UserTurn:
     return UserTurn(tok.encode(head, add_special_tokens=False), after[0])
 
 
-def target_prompts(llm: LLM, n: int, seed: int, max_tokens: int = 128) -> list[str]:
+def target_prompts(llm: LLM, n: int, seed: int, max_tokens: int = MAX_TOKENS) -> list[str]:
     """n distinct user requests the target writes at temperature 1, each ended by the template's
     end of a user turn within `max_tokens` (one cut off is dropped, as is one under MIN_CHARS).
     Draw k of a seed is seeded by (seed, k): reproducible where the engine's sampling is."""
