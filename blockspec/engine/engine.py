@@ -245,7 +245,7 @@ class LLMEngine:
         stop token is): rows finish at different steps under speculation, and each would otherwise
         stall the batch's next step until the host has read this one. < 1: the step in flight may
         reach the context's end."""
-        remaining = max(seq.params.max_tokens - seq.num_generated - ahead, 1)
+        remaining = max(seq.tokens_left - ahead, 1)
         room = self.max_model_len - len(seq.token_ids) - ahead
         return min(self.max_width, remaining, room)
 
@@ -417,7 +417,7 @@ class LLMEngine:
         if not self.run_ahead or self.scheduler.admission_open():
             return None
         # Left out: the finished, and those prev ends for sure (one token left: it commits at least one)
-        rows = [i for i, s in enumerate(prev.step.seqs) if not s.finished and s.params.max_tokens - s.num_generated > 1]
+        rows = [i for i, s in enumerate(prev.step.seqs) if not s.finished and s.tokens_left > 1]
         if not rows:
             return None
         seqs, widths = [prev.step.seqs[i] for i in rows], [prev.step.widths[i] for i in rows]
@@ -507,7 +507,7 @@ class LLMEngine:
             if hit is not None:
                 seq.text = seq.text[: hit.stop if p.include_stop_str_in_output else hit.start]
                 return "stop"
-        if seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if seq.tokens_left <= 0 or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

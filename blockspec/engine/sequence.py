@@ -79,6 +79,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def tokens_left(self) -> int:
+        """Tokens it may still generate before max_tokens."""
+        return self.params.max_tokens - self.num_generated
+
+    @property
     def anchor(self) -> int:
         return self.token_ids[-1]
 
