@@ -144,15 +144,17 @@ def check_settings(cfg: TrainConfig, path: Path) -> None:
         )
 
 
+def generator(cfg: TrainConfig, device: torch.device, new_tokens: int) -> LLM:
+    """The target's plain engine for writing training text: cfg.gen_batch_size sequences at once,
+    each a prompt of at most cfg.max_prompt_tokens and `new_tokens` more (the pools sized for that,
+    not for the model's whole context)."""
+    context = cfg.max_prompt_tokens + new_tokens + 1
+    return LLM(cfg.model, None, device, max_num_seqs=cfg.gen_batch_size, max_model_len=context)
+
+
 def generate_into(cfg: TrainConfig, path: Path, device: torch.device, todo: list[int], progress: bool) -> None:
     """Answer the prompts numbered `todo`, appending chunk by chunk to `path`."""
-    llm = LLM(
-        cfg.model,
-        speculative_config=None,
-        device=device,
-        max_num_seqs=cfg.gen_batch_size,
-        max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 1,
-    )
+    llm = generator(cfg, device, cfg.max_new_tokens)
     if llm.tokenizer is None:
         prompts = token_prompts(llm.engine.vocab_size, cfg.num_prompts, cfg.seed)
     else:

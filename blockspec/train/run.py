@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from blockspec.llm import LLM, resolve_device, resolve_dtype
+from blockspec.llm import resolve_device, resolve_dtype
 from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.train.config import TrainConfig, config_from_args
-from blockspec.train.data import generate_dataset, read_examples
+from blockspec.train.data import generate_dataset, generator, read_examples
 from blockspec.train.distributed import World, close_world, init_world
 from blockspec.train.evaluate import acceptance_lengths, describe
 from blockspec.train.model import build_drafter, default_mask_token_id
@@ -37,10 +37,8 @@ def prompts_from(cfg: TrainConfig) -> list[str]:
     """cfg.num_prompts prompts from cfg.prompt_source."""
     if cfg.prompt_source == "offline":
         return build_prompts(cfg.num_prompts, cfg.seed)
-    # The context: the template up to a user's message (within max_prompt_tokens) and the request.
-    context = cfg.max_prompt_tokens + MAX_TOKENS + 1
-    llm = LLM(cfg.model, None, resolve_device(cfg.device), max_num_seqs=cfg.gen_batch_size, max_model_len=context)
-    return target_prompts(llm, cfg.num_prompts, cfg.seed)
+    # the template up to a user's message (within max_prompt_tokens), then the request
+    return target_prompts(generator(cfg, resolve_device(cfg.device), MAX_TOKENS), cfg.num_prompts, cfg.seed)
 
 
 def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
