@@ -10,6 +10,7 @@ import os
 import re
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from blockspec.loading.weights import CheckpointError
 from blockspec.models.dflash import DFlashDrafter
 from blockspec.models.dflash2 import DFlash2Drafter, DFlash2Layer
 from blockspec.models.dspark import DSparkDrafter
+from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from blockspec.sampling import SamplingParams
 from blockspec.train import TrainConfig, train
 from blockspec.train import prompts as prompts_module
@@ -776,6 +778,34 @@ def test_the_target_writes_its_own_user_requests(tmp_path) -> None:
     untemplated = make_target(tmp_path / "u", "qwen3")
     with pytest.raises(ValueError, match="needs a target with a chat template"):
         user_turn(LLM(str(untemplated), None, "cpu", "float32", warm_up=False))
+
+
+def test_the_targets_requests_are_kept_only_ended_long_enough_and_once(tmp_path) -> None:
+    """Each check on a draw is what keeps it out: scripted draws (text, finish reason) in the order
+    drawn give exactly the requests ended by the turn's end, of MIN_CHARS or more, each once;
+    the prefix every draw starts from is the template's user turn."""
+    target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
+    llm = LLM(str(target), None, "cpu", "float32", warm_up=False)
+    script = [
+        (" w10 w11 w12 w13 ", "stop"),
+        ("w20 w21 w22 w23", "length"),  # cut off
+        ("w10 w11 w12 w13", "stop"),  # drawn before
+        ("w30 w3", "stop"),  # under MIN_CHARS
+        ("w40 w41 w42 w43", "stop"),
+    ]
+    starts = []
+
+    def generate(prompts, params):
+        starts.extend(prompts)
+        drawn = [script.pop(0) if script else ("w50 w51 w52 w53", "stop") for _ in prompts]
+        return [
+            RequestOutput("r", None, p, [CompletionOutput(0, t, [], f)], True, RequestMetrics())
+            for p, (t, f) in zip(prompts, drawn)
+        ]
+
+    scripted = SimpleNamespace(tokenizer=llm.tokenizer, generate=generate)
+    assert target_prompts(scripted, 3, seed=0) == ["w10 w11 w12 w13", "w40 w41 w42 w43", "w50 w51 w52 w53"]
+    assert starts and all(p == [3] for p in starts)
 
 
 def test_word_problems_stay_within_a_tenth(monkeypatch) -> None:

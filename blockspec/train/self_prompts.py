@@ -40,13 +40,13 @@ def target_prompts(llm: LLM, n: int, seed: int, max_tokens: int = MAX_TOKENS) ->
     end of a user turn within `max_tokens` (one cut off is dropped, as is one under MIN_CHARS).
     Draw k of a seed is seeded by (seed, k): reproducible where the engine's sampling is."""
     turn = user_turn(llm)
-    prompts: list[str] = []
-    seen: set[str] = set()
+    prompts: dict[str, None] = {}  # distinct, in the order drawn
     drawn = 0
     for _ in range(ROUNDS):
-        if len(prompts) >= n:
+        left = n - len(prompts)
+        if left <= 0:
             break
-        count = n - len(prompts) + (n - len(prompts)) // 4 + 8  # some draws fail the checks
+        count = left + left // 4 + 8  # some draws fail the checks
         params = [
             SamplingParams(1.0, max_tokens=max_tokens, stop_token_ids=[turn.end], seed=seed * 1_000_003 + k)
             for k in range(drawn, drawn + count)
@@ -54,9 +54,8 @@ def target_prompts(llm: LLM, n: int, seed: int, max_tokens: int = MAX_TOKENS) ->
         drawn += count
         for out in llm.generate([turn.prefix] * count, params):
             text = out.outputs[0].text.strip()
-            if out.outputs[0].finish_reason == "stop" and len(text) >= MIN_CHARS and text not in seen:
-                seen.add(text)
-                prompts.append(text)
+            if out.outputs[0].finish_reason == "stop" and len(text) >= MIN_CHARS:
+                prompts.setdefault(text)
     if len(prompts) < n:
         raise ValueError(f"the target wrote {len(prompts)} usable prompts of {n} in {drawn} draws")
-    return prompts[:n]
+    return list(prompts)[:n]
