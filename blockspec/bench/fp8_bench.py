@@ -113,7 +113,7 @@ def main() -> None:
     )
     head += f" | {'skinny µs':>9} {'GB/s':>5} {'config':<22} | {'scaled_mm µs':>12} | {'fp8 vs bf16':>11}"
     print(head + f" | {'err':>7} {'q-err':>6}")
-    totals: dict[int, list[float]] = {}
+    totals: dict[int, dict[str, float]] = {}  # M -> column -> µs of one drafter step
     for name in shapes:
         N, K, per_step = SHAPES[name]
         gen = torch.Generator(device=dev).manual_seed(0)
@@ -149,9 +149,9 @@ def main() -> None:
             line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} {t_linear:>9.1f} {t_inv:>12.1f}"
             line += f" | {t_sk:>9.1f} {gb_sk:>5.0f} {describe(cfg):<22} | {t_mm:>12.1f} | {t_bf16 / t_fp8:>10.2f}x"
             print(line + f" | {err:>7.1e} {qerr:>6.3f}", flush=True)
-            row = totals.setdefault(M, [0.0, 0.0, 0.0, 0.0, 0.0])
-            for i, t in enumerate((t_bf16, t_linear, t_sk, t_mm, t_inv)):
-                row[i] += per_step * t
+            row = totals.setdefault(M, dict.fromkeys(("bf16", "linear", "invariant", "skinny", "mm"), 0.0))
+            for column, t in zip(row, (t_bf16, t_linear, t_inv, t_sk, t_mm), strict=True):
+                row[column] += per_step * t
             if args.sweep:
                 results = []
                 for c in sweep_configs(M, N, K):
@@ -170,12 +170,12 @@ def main() -> None:
         torch.cuda.empty_cache()
     if set(shapes) == set(LAYOUTS[args.layout]):
         print(f"\ndrafter linears per step ({args.layout}: 5 layers + fc + fused K/V + LM head, every GEMM at M):")
-        for M, (b, lin, sk, mm, inv) in totals.items():
-            fp8 = sk if M <= FP8_SKINNY_MAX_M else mm
+        for M, t in totals.items():
+            fp8 = t["skinny"] if M <= FP8_SKINNY_MAX_M else t["mm"]
             print(
-                f"  M={M:>5}: bf16 cuBLAS {b:>8.1f} µs   bf16 linear {lin:>8.1f} µs   invariant {inv:>8.1f} µs"
-                f"   W8A8 skinny {sk:>8.1f} µs"
-                f"   W8A8 _scaled_mm {mm:>8.1f} µs   Fp8Linear {fp8:>8.1f} µs ({b / fp8:.2f}x)"
+                f"  M={M:>5}: bf16 cuBLAS {t['bf16']:>8.1f} µs   bf16 linear {t['linear']:>8.1f} µs"
+                f"   invariant {t['invariant']:>8.1f} µs   W8A8 skinny {t['skinny']:>8.1f} µs"
+                f"   W8A8 _scaled_mm {t['mm']:>8.1f} µs   Fp8Linear {fp8:>8.1f} µs ({t['bf16'] / fp8:.2f}x)"
             )
 
 
