@@ -18,7 +18,7 @@ on CUDA a step whose rows fit one query tile (decode, verify, propose) does all 
 launch (`qkv_attention_triton`).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from blockspec.layers.fast_path import fast_kernels
 from blockspec.layers.kv_write import KVWrite
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.layers.rotary import qk_norm_rope
-from blockspec.layers.row_invariant import gather_pages, row_invariant, tiled_attention
+from blockspec.layers.row_invariant import KeyPlan, gather_pages, row_invariant, tiled_attention
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]  # (k_start, k_end), each [B, S]
 
@@ -41,6 +41,8 @@ class AttentionMetadata:
     page_size: int
     starts: torch.Tensor  # [B] position of each sequence's first row (the rest follow it)
     states: RecurrentStates | None = None  # the linear-attention layers' state slots (targets only)
+    # layer type -> row-invariant attention's plans of its keys (`tiled_attention`), made by its first layer
+    key_plans: dict[str, dict[tuple[int, int], KeyPlan]] = field(default_factory=dict)
 
     def tables(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer type's block tables [B, M] and new K/V slots [B, S]."""
@@ -89,7 +91,8 @@ class AttentionMetadata:
         """q: [B, S, Hq, D], the new K/V already in the cache (`kv_write`); returns [B, S, Hq, D]."""
         k_start, k_end = self.key_ranges[layer_type]
         block_tables = self.tables(layer_type)[0]
-        return paged_attention(q, *cache, block_tables, k_start, k_end, self.page_size, scale, sinks)
+        plans = self.key_plans.setdefault(layer_type, {})
+        return paged_attention(q, *cache, block_tables, k_start, k_end, self.page_size, scale, sinks, plans)
 
 
 def rope_then_attend(
@@ -121,14 +124,17 @@ def paged_attention(
     page_size: int,
     scale: float,
     sinks: torch.Tensor | None = None,
+    plans: dict[tuple[int, int], KeyPlan] | None = None,
 ) -> torch.Tensor:
+    """`paged_attention_ref`; on CUDA the Triton kernel; under row invariance otherwise
+    `tiled_attention` (`plans`: its plans of these keys, kept across a step's layers)."""
     kernels = fast_kernels(q, "paged_attention")
     if kernels is not None:
         return kernels.paged_attention_triton(
             q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks=sinks, invariant=row_invariant()
         )
     if row_invariant():
-        return tiled_attention(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks)
+        return tiled_attention(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks, plans)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, k_start, k_end, page_size, scale, sinks)
 
 

@@ -29,6 +29,7 @@ are fused otherwise) is in `docs/benchmarks.md`, and not yet small: `EngineConfi
 is off by default."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +119,51 @@ def keeps_bits(fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -
     return _kept[key]
 
 
+@dataclass
+class RowCall:
+    """One call of `tiled_attention`'s query rows: its positions, the key positions it reads (whole
+    chunks), the keys each of its rows does not see, and the GEMM rows it runs at."""
+
+    rows: slice
+    keys: slice
+    hidden: torch.Tensor  # [1, B, n, R, 1, C]: chunk, row, key within the chunk
+    gemm_rows: int
+
+
+@dataclass
+class KeyPlan:
+    """What `tiled_attention` takes from the block tables and key ranges alone, the same for every
+    layer that reads them (a step's layers of one type): the pages to gather and the calls."""
+
+    chunk: int
+    block_tables: torch.Tensor  # [B, pages]: whole chunks, padded with the trash page 0
+    calls: list[RowCall]
+
+
+def key_plan(
+    block_tables: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, page_size: int, group: int, head_dim: int
+) -> KeyPlan:
+    """The plan of `tiled_attention` over these keys for query heads in groups of `group` a kv head."""
+    B, S = k_start.shape
+    chunk = page_size * -(-KEY_CHUNK // page_size)  # fixed for the engine: whole pages
+    firsts, ends = k_start.amin(dim=0).tolist(), k_end.amax(dim=0).tolist()  # per query position
+    pages = max(1, -(-max(ends) // chunk)) * chunk // page_size
+    table = F.pad(block_tables[:, :pages], (0, max(0, pages - block_tables.shape[1])))
+    keeps = k_start.device.type == "cpu" and attention_gemm_keeps_rows(head_dim, chunk)
+    positions = max(1, CALL_ROWS // group) if keeps else ROW_TILE  # query positions a call
+    calls = []
+    for s0 in range(0, S, positions):
+        rows = slice(s0, min(s0 + positions, S))
+        first = min(firsts[rows]) // chunk
+        last = max(first + 1, -(-max(ends[rows]) // chunk))
+        pos = torch.arange(first * chunk, last * chunk, device=k_start.device)
+        visible = (pos >= k_start[:, rows, None]) & (pos < k_end[:, rows, None])  # [B, R, n * C]
+        R = rows.stop - rows.start
+        hidden = ~visible.view(B, R, last - first, chunk).transpose(1, 2)[None, :, :, :, None, :]
+        calls.append(RowCall(rows, slice(first * chunk, last * chunk), hidden, gemm_rows(R * group, group, keeps)))
+    return KeyPlan(chunk, table, calls)
+
+
 def tiled_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -128,6 +174,7 @@ def tiled_attention(
     page_size: int,
     scale: float,
     sinks: torch.Tensor | None = None,
+    plans: dict[tuple[int, int], KeyPlan] | None = None,
 ) -> torch.Tensor:
     """`attention.paged_attention_ref` (same arguments and result) in float32, each key chunk of a
     call of query rows one GEMM for the scores and one for the weighted values (CPU: its cumsum is
@@ -135,23 +182,20 @@ def tiled_attention(
     are padded with the trash page 0 to whole chunks: the pools start zeroed and hold only computed
     K/V, so a masked key's value is finite and its zero weight adds exact zeros. Chunks past every
     row's keys (or before them) would add only such zeros, and are left out. A row with no visible
-    key gives zeros."""
-    S, Hq, D = q.shape[1:]
-    chunk = page_size * -(-KEY_CHUNK // page_size)  # fixed for the engine: whole pages
-    chunks = max(1, -(-int(k_end.max()) // chunk))
-    pages = chunks * chunk // page_size
-    block_tables = F.pad(block_tables[:, :pages], (0, max(0, pages - block_tables.shape[1])))
-    k, v = (gather_pages(c, block_tables, page_size).float() for c in (k_cache, v_cache))  # [B, L, Hkv, D]
-    keeps = q.device.type == "cpu" and attention_gemm_keeps_rows(D, chunk)
-    positions = max(1, CALL_ROWS // (Hq // k.shape[2])) if keeps else ROW_TILE  # query positions a call
+    key gives zeros. `plans`: the caller's `KeyPlan`s for these keys by (group, head size), made
+    here where missing and kept there for the next layer (their host reads and masks once a step)."""
+    plans = {} if plans is None else plans
+    key = (q.shape[2] // k_cache.shape[1], q.shape[3])  # (group, head size)
+    if key not in plans:
+        plans[key] = key_plan(block_tables, k_start, k_end, page_size, *key)
+    plan = plans[key]
+    k, v = (gather_pages(c, plan.block_tables, page_size).float() for c in (k_cache, v_cache))  # [B, L, Hkv, D]
+    if len(plan.calls) == 1 and plan.calls[0].keys.start == 0:  # one call over all the keys gathered
+        return _attend_rows(q, k, v, plan.calls[0], plan.chunk, scale, sinks)
     out = torch.empty_like(q)
-    for s0 in range(0, S, positions):
-        rows = slice(s0, min(s0 + positions, S))
-        first = int(k_start[:, rows].min()) // chunk
-        last = max(first + 1, -(-int(k_end[:, rows].max()) // chunk))
-        keys = slice(first * chunk, last * chunk)
-        out[:, rows] = _attend_rows(
-            q[:, rows], k[:, keys], v[:, keys], k_start[:, rows], k_end[:, rows], keys, chunk, scale, sinks, keeps
+    for call in plan.calls:
+        out[:, call.rows] = _attend_rows(
+            q[:, call.rows], k[:, call.keys], v[:, call.keys], call, plan.chunk, scale, sinks
         )
     return out
 
@@ -167,22 +211,19 @@ def _attend_rows(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_start: torch.Tensor,
-    k_end: torch.Tensor,
-    keys: slice,
+    call: RowCall,
     chunk: int,
     scale: float,
     sinks: torch.Tensor | None,
-    keeps: bool,
 ) -> torch.Tensor:
-    """Query rows q [B, R, Hq, D] against the float32 K and V [B, L, Hkv, D] of key positions `keys`,
-    whole chunks -> [B, R, Hq, D]. A kv head's GEMM rows are its G query heads at each position
-    (r = t * G + g), padded with zero rows to `gemm_rows`; the softmax sees only the real ones. Each
-    head's chunks are one batch of GEMM operands as gathered (rows Hkv * D apart), not copied."""
+    """Query rows q [B, R, Hq, D] against the float32 K and V [B, L, Hkv, D] of the call's key
+    positions -> [B, R, Hq, D]. A kv head's GEMM rows are its G query heads at each position
+    (r = t * G + g), padded with zero rows to the call's `gemm_rows`; the softmax sees only the real
+    ones. Each head's chunks are one batch of GEMM operands as gathered (rows Hkv * D apart), not
+    copied."""
     B, R, Hq, D = q.shape
     Hkv, n = k.shape[2], k.shape[1] // chunk
-    G = Hq // Hkv
-    M = gemm_rows(R * G, G, keeps)
+    G, M = Hq // Hkv, call.gemm_rows
     qt = torch.zeros(Hkv, B, n, M, D, device=q.device)  # the rows of every chunk's GEMM, zeros past R * G
     qt[:, :, :, : R * G] = (q.float() * scale).view(B, R, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, 1, -1, D)
     qt = qt.view(Hkv, B * n, M, D)
@@ -190,12 +231,9 @@ def _attend_rows(
     for h in range(Hkv):
         attention_scores(qt[h], k[:, :, h].reshape(B * n, chunk, D), out=p[h])
     scores = p.view(Hkv, B, n, M, chunk)[:, :, :, : R * G].view(Hkv, B, n, R, G, chunk)
-    pos = torch.arange(keys.start, keys.stop, device=q.device)
-    visible = (pos >= k_start[..., None]) & (pos < k_end[..., None])  # [B, R, n * C]
-    hidden = ~visible.view(B, R, n, chunk).transpose(1, 2)[None, :, :, :, None, :]  # [1, B, n, R, 1, C]
-    scores.masked_fill_(hidden, float("-inf"))
-    top = scores.amax(dim=(2, 5), keepdim=True)  # [Hkv, B, 1, R, G, 1]
-    top = torch.where(top == float("-inf"), 0.0, top)  # rows without keys
+    scores.masked_fill_(call.hidden, float("-inf"))
+    # A row without keys: a finite max, so its weights are exp(-inf) = 0 (and its total 0)
+    top = scores.amax(dim=(2, 5), keepdim=True).clamp_min_(torch.finfo(torch.float32).min)  # [Hkv, B, 1, R, G, 1]
     weights = exp_(scores.sub_(top))  # the padding rows keep their zero scores: their results are dropped
     total = weights.sum(dim=5).cumsum(dim=2)[:, :, -1]  # [Hkv, B, R, G]
     if sinks is not None:
@@ -204,7 +242,7 @@ def _attend_rows(
     for h in range(Hkv):
         weighted_values(p[h], v[:, :, h].reshape(B * n, chunk, D), out=acc[h])
     acc = acc.view(Hkv, B, n, M, D).cumsum(dim=2)[:, :, -1, : R * G].view(Hkv, B, R, G, D)
-    out = torch.where(total[..., None] > 0, acc / total[..., None], 0.0)
+    out = acc / total[..., None].clamp_min(1.0)  # a row's total is 0 (no keys: acc 0) or >= 1 (its top key)
     return out.permute(1, 2, 0, 3, 4).reshape(B, R, Hq, D).to(q.dtype)
 
 
