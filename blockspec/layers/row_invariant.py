@@ -228,8 +228,8 @@ def _attend_rows(
     qt[:, :, :, : R * G] = (q.float() * scale).view(B, R, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, 1, -1, D)
     qt = qt.view(Hkv, B * n, M, D)
     p = torch.empty(Hkv, B * n, M, chunk, device=q.device)  # the scores, then in place their weights
-    for h in range(Hkv):
-        attention_scores(qt[h], k[:, :, h].reshape(B * n, chunk, D), out=p[h])
+    for q_h, k_h, p_h in zip(qt.unbind(), k.unbind(2), p.unbind()):
+        attention_scores(q_h, k_h.view(B * n, chunk, D), out=p_h)
     scores = p.view(Hkv, B, n, M, chunk)[:, :, :, : R * G].view(Hkv, B, n, R, G, chunk)
     scores.masked_fill_(call.hidden, float("-inf"))
     # A row without keys: a finite max, so its weights are exp(-inf) = 0 (and its total 0)
@@ -239,8 +239,8 @@ def _attend_rows(
     if sinks is not None:
         total = total + elementwise(torch.exp, sinks.float().view(Hkv, 1, 1, G) - top[:, :, 0, :, :, 0])
     acc = torch.empty(Hkv, B * n, M, D, device=q.device)
-    for h in range(Hkv):
-        weighted_values(p[h], v[:, :, h].reshape(B * n, chunk, D), out=acc[h])
+    for p_h, v_h, acc_h in zip(p.unbind(), v.unbind(2), acc.unbind()):
+        weighted_values(p_h, v_h.view(B * n, chunk, D), out=acc_h)
     acc = acc.view(Hkv, B, n, M, D).cumsum(dim=2)[:, :, -1, : R * G].view(Hkv, B, R, G, D)
     out = acc / total[..., None].clamp_min(1.0)  # a row's total is 0 (no keys: acc 0) or >= 1 (its top key)
     return out.permute(1, 2, 0, 3, 4).reshape(B, R, Hq, D).to(q.dtype)
