@@ -16,12 +16,13 @@ that do not depend on the call:
   number of chunks does not matter. The query rows go in calls of up to CALL_ROWS GEMM rows, padded
   with zero rows to a multiple of GEMM_ROW_MULTIPLE, where the machine's GEMMs give a row the same
   bits at any such count (`attention_gemm_keeps_rows`), else in fixed tiles of ROW_TILE positions;
-- elementwise exp, SiLU, sigmoid and tanh in float64, rounded once, where torch's CPU kernel runs
-  the last elements of a call on a scalar path that rounds differently from the vector one (fp32
-  SiLU: 4% of them), which elements those are depending on the call's size; a last-bit
-  difference in float64 survives the rounding to fp32 about once in 2**29. A kernel that keeps
-  an element's bits wherever it sits (`keeps_bits`, checked on the machine) runs in the input's
-  dtype.
+- elementwise exp, SiLU, sigmoid and tanh, where torch's CPU kernel runs the last elements of a
+  call on a scalar path that rounds differently from the vector one (fp32 SiLU: 4% of them),
+  which elements those are depending on the call's size: SiLU and sigmoid from float32 exp and
+  correctly rounded arithmetic where exp keeps an element's bits, else (and tanh) in float64,
+  rounded once (a last-bit difference in float64 survives the rounding to fp32 about once in
+  2**29). A kernel that keeps an element's bits wherever it sits (`keeps_bits`, checked on the
+  machine) runs in the input's dtype.
 Norms, rope, residual adds and sampling compute each row on its own already. On CUDA the Triton
 kernels take fixed shapes instead (`linear.invariant_linear`, `kernels.rms_norm`,
 `kernels.paged_attention.invariant_launch`). The cost (the padding, smaller GEMMs, ops apart that
@@ -73,12 +74,34 @@ def tiled_linear(
     return y.view(*x.shape[:-1], N)
 
 
+def silu_from_exp(x: torch.Tensor) -> torch.Tensor:
+    """SiLU as x / (1 + exp(-x)): exp, then correctly rounded arithmetic."""
+    return x / torch.exp(-x).add_(1)
+
+
+def sigmoid_from_exp(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid as 1 / (1 + exp(-x)): exp, then correctly rounded arithmetic."""
+    return torch.exp(-x).add_(1).reciprocal_()
+
+
+# Functions with a form of float32 exp and correctly rounded arithmetic: an element's bits wherever
+# exp keeps them, at a fraction of float64's cost on large calls
+EXP_FORMS: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
+    F.silu: silu_from_exp,
+    torch.sigmoid: sigmoid_from_exp,
+}
+
+
 def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) of an elementwise transcendental fn (exp, SiLU, sigmoid, tanh); on the CPU under row
-    invariance in float64, rounded once, unless torch's kernel keeps an element's bits in x's
-    dtype (`keeps_bits`; see the module's note)."""
+    invariance, unless torch's kernel keeps an element's bits in x's dtype (`keeps_bits`; see the
+    module's note), by its form of float32 exp where it has one (`EXP_FORMS`) and float32 exp keeps
+    its bits, else in float64; either rounded to x's dtype once."""
     if native(fn, x):
         return fn(x)
+    form = EXP_FORMS.get(fn)
+    if form is not None and keeps_bits(torch.exp, torch.float32):
+        return form(x.float()).to(x.dtype)
     return fn(x.double()).to(x.dtype)
 
 
