@@ -166,6 +166,33 @@ def test_under_row_invariance_a_copy_keeps_a_rows_bits_in_one_call(shape, dtype)
 
 
 @torch.inference_mode()
+def test_a_lone_row_is_padded_where_onednn_rounds_it_apart(monkeypatch):
+    """A GEMM whose lone rows take other math (a last-bit nudge here, as oneDNN's other path at some
+    shapes): the check finds rows from two kept and a lone row not, and a lone row then runs padded,
+    with the bits it has among others. Where a lone row keeps its bits, it runs alone."""
+    honest = cpu_gemm.onednn_gemm
+    nudge, calls = [True], []
+
+    def gemm(rows, packed, bias=None):
+        calls.append(rows.shape[0])
+        y = honest(rows, packed, bias)
+        return y * (1 + 2**-20) if nudge[0] and rows.shape[0] == 1 else y
+
+    monkeypatch.setattr(cpu_gemm, "onednn_gemm", gemm)
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(4)) / 8
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    packed = pack(weight)
+    for lone_apart in (True, False):
+        nudge[0] = lone_apart
+        monkeypatch.setattr(cpu_gemm, "_checked", {})
+        kept = cpu_gemm.kept_rows(packed)
+        assert kept.from_two and not (lone_apart and kept.lone)
+        calls.clear()
+        assert torch.equal(cpu_gemm.invariant_gemm(x[2:3], packed), honest(x, packed)[2:3])
+        assert calls == [1 if kept.lone else 2]
+
+
+@torch.inference_mode()
 def test_under_row_invariance_a_copy_that_fails_the_check_serves_fixed_tiles(monkeypatch):
     use_kernels(KernelConfig(row_invariant=True))
     monkeypatch.setattr(cpu_gemm, "invariant_rows", lambda packed: False)

@@ -12,13 +12,14 @@ weight in memory. `KernelConfig.cpu_packed` off makes no copies at load and leav
 unused. A float32 engine's drafter may hold bfloat16 copies (`SpeculativeConfig.cpu_bf16`): its
 float32 rows are rounded to bf16 on the way in and its outputs come back in float32.
 
-Under row invariance a copy serves whole calls where oneDNN keeps a row's bits: its GEMM on a
-packed weight computes each row in the same order at any number of rows from two, in float32 and,
-on the AVX512-BF16 CPUs measured, in bf16, and at some shapes a lone float32 row too (at others
-it takes another path, so it is padded to two: on the EPYC measured, weights of K 1536 or 2304 but
-not 576; a lone bf16 row always is, its rounding hiding most of a path's differences). That is a property of oneDNN's kernels, not a promise, so `kept_rows` checks it on this
-CPU, once per weight shape, dtype and thread count (set the threads before the engine starts),
-over calls of up to INVARIANT_CALL_ROWS rows, and larger calls are split into calls of that many.
+Under row invariance a copy serves whole calls where oneDNN keeps a row's bits: its GEMM on a packed
+weight computes each row in the same order at any number of rows from two, in float32 and, on the
+AVX512-BF16 CPUs measured, in bf16, and at some shapes a lone float32 row too (at others it takes
+another path, so it is padded to two: on the EPYC measured, weights of K 1536 or 2304 but not 576; a
+lone bf16 row always is, its rounding hiding most of a path's differences). That is a property of
+oneDNN's kernels, not a promise, so `kept_rows` checks it on this CPU, once per weight shape, dtype
+and thread count (set the threads before the engine starts), over calls of up to INVARIANT_CALL_ROWS
+rows, and larger calls are split into calls of that many.
 A copy that fails the check serves `row_invariant.tiled_linear`'s fixed tiles of rows instead."""
 
 import time
@@ -28,6 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.layers.fast_path import active_kernels
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """What `kept_rows` found of oneDNN's GEMM on one packed weight's shape, dtype and threads."""
+
+    from_two: bool  # a row keeps its bits in calls of 2 to INVARIANT_CALL_ROWS rows, at any offset
+    lone: bool  # and in a call of its own
+
 
 # Rows from which the packed GEMM beats F.linear, per dtype, where fp32's is not measured
 MIN_ROWS = {torch.float32: 3, torch.bfloat16: 1}
@@ -44,7 +54,7 @@ INVARIANT_CALL_ROWS = 128
 # Row counts whose rows `kept_rows` compares with the same rows of one call of INVARIANT_CALL_ROWS
 CHECK_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 33, 64, 100)
 LONE_ROWS = (0, 1, 5, 77)  # rows that `kept_rows` runs alone
-_checked: dict[tuple, "KeptRows"] = {}  # (N, K, dtype, threads) -> what `kept_rows` found
+_checked: dict[tuple, KeptRows] = {}  # (N, K, dtype, threads) -> what `kept_rows` found
 
 
 def packing_supported(device: torch.device) -> bool:
@@ -121,14 +131,6 @@ def onednn_gemm(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
-@dataclass(frozen=True)
-class KeptRows:
-    """What `kept_rows` found of oneDNN's GEMM on one packed weight's shape, dtype and threads."""
-
-    any_count: bool  # a row keeps its bits in calls of 2 to INVARIANT_CALL_ROWS rows, at any offset
-    lone: bool  # and in a call of its own
-
-
 def kept_rows(packed: torch.Tensor) -> KeptRows:
     """Whether oneDNN's GEMM on a packed [N, K] weight, at this process's threads, gives each row the
     same bits at every row count of CHECK_ROWS and at an offset as in one call of INVARIANT_CALL_ROWS
@@ -139,20 +141,22 @@ def kept_rows(packed: torch.Tensor) -> KeptRows:
         x = torch.randn(INVARIANT_CALL_ROWS, packed.shape[1], generator=torch.Generator().manual_seed(0))
         x = x.to(packed.dtype)
         whole = onednn_gemm(x, packed)
+        parts = [(x[:m], whole[:m]) for m in CHECK_ROWS] + [(x[7:40], whole[7:40])]
+        from_two = all(torch.equal(_gemm_calls(rows, packed, pad_lone=True), want) for rows, want in parts)
         # bf16: rounding the outputs hides most of another path's differences (12 of 128 rows differ
         # alone at K 1536 on the EPYC measured), so a lone bf16 row is always padded
-        lone = packed.dtype == torch.float32 and all(
-            torch.equal(onednn_gemm(x[i : i + 1], packed), whole[i : i + 1]) for i in LONE_ROWS
+        lone = (
+            from_two
+            and packed.dtype == torch.float32
+            and all(torch.equal(onednn_gemm(x[i : i + 1], packed), whole[i : i + 1]) for i in LONE_ROWS)
         )
-        parts = [(x[:m], whole[:m]) for m in CHECK_ROWS] + [(x[7:40], whole[7:40])]
-        calls = all(torch.equal(_gemm_calls(rows, packed, pad_lone=True), want) for rows, want in parts)
-        _checked[key] = KeptRows(calls, lone)
+        _checked[key] = KeptRows(from_two, lone)
     return _checked[key]
 
 
 def invariant_rows(packed: torch.Tensor) -> bool:
-    """Whether a packed copy serves whole calls under row invariance (`kept_rows`' any_count)."""
-    return kept_rows(packed).any_count
+    """Whether a packed copy serves whole calls under row invariance (`kept_rows`' from_two)."""
+    return kept_rows(packed).from_two
 
 
 def invariant_gemm(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,12 @@ that do not depend on the call:
   number of chunks does not matter. The query rows go in calls of up to CALL_ROWS GEMM rows, padded
   with zero rows to a multiple of GEMM_ROW_MULTIPLE, where the machine's GEMMs give a row the same
   bits at any such count (`attention_gemm_keeps_rows`), else in fixed tiles of ROW_TILE positions;
-- elementwise exp, SiLU, sigmoid and tanh, where torch's CPU kernel runs the last elements of a
-  call on a scalar path that rounds differently from the vector one (fp32 SiLU: 4% of them),
-  which elements those are depending on the call's size: SiLU and sigmoid from float32 exp and
-  correctly rounded arithmetic where exp keeps an element's bits, else (and tanh) in float64,
-  rounded once (a last-bit difference in float64 survives the rounding to fp32 about once in
-  2**29). A kernel that keeps an element's bits wherever it sits (`keeps_bits`, checked on the
-  machine) runs in the input's dtype.
+- elementwise exp, SiLU, sigmoid and tanh, where torch's CPU kernel runs the last elements of a call
+  on a scalar path that rounds differently from the vector one (fp32 SiLU: 4% of them), which
+  elements those are depending on the call's size: SiLU and sigmoid from float32 exp and correctly
+  rounded arithmetic where that keeps an element's bits, else in float64, rounded once (a last-bit
+  difference in float64 survives the rounding to fp32 about once in 2**29). A kernel that keeps an
+  element's bits wherever it sits (`keeps_bits`, checked on the machine) runs in the input's dtype.
 Norms, rope, residual adds and sampling compute each row on its own already. On CUDA the Triton
 kernels take fixed shapes instead (`linear.invariant_linear`, `kernels.rms_norm`,
 `kernels.paged_attention.invariant_launch`). The cost (the padding, smaller GEMMs, ops apart that
@@ -85,7 +84,7 @@ def sigmoid_from_exp(x: torch.Tensor) -> torch.Tensor:
 
 
 # Functions with a form of float32 exp and correctly rounded arithmetic: an element's bits wherever
-# exp keeps them, at a fraction of float64's cost on large calls
+# exp and that arithmetic keep them (`keeps_bits` of the form), at a fraction of float64's cost
 EXP_FORMS: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
     F.silu: silu_from_exp,
     torch.sigmoid: sigmoid_from_exp,
@@ -95,12 +94,12 @@ EXP_FORMS: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
 def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) of an elementwise transcendental fn (exp, SiLU, sigmoid, tanh); on the CPU under row
     invariance, unless torch's kernel keeps an element's bits in x's dtype (`keeps_bits`; see the
-    module's note), by its form of float32 exp where it has one (`EXP_FORMS`) and float32 exp keeps
-    its bits, else in float64; either rounded to x's dtype once."""
+    module's note), by its form of float32 exp where it has one (`EXP_FORMS`) that keeps them, else
+    in float64; either rounded to x's dtype once."""
     if native(fn, x):
         return fn(x)
     form = EXP_FORMS.get(fn)
-    if form is not None and keeps_bits(torch.exp, torch.float32):
+    if form is not None and keeps_bits(form, torch.float32):
         return form(x.float()).to(x.dtype)
     return fn(x.double()).to(x.dtype)
 
@@ -142,18 +141,18 @@ def keeps_bits(fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -
     return _kept[key]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RowCall:
     """One call of `tiled_attention`'s query rows: its positions, the key positions it reads (whole
     chunks), the keys each of its rows does not see, and the GEMM rows it runs at."""
 
     rows: slice
     keys: slice
-    hidden: torch.Tensor  # [1, B, n, R, 1, C]: chunk, row, key within the chunk
+    masked: torch.Tensor  # [1, B, n, R, 1, C]: the keys (chunk, key in it) a row (B, R) does not see
     gemm_rows: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class KeyPlan:
     """What `tiled_attention` takes from the block tables and key ranges alone, the same for every
     layer that reads them (a step's layers of one type): the pages to gather and the calls."""
@@ -182,8 +181,8 @@ def key_plan(
         pos = torch.arange(first * chunk, last * chunk, device=k_start.device)
         visible = (pos >= k_start[:, rows, None]) & (pos < k_end[:, rows, None])  # [B, R, n * C]
         R = rows.stop - rows.start
-        hidden = ~visible.view(B, R, last - first, chunk).transpose(1, 2)[None, :, :, :, None, :]
-        calls.append(RowCall(rows, slice(first * chunk, last * chunk), hidden, gemm_rows(R * group, group, keeps)))
+        masked = ~visible.view(B, R, last - first, chunk).transpose(1, 2)[None, :, :, :, None, :]
+        calls.append(RowCall(rows, slice(first * chunk, last * chunk), masked, gemm_rows(R * group, group, keeps)))
     return KeyPlan(chunk, table, calls)
 
 
@@ -252,10 +251,10 @@ def _attend_rows(
     qt = qt.view(Hkv, B * n, M, D)
     p = torch.empty(Hkv, B * n, M, chunk, device=q.device)  # the scores, then in place their weights
     for q_h, k_h, p_h in zip(qt.unbind(), k.unbind(2), p.unbind()):
-        attention_scores(q_h, k_h.view(B * n, chunk, D), out=p_h)
+        attention_scores(q_h, k_h.reshape(B * n, chunk, D), out=p_h)
     scores = p.view(Hkv, B, n, M, chunk)[:, :, :, : R * G].view(Hkv, B, n, R, G, chunk)
-    scores.masked_fill_(call.hidden, float("-inf"))
-    # A row without keys: a finite max, so its weights are exp(-inf) = 0 (and its total 0)
+    scores.masked_fill_(call.masked, float("-inf"))
+    # A row without keys: a finite max, so its weights are exp(-inf) = 0 (its total 0, or inf with sinks)
     top = scores.amax(dim=(2, 5), keepdim=True).clamp_min_(torch.finfo(torch.float32).min)  # [Hkv, B, 1, R, G, 1]
     weights = exp_(scores.sub_(top))  # the padding rows keep their zero scores: their results are dropped
     total = weights.sum(dim=5).cumsum(dim=2)[:, :, -1]  # [Hkv, B, R, G]
@@ -263,9 +262,9 @@ def _attend_rows(
         total = total + elementwise(torch.exp, sinks.float().view(Hkv, 1, 1, G) - top[:, :, 0, :, :, 0])
     acc = torch.empty(Hkv, B * n, M, D, device=q.device)
     for p_h, v_h, acc_h in zip(p.unbind(), v.unbind(2), acc.unbind()):
-        weighted_values(p_h, v_h.view(B * n, chunk, D), out=acc_h)
+        weighted_values(p_h, v_h.reshape(B * n, chunk, D), out=acc_h)
     acc = acc.view(Hkv, B, n, M, D).cumsum(dim=2)[:, :, -1, : R * G].view(Hkv, B, R, G, D)
-    out = acc / total[..., None].clamp_min(1.0)  # a row's total is 0 (no keys: acc 0) or >= 1 (its top key)
+    out = acc / total[..., None].clamp_min(1.0)  # a total is 0 or inf (no keys: acc 0) or >= 1 (its top key)
     return out.permute(1, 2, 0, 3, 4).reshape(B, R, Hq, D).to(q.dtype)
 
 
