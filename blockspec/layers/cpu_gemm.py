@@ -166,12 +166,11 @@ def invariant_gemm(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm_calls(rows: torch.Tensor, packed: torch.Tensor, pad_lone: bool) -> torch.Tensor:
-    outputs = []
-    for part in rows.split(INVARIANT_CALL_ROWS):
-        lone = pad_lone and part.shape[0] == 1
-        y = onednn_gemm(F.pad(part, (0, 0, 0, 1)) if lone else part, packed)
-        outputs.append(y[:1] if lone else y)
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    if rows.shape[0] > INVARIANT_CALL_ROWS:
+        return torch.cat([_gemm_calls(part, packed, pad_lone) for part in rows.split(INVARIANT_CALL_ROWS)])
+    if pad_lone and rows.shape[0] == 1:
+        return onednn_gemm(F.pad(rows, (0, 0, 0, 1)), packed)[:1]
+    return onednn_gemm(rows, packed)
 
 
 def usable(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
