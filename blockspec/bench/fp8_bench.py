@@ -149,8 +149,9 @@ def main() -> None:
             line = f"{name:<13} {M:>5} {N:>6} {K:>6} | {t_bf16:>8.1f} {gb_bf16:>5.0f} {t_linear:>9.1f} {t_inv:>12.1f}"
             line += f" | {t_sk:>9.1f} {gb_sk:>5.0f} {describe(cfg):<22} | {t_mm:>12.1f} | {t_bf16 / t_fp8:>10.2f}x"
             print(line + f" | {err:>7.1e} {qerr:>6.3f}", flush=True)
-            row = totals.setdefault(M, dict.fromkeys(("bf16", "linear", "invariant", "skinny", "mm"), 0.0))
-            for column, t in zip(row, (t_bf16, t_linear, t_inv, t_sk, t_mm), strict=True):
+            times = {"bf16": t_bf16, "linear": t_linear, "invariant": t_inv, "skinny": t_sk, "mm": t_mm}
+            row = totals.setdefault(M, dict.fromkeys(times, 0.0))
+            for column, t in times.items():
                 row[column] += per_step * t
             if args.sweep:
                 results = []
