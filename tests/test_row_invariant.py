@@ -19,10 +19,18 @@ from conftest import (
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig
 from blockspec.layers import row_invariant
-from blockspec.layers.attention import paged_attention_ref
+from blockspec.layers.attention import AttentionMetadata, paged_attention_ref
 from blockspec.layers.cpu_gemm import pack
 from blockspec.layers.fast_path import use_kernels
-from blockspec.layers.row_invariant import EXP_FORMS, ROW_TILE, elementwise, keeps_bits, tiled_attention, tiled_linear
+from blockspec.layers.row_invariant import (
+    EXP_FORMS,
+    ROW_TILE,
+    elementwise,
+    keeps_bits,
+    key_plan,
+    tiled_attention,
+    tiled_linear,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 # The target's LM head rows come in twins this far apart (relative): whichever token leads, its twin's
@@ -121,6 +129,27 @@ def test_tiled_attention_gives_a_row_the_same_bits_alone_in_a_block_and_in_a_bat
     reference = paged_attention_ref(q, k_cache, v_cache, tables, k_start, k_end, page_size, 0.25, sinks)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(together, reference, rtol=tol, atol=tol)
+
+
+def test_a_steps_layers_of_one_type_share_one_key_plan(monkeypatch):
+    """Under row invariance on the CPU, a step's first layer of a type makes the key plan and the
+    next layer of that type reuses it (the plan is made once); each layer's result equals its
+    attention with a plan of its own."""
+    use_kernels(KernelConfig(row_invariant=True))
+    lengths, block, page_size = [37, 300, 150], 4, 4
+    k_cache, v_cache, tables = paged_case(lengths, torch.float32, page_size)
+    q = torch.randn(len(lengths), block, 6, 16, generator=torch.Generator().manual_seed(3))
+    k_end = torch.tensor([[n - block + i + 1 for i in range(block)] for n in lengths])
+    ranges = {"full_attention": (torch.zeros_like(k_end), k_end)}
+    slots = torch.zeros(1, *k_end.shape, dtype=torch.long)  # unused: the new K/V are in the caches already
+    attn = AttentionMetadata(tables[:, None], slots, {"full_attention": 0}, ranges, page_size, k_end[:, 0] - 1)
+    made = []
+    monkeypatch.setattr(row_invariant, "key_plan", lambda *a: made.append(a) or key_plan(*a))
+    layers = [(k_cache, v_cache), (v_cache, k_cache)]  # two layers' caches
+    got = [attn.attend(q, None, None, cache, "full_attention", 0.25) for cache in layers]
+    assert len(made) == 1 and list(attn.key_plans["full_attention"]) == [(3, 16)]
+    for out, cache in zip(got, layers):
+        assert torch.equal(out, tiled_attention(q, *cache, tables, *ranges["full_attention"], page_size, 0.25))
 
 
 def test_attention_gemm_check_refuses_a_gemm_whose_rows_round_by_the_row_count(monkeypatch):
