@@ -310,11 +310,13 @@ def ban_early_stops(
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The greedy tokens: logits.argmax(-1); on CUDA without grad, for 16- and 32-bit floats, by a
-    Triton kernel (torch's reduction gives a row one program: see `blockspec.layers.kernels.argmax`)."""
+    Triton kernel (torch's reduction gives a row one program: see `blockspec.layers.kernels.argmax`).
+    Elsewhere as `max`'s indices, the same first maximum: on the CPU torch's argmax is several times
+    slower than its max, in bf16 most of all."""
     kernels = fast_kernels(logits, "argmax")
     if kernels is not None and logits.dtype in kernels.DTYPES:
         return kernels.argmax_triton(logits)
-    return logits.argmax(dim=-1)
+    return logits.max(dim=-1).indices
 
 
 def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from blockspec.sampling import (
     DRAW_CHUNK,
     SAMPLING_COLUMNS,
     Stream,
+    argmax,
     draw,
     min_p_filter,
     probs,
@@ -147,6 +148,21 @@ def test_token_probs_top_k_top_p_min_p():
     torch.testing.assert_close(p, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]))
     p = token_probs(logits, SamplingParams(temperature=1.0, top_p=0.75, min_p=0.45))  # min_p after top_p
     torch.testing.assert_close(p, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]))  # before: [4 / 7, 3 / 7, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_argmax_off_the_kernel_is_torchs_first_maximum(dtype):
+    """`argmax` where no kernel serves it (the CPU) takes `max`'s indices: torch's argmax exactly,
+    the first of tied maxima (bf16's rounding makes many), rows of -inf, inf and NaN, strided rows."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 4099).mul(4).round().to(dtype)  # whole numbers: ties in every row
+    x[0, 0] = float("-inf")
+    x[0, 1, [5, 900]] = float("inf")
+    x[0, 2, [7, 3000]] = float("nan")
+    x[1, 3] = 2.0
+    for view in (x, x[:, ::3, 10:4000], x[0, 0]):
+        assert torch.equal(argmax(view), view.argmax(dim=-1))
+    assert argmax(x)[0, :3].tolist() == [0, 5, 7] and argmax(x)[1, 3] == 0
 
 
 def test_tiny_temperatures_tend_to_greedy():
