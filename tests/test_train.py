@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -465,6 +466,49 @@ def test_resume_is_exact(setup, tmp_path) -> None:
         for d in (tmp_path / "a", tmp_path / "b")
     ]
     assert logs[0] == logs[1] and len(logs[0]) == 2
+
+
+def test_sigterm_stops_at_a_logged_step_with_a_checkpoint_to_resume(setup, tmp_path, monkeypatch) -> None:
+    """SIGTERM (a scheduler's or a timeout's stop) during training: the run stops at the next
+    logged step, saves a checkpoint of that step, which resumes to the uninterrupted run's weights,
+    and leaves the process's own SIGTERM handler as it was."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU).model.requires_grad_(False)
+    examples = read_examples(data)
+
+    def trainer(out: Path, resume: bool = False) -> Trainer:
+        cfg = config(target_dir, data, out, steps=8, log_every=4, save_every=100, resume=resume)
+        return Trainer(cfg, target, build_drafter(target, cfg, VOCAB - 1)[0], examples, CPU)
+
+    whole = trainer(tmp_path / "a")
+    whole.run()
+    received = []
+
+    def own(signum, frame) -> None:  # not the default handler, which would end the test run
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, own)
+    try:
+        stopped = trainer(tmp_path / "b")
+        step = stopped.train_step
+
+        def train_step():
+            if stopped.step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step()
+
+        monkeypatch.setattr(stopped, "train_step", train_step)
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM at step 4"):
+            stopped.run()
+        assert stopped.step == 4 and not received  # the run's handler took it
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    resumed = trainer(tmp_path / "b", resume=True)
+    assert resumed.step == 4
+    resumed.run()
+    for (name, p), q in zip(whole.drafter.named_parameters(), resumed.drafter.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None:

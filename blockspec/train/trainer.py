@@ -1,10 +1,12 @@
 """The training loop: AdamW with linear warm-up and cosine decay, bf16 autocast on CUDA (fp32
 master weights), fp32 on CPU, a tqdm bar with loss / accuracy / offline tau, a JSONL log with
 per-position accuracy, and resumable checkpoints (every save_every steps, at the end, and on
-Ctrl-C / SIGINT)."""
+Ctrl-C / SIGINT or SIGTERM: a scheduler's, a `timeout`'s or a preemption's stop)."""
 
 import json
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -183,6 +185,12 @@ class Trainer:
         acc = " ".join(f"{a:.2f}" for a in s["acc"])
         bar.write(f"step {self.step}: loss {s['loss']:.4f} tau~{s['tau_est']:.2f} acc/row {acc}")
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (one all-reduce, a host sync, where there are several)."""
+        if self.world.size == 1:
+            return flag
+        return bool(self.world.all_sum(torch.tensor([float(flag)], device=self.device)).item())
+
     def run(self, until: int | None = None) -> None:
         """Train up to step `until` (default cfg.steps), checkpointing on the way."""
         end = min(until or self.cfg.steps, self.cfg.steps)
@@ -190,6 +198,11 @@ class Trainer:
         self.drafter.train()
         bar = tqdm(total=end, initial=self.step, desc="training drafter", unit="step", disable=not self.world.main)
         meter = Meter()
+        # SIGTERM stops at the next logged step, every rank at the same one, and saves a checkpoint
+        # as Ctrl-C does (a signal handler can be set from the main thread only)
+        stops: list[int] = []
+        on_term = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, lambda signum, frame: stops.append(signum)) if on_term else None
         try:
             while self.step < end:
                 meter.add(*self.train_step())
@@ -199,10 +212,14 @@ class Trainer:
                     meter = Meter()
                 if self.step % self.cfg.save_every == 0:
                     self.save()
+                if self.step % self.cfg.log_every == 0 and self.any_rank(bool(stops)):
+                    raise KeyboardInterrupt(f"stopped by SIGTERM at step {self.step}")
         except KeyboardInterrupt:
             self.save()
             raise
         finally:
             bar.close()
+            if on_term:
+                signal.signal(signal.SIGTERM, before or signal.SIG_DFL)
         self.save()
         self.drafter.eval()
