@@ -149,7 +149,9 @@ def generator(cfg: TrainConfig, device: torch.device, new_tokens: int) -> LLM:
     each a prompt of at most cfg.max_prompt_tokens and `new_tokens` more (the pools sized for that,
     not for the model's whole context)."""
     context = cfg.max_prompt_tokens + new_tokens + 1
-    return LLM(cfg.model, None, device, max_num_seqs=cfg.gen_batch_size, max_model_len=context)
+    # No warm-up: a throughput job captures the graphs of the one step kind it runs as it meets
+    # each batch bucket, not those of every kind (logprobs, penalties, ...) before it starts.
+    return LLM(cfg.model, None, device, max_num_seqs=cfg.gen_batch_size, max_model_len=context, warm_up=False)
 
 
 def generate_into(cfg: TrainConfig, path: Path, device: torch.device, todo: list[int], progress: bool) -> None:

@@ -15,7 +15,8 @@ def acceptance_lengths(
 ) -> list[int]:
     """Every speculative step's tau over all prompts (pooled), at the full block width."""
     spec = {"model": str(drafter_dir), "adaptive_width": False}
-    llm = LLM(model, spec, device=device, max_num_seqs=max(1, min(64, len(prompts))))
+    # tau, not speed: graphs are captured as the run needs them (`train.data.generator`)
+    llm = LLM(model, spec, device=device, max_num_seqs=max(1, min(64, len(prompts))), warm_up=False)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [n for o in outputs for n in o.metrics.acceptance_lengths]
 
