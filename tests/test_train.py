@@ -511,6 +511,32 @@ def test_sigterm_stops_at_a_logged_step_with_a_checkpoint_to_resume(setup, tmp_p
         assert torch.equal(p, q), name
 
 
+def test_a_stopped_run_saves_the_drafter_it_has_trained_so_far(setup, tmp_path, monkeypatch) -> None:
+    """Ctrl-C (or SIGTERM, which stops as it does) during `train`: the checkpoint and, in the
+    published layout, the drafter as of the step it stopped at."""
+    target_dir, data, _ = setup
+    cfg = config(target_dir, data, tmp_path, steps=8, log_every=4, save_every=100)
+    step = Trainer.train_step
+
+    def train_step(self):
+        if self.step == 5:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    target = load_target(str(target_dir), torch.float32, CPU).model.requires_grad_(False)
+    mask = json.loads((tmp_path / "drafter" / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    checkpoint = Trainer(
+        dataclasses.replace(cfg, resume=True), target, build_drafter(target, cfg, mask)[0], read_examples(data), CPU
+    )
+    assert checkpoint.step == 5
+    saved = load_drafter(tmp_path / "drafter", target, torch.float32, CPU)
+    for (name, p), q in zip(checkpoint.drafter.named_parameters(), saved.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None:
     def drafter(intermediate: int) -> DFlashDrafter:
         geometry = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "block_size": 8}

@@ -66,18 +66,28 @@ def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
         f"target layers {list(drafter.target_layer_ids)}, mask token {mask_id}, "
         f"init {init}"
     )
-    Trainer(cfg, target.model, drafter, examples, device, world).run()
-
-    path = out / "drafter"
+    trainer = Trainer(cfg, target.model, drafter, examples, device, world)
+    path, dtype = out / "drafter", resolve_dtype(cfg.save_dtype, device)
+    try:
+        trainer.run()
+    except KeyboardInterrupt:  # stopped (Ctrl-C, SIGTERM): the weights so far, usable as they are
+        if world.main:
+            export(trainer, path, dtype)
+        raise
     if not world.main:
         return path
-    save_drafter(drafter, target.model, path, dtype=resolve_dtype(cfg.save_dtype, device))
-    print(f"drafter saved to {path}")
-    del target, drafter
+    export(trainer, path, dtype)
+    del target, drafter, trainer  # the GPU memory, before the held-out prompts' engine
     if held_out:
         prompts = [e.prompt_ids for e in held_out]
         print("held-out prompts: " + describe(acceptance_lengths(cfg.model, path, prompts, cfg.max_new_tokens, device)))
     return path
+
+
+def export(trainer: Trainer, path: Path, dtype: torch.dtype) -> None:
+    """The drafter as trained so far, in its published layout."""
+    save_drafter(trainer.drafter, trainer.target, path, dtype=dtype)
+    print(f"drafter of step {trainer.step} of {trainer.cfg.steps} saved to {path}")
 
 
 def main(args: argparse.Namespace) -> None:
