@@ -441,26 +441,36 @@ def test_dflash2_training_forward_matches_engine_proposal(setup, tmp_path) -> No
         assert result.drafts[0, 1].tolist() == drafts
 
 
-def test_resume_is_exact(setup, tmp_path) -> None:
+def eight_step_config(setup, out: Path, resume: bool = False) -> TrainConfig:
+    """A drafter for `setup`'s target: 8 steps, logged every 4, no checkpoint before the end (or a stop)."""
+    target_dir, data, _ = setup
+    return config(target_dir, data, out, steps=8, log_every=4, save_every=100, resume=resume)
+
+
+def eight_steps(setup, out: Path, resume: bool = False, mask: int = VOCAB - 1) -> Trainer:
+    """`eight_step_config`'s trainer."""
     target_dir, data, _ = setup
     target = load_target(str(target_dir), torch.float32, CPU).model.requires_grad_(False)
-    examples = read_examples(data)
+    cfg = eight_step_config(setup, out, resume)
+    return Trainer(cfg, target, build_drafter(target, cfg, mask)[0], read_examples(data), CPU)
 
-    def trainer(out: Path, resume: bool = False, mask: int = VOCAB - 1) -> Trainer:
-        cfg = config(target_dir, data, out, steps=8, log_every=4, save_every=100, resume=resume)
-        return Trainer(cfg, target, build_drafter(target, cfg, mask)[0], examples, CPU)
 
-    whole = trainer(tmp_path / "a")
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_resume_is_exact(setup, tmp_path) -> None:
+    whole = eight_steps(setup, tmp_path / "a")
     whole.run()
-    half = trainer(tmp_path / "b")
+    half = eight_steps(setup, tmp_path / "b")
     half.run(until=4)
     with pytest.raises(CheckpointError, match=f"another run: mask_token_id {VOCAB - 1} -> {VOCAB - 2}"):
-        trainer(tmp_path / "b", resume=True, mask=VOCAB - 2)  # same shapes, weights that mean other things
-    resumed = trainer(tmp_path / "b", resume=True)
+        eight_steps(setup, tmp_path / "b", resume=True, mask=VOCAB - 2)  # same shapes, weights that mean other things
+    resumed = eight_steps(setup, tmp_path / "b", resume=True)
     assert resumed.step == 4
     resumed.run()
-    for (name, p), q in zip(whole.drafter.named_parameters(), resumed.drafter.parameters()):
-        assert torch.equal(p, q), name
+    assert_same_weights(whole.drafter, resumed.drafter)
     logs = [
         [json.loads(x)["loss"] for x in (d / "log.jsonl").read_text().splitlines()]
         for d in (tmp_path / "a", tmp_path / "b")
@@ -472,15 +482,7 @@ def test_sigterm_stops_at_a_logged_step_with_a_checkpoint_to_resume(setup, tmp_p
     """SIGTERM (a scheduler's or a timeout's stop) during training: the run stops at the next
     logged step, saves a checkpoint of that step, which resumes to the uninterrupted run's weights,
     and leaves the process's own SIGTERM handler as it was."""
-    target_dir, data, _ = setup
-    target = load_target(str(target_dir), torch.float32, CPU).model.requires_grad_(False)
-    examples = read_examples(data)
-
-    def trainer(out: Path, resume: bool = False) -> Trainer:
-        cfg = config(target_dir, data, out, steps=8, log_every=4, save_every=100, resume=resume)
-        return Trainer(cfg, target, build_drafter(target, cfg, VOCAB - 1)[0], examples, CPU)
-
-    whole = trainer(tmp_path / "a")
+    whole = eight_steps(setup, tmp_path / "a")
     whole.run()
     received = []
 
@@ -489,7 +491,7 @@ def test_sigterm_stops_at_a_logged_step_with_a_checkpoint_to_resume(setup, tmp_p
 
     previous = signal.signal(signal.SIGTERM, own)
     try:
-        stopped = trainer(tmp_path / "b")
+        stopped = eight_steps(setup, tmp_path / "b")
         step = stopped.train_step
 
         def train_step():
@@ -504,18 +506,15 @@ def test_sigterm_stops_at_a_logged_step_with_a_checkpoint_to_resume(setup, tmp_p
         assert signal.getsignal(signal.SIGTERM) is own
     finally:
         signal.signal(signal.SIGTERM, previous)
-    resumed = trainer(tmp_path / "b", resume=True)
+    resumed = eight_steps(setup, tmp_path / "b", resume=True)
     assert resumed.step == 4
     resumed.run()
-    for (name, p), q in zip(whole.drafter.named_parameters(), resumed.drafter.parameters()):
-        assert torch.equal(p, q), name
+    assert_same_weights(whole.drafter, resumed.drafter)
 
 
 def test_a_stopped_run_saves_the_drafter_it_has_trained_so_far(setup, tmp_path, monkeypatch) -> None:
     """Ctrl-C (or SIGTERM, which stops as it does) during `train`: the checkpoint and, in the
     published layout, the drafter as of the step it stopped at."""
-    target_dir, data, _ = setup
-    cfg = config(target_dir, data, tmp_path, steps=8, log_every=4, save_every=100)
     step = Trainer.train_step
 
     def train_step(self):
@@ -525,16 +524,11 @@ def test_a_stopped_run_saves_the_drafter_it_has_trained_so_far(setup, tmp_path, 
 
     monkeypatch.setattr(Trainer, "train_step", train_step)
     with pytest.raises(KeyboardInterrupt):
-        train(cfg)
-    target = load_target(str(target_dir), torch.float32, CPU).model.requires_grad_(False)
+        train(eight_step_config(setup, tmp_path))
     mask = json.loads((tmp_path / "drafter" / "config.json").read_text())["dflash_config"]["mask_token_id"]
-    checkpoint = Trainer(
-        dataclasses.replace(cfg, resume=True), target, build_drafter(target, cfg, mask)[0], read_examples(data), CPU
-    )
+    checkpoint = eight_steps(setup, tmp_path, resume=True, mask=mask)
     assert checkpoint.step == 5
-    saved = load_drafter(tmp_path / "drafter", target, torch.float32, CPU)
-    for (name, p), q in zip(checkpoint.drafter.named_parameters(), saved.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    assert_same_weights(checkpoint.drafter, load_drafter(tmp_path / "drafter", checkpoint.target, torch.float32, CPU))
 
 
 def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None:
