@@ -220,6 +220,6 @@ class Trainer:
         finally:
             bar.close()
             if on_term:
-                signal.signal(signal.SIGTERM, before or signal.SIG_DFL)
+                signal.signal(signal.SIGTERM, before or signal.SIG_DFL)  # None: one set outside Python
         self.save()
         self.drafter.eval()
