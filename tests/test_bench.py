@@ -210,6 +210,28 @@ def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path
         width_trace.record(no_adaptive, prompts, SamplingParams(max_tokens=4), 1)
 
 
+def test_acceptance_names_drafters_apart(tmp_path):
+    """--draft NAME=DIR measures two drafters of one kind side by side; --no-adaptive and
+    --no-ngram leave those engines out; two drafters under one name are refused before any run."""
+    target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
+    first, second = make_drafter(tmp_path / "a", target), make_drafter(tmp_path / "b", target, block_size=4)
+    with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
+    (tmp_path / "mtbench.jsonl").write_text(json.dumps({"turns": ["w8 w9"]}) + "\n")
+    parser = argparse.ArgumentParser()
+    acceptance.add_arguments(parser)
+    common = ["--model", str(target), "--device", "cpu", "--dtype", "float32", "--humaneval",
+              str(tmp_path / "humaneval.jsonl.gz"), "--mtbench", str(tmp_path / "mtbench.jsonl"), "--max-tokens", "6",
+              "--temperatures", "0", "--no-adaptive", "--no-ngram", "--out", str(tmp_path / "acceptance.json")]  # fmt: skip
+    acceptance.run(parser.parse_args([*common, "--draft", f"old={first}", "--draft", f"new={second}"]))
+    written = json.loads((tmp_path / "acceptance.json").read_text())
+    assert list(written["meta"]["engine_start_s"]) == ["plain", "old", "new"]
+    assert all(r["old"]["tokens"] == r["new"]["tokens"] == 6 for r in written["results"])
+    assert written["meta"]["max_width"] == {"plain": 1, "old": 8, "new": 4}  # two drafters, not one twice
+    with pytest.raises(ValueError, match="two drafters named 'dflash'"):
+        acceptance.run(parser.parse_args([*common, "--draft", str(first), "--draft", str(second)]))
+
+
 def test_acceptance_refuses_a_block_without_drafts():
     parser = argparse.ArgumentParser()
     acceptance.add_arguments(parser)

@@ -127,9 +127,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         action="append",
-        help="a drafter directory, measured under its kind's name (dflash, dspark); repeat to compare drafters of "
-        "different kinds (default: the shipped one for the default target)",
+        metavar="[NAME=]DIR",
+        help="a drafter directory, measured under NAME or else its kind's name (dflash, dspark); repeat to compare "
+        "drafters (default: the shipped one for the default target)",
     )
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time each drafter with adaptive width (engines <name>_adaptive)",
+    )
+    p.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=True, help="also time the n-gram baseline")
     p.add_argument("--humaneval", default=None)
     p.add_argument("--mtbench", default=None)
     p.add_argument("--limit", type=int, default=None, help="prompts per set")
@@ -167,24 +175,26 @@ def run(args: argparse.Namespace) -> None:
 
     engines, start_s = {}, {}
     engines["plain"], start_s["plain"] = engine(None)
-    ngram = {"method": "ngram", "num_speculative_tokens": 15, "adaptive_width": False}
-    engines["ngram"], start_s["ngram"] = engine(ngram)
+    if args.ngram:
+        ngram = {"method": "ngram", "num_speculative_tokens": 15, "adaptive_width": False}
+        engines["ngram"], start_s["ngram"] = engine(ngram)
     drafts = args.draft or ([str(DEFAULT_DRAFTER)] if (DEFAULT_DRAFTER / "config.json").is_file() else [])
     if not drafts:
         print("no drafter given and none shipped: measuring plain and n-gram decoding only")
-    variants = {"": {"fp8": False, "adaptive_width": False}, "_adaptive": {"fp8": False}}
+    variants = {"": {"fp8": False, "adaptive_width": False}}
+    if args.adaptive:
+        variants["_adaptive"] = {"fp8": False}
     if args.compare_fp8:
         variants["_fp8"] = {"fp8": True, "adaptive_width": False}
     for width in args.widths:  # a block of `width` rows: the anchor and width - 1 drafts
         variants[f"_w{width}"] = {"fp8": False, "adaptive_width": False, "num_speculative_tokens": width - 1}
     for draft in drafts:
+        label, _, path = draft.rpartition("=")
         for suffix, options in variants.items():
-            llm, seconds = engine({"model": draft, "cpu_bf16": args.cpu_bf16, **options})
-            name = llm.engine.drafter.proposer + suffix  # named by its kind: dflash, dspark
+            llm, seconds = engine({"model": path, "cpu_bf16": args.cpu_bf16, **options})
+            name = (label or llm.engine.drafter.proposer) + suffix  # by default named by its kind: dflash, dspark
             if name in engines:
-                raise ValueError(
-                    f"two drafters of kind {llm.engine.drafter.proposer}: compare drafters of different kinds"
-                )
+                raise ValueError(f"two drafters named {name!r}: name them apart with --draft NAME=DIR")
             engines[name], start_s[name] = llm, seconds
     specs = list(engines)
     sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
