@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import add_word_tokenizer, make_target
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from blockspec.cli import main as cli_main
@@ -32,6 +33,7 @@ from blockspec.models.dspark import DSparkDrafter
 from blockspec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from blockspec.sampling import SamplingParams
 from blockspec.train import TrainConfig, train
+from blockspec.train import loss as loss_module
 from blockspec.train import prompts as prompts_module
 from blockspec.train.batches import Batch, collate
 from blockspec.train.checkpoint import load_checkpoint, save_checkpoint
@@ -299,6 +301,43 @@ def test_dspark_loss_matches_a_dense_reference(setup, tmp_path) -> None:
     assert torch.equal(result.drafts, drafts)
     torch.testing.assert_close(result.weight, torch.tensor(weight))
     torch.testing.assert_close(result.loss_sum / result.weight, loss / weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_loss_in_checkpointed_row_chunks_equals_the_whole(setup, tmp_path, monkeypatch, method) -> None:
+    """Chunks of 5 draft rows, each checkpointed: the same loss, drafts and gradients as all rows at
+    once, at a step whose rows are many chunks."""
+    target_dir, data, _ = setup
+    target = load_target(str(target_dir), torch.float32, CPU).model
+    cfg = config(target_dir, data, tmp_path, method=method, markov_rank=8, block_size=4)
+    drafter = dspark_drafter(target, cfg) if method == "dspark" else build_drafter(target, cfg, VOCAB - 1)[0]
+    batch = collate(read_examples(data)[:4], CPU)
+    anchors, valid = sample_anchors(
+        batch, 6, torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
+    )
+    weights = row_weights(drafter.num_drafts, 4.0, CPU)
+
+    def step() -> tuple:
+        drafter.zero_grad()
+        if method == "dspark":
+            result = dspark_loss(target, drafter, batch, anchors, valid, weights, TERMS)
+        else:
+            result = dflash_loss(target, drafter, batch, anchors, valid, weights)
+        result.loss_sum.backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        return result.loss_sum.detach(), result.drafts, grads, int(result.total.sum())
+
+    whole = step()
+    calls = []
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 5 * VOCAB)
+    monkeypatch.setattr(loss_module, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
+    chunked = step()
+    assert whole[3] > 20 and len(calls) == -(-whole[3] // 5)  # every labelled row, 5 a chunk
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(chunked[1], whole[1])
+    assert chunked[2].keys() == whole[2].keys() and len(whole[2]) > 4
+    for name, grad in whole[2].items():
+        torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def saved_and_served(module, target, target_dir, tmp_path):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from blockspec.layers.attention import DenseAttention, visibility
 from blockspec.models.causal_lm import CausalLM
@@ -30,6 +31,11 @@ from blockspec.models.dflash2 import DFlash2Drafter
 from blockspec.models.dspark import DSparkDrafter
 from blockspec.train.batches import Batch
 from blockspec.train.masks import block_attention
+
+# the draft rows a loss chunk holds: its vocabulary-wide fp32 tensors (logits, probabilities) of
+# 2^28 elements (1 GiB) each, where a whole step's rows (128 x 32 blocks of 15 drafts over a
+# 49,152-token vocabulary) would keep each at 12 GiB for the backward pass
+LOSS_CHUNK_ELEMENTS = 2**28
 
 
 @dataclass
@@ -130,6 +136,22 @@ def draft_blocks(
     return Blocks(hidden, anchor_ids, labels, labelled, target_hidden)
 
 
+def by_row_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], vocab: int, *rows: torch.Tensor | None) -> tuple:
+    """fn's per-row outputs over the rows [M, ...] of `rows` (None passed through), concatenated.
+    Where the rows' vocabulary-wide tensors exceed LOSS_CHUNK_ELEMENTS, fn runs on chunks of rows,
+    each checkpointed when gradients are on: the backward pass recomputes one chunk at a time, so
+    one chunk's tensors are alive, not every row's (and the loss is the same sum)."""
+    m = next(r for r in rows if r is not None).shape[0]
+    size = max(1, LOSS_CHUNK_ELEMENTS // vocab)
+    if m <= size:
+        return fn(*rows)
+    chunks = []
+    for start in range(0, m, size):
+        part = [None if r is None else r[start : start + size] for r in rows]
+        chunks.append(checkpoint(fn, *part, use_reentrant=False) if torch.is_grad_enabled() else fn(*part))
+    return tuple(torch.cat(outs) for outs in zip(*chunks))
+
+
 def step_result(
     blocks: Blocks, valid: torch.Tensor, loss_sum: torch.Tensor, weight: torch.Tensor, greedy: torch.Tensor
 ) -> StepResult:
@@ -154,10 +176,14 @@ def dflash_loss(
 ) -> StepResult:
     blocks = draft_blocks(target, drafter, batch, anchors, valid, flex)
     labelled = blocks.labelled
-    logits = drafter.compute_logits(blocks.hidden[labelled], target)  # the target's LM head, frozen
-    ce = F.cross_entropy(logits.float(), blocks.labels[labelled], reduction="none")
+
+    def rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = drafter.compute_logits(hidden, target)  # the target's LM head, frozen
+        return F.cross_entropy(logits.float(), labels, reduction="none"), logits.argmax(-1)
+
+    ce, greedy = by_row_chunks(rows, target.config.vocab_size, blocks.hidden[labelled], blocks.labels[labelled])
     w = weights.expand_as(labelled)[labelled]
-    return step_result(blocks, valid, (ce * w).sum(), w.sum(), logits.argmax(-1))
+    return step_result(blocks, valid, (ce * w).sum(), w.sum(), greedy)
 
 
 def candidates_with_gold(top: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
@@ -214,27 +240,38 @@ def dspark_loss(
     the drafts before it all hit, so the leading hits (tau) are the engine's."""
     blocks = draft_blocks(target, drafter, batch, anchors, valid, flex)
     hidden, labels, labelled = blocks.hidden, blocks.labels, blocks.labelled
-    logits = drafter.draft_logits(hidden[labelled], target).float()
-    head, prev_embeddings = drafter.markov_head, None
+    head, prev_embeddings, latents = drafter.markov_head, None, None
     if head is not None:
         latents, prev_embeddings = head.latents(blocks.previous, hidden)
-        logits = logits + head.bias(latents[labelled]).float()
-    logits = drafter.to_target(logits, target)
-    with torch.no_grad():  # the target's distribution of draft i's token, read at position anchor+i
-        t = blocks.target_hidden.shape[1]
-        at = (anchors[:, :, None] + torch.arange(labels.shape[-1], device=anchors.device)).clamp(max=t - 1)
-        rows = blocks.target_hidden[torch.arange(len(at), device=at.device)[:, None, None], at][labelled]
-        p_target = torch.softmax(target.compute_logits(rows).float(), -1)
-    ce = F.cross_entropy(logits, labels[labelled], reduction="none")
-    l1 = (torch.softmax(logits, -1) - p_target).abs().sum(-1)
-    loss = terms.ce * ce + terms.l1 * l1
+        latents = latents[labelled]
+    t = blocks.target_hidden.shape[1]
+    # the target's hidden state whose distribution is draft i's token's: position anchor+i
+    at = (anchors[:, :, None] + torch.arange(labels.shape[-1], device=anchors.device)).clamp(max=t - 1)
+    target_rows = blocks.target_hidden[torch.arange(len(at), device=at.device)[:, None, None], at][labelled]
+
+    def rows(
+        hidden: torch.Tensor, latents: torch.Tensor | None, target_rows: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = drafter.draft_logits(hidden, target).float()
+        if latents is not None:
+            logits = logits + head.bias(latents).float()
+        logits = drafter.to_target(logits, target)
+        with torch.no_grad():
+            p_target = torch.softmax(target.compute_logits(target_rows).float(), -1)
+        ce = F.cross_entropy(logits, labels, reduction="none")
+        l1 = (torch.softmax(logits, -1) - p_target).abs().sum(-1)
+        return terms.ce * ce + terms.l1 * l1, l1, logits.argmax(-1)
+
+    loss, l1, greedy = by_row_chunks(
+        rows, target.config.vocab_size, hidden[labelled], latents, target_rows, labels[labelled]
+    )
     confidence = drafter.confidence_logits(hidden, prev_embeddings)
     if confidence is not None:  # the chance of acceptance, sum of min(p, q): 1 - L1/2
         accept = (1 - l1.detach() / 2).clamp(0, 1)
         bce = F.binary_cross_entropy_with_logits(confidence[labelled], accept, reduction="none")
         loss = loss + terms.confidence * bce
     w = weights.expand_as(labelled)[labelled]
-    return step_result(blocks, valid, (loss * w).sum(), w.sum(), logits.argmax(-1))
+    return step_result(blocks, valid, (loss * w).sum(), w.sum(), greedy)
 
 
 class Objective(nn.Module):
