@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import add_word_tokenizer, make_target
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
@@ -303,29 +304,43 @@ def test_dspark_loss_matches_a_dense_reference(setup, tmp_path) -> None:
     torch.testing.assert_close(result.loss_sum / result.weight, loss / weight, rtol=1e-5, atol=1e-6)
 
 
+ON_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")]),
+]
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_loss_in_checkpointed_row_chunks_equals_the_whole(setup, tmp_path, monkeypatch, method) -> None:
+def test_loss_in_checkpointed_row_chunks_equals_the_whole(setup, tmp_path, monkeypatch, method, device) -> None:
     """Chunks of 5 draft rows, each checkpointed: the same loss, drafts and gradients as all rows at
-    once, at a step whose rows are many chunks."""
+    once, at a step whose rows are many chunks; on CUDA under the trainer's bf16 autocast."""
     target_dir, data, _ = setup
-    target = load_target(str(target_dir), torch.float32, CPU).model
+    device = torch.device(device)
+    target = load_target(str(target_dir), torch.float32, device).model
     cfg = config(target_dir, data, tmp_path, method=method, markov_rank=8, block_size=4)
     drafter = dspark_drafter(target, cfg) if method == "dspark" else build_drafter(target, cfg, VOCAB - 1)[0]
-    batch = collate(read_examples(data)[:4], CPU)
+    drafter = drafter.to(device)
+    batch = collate(read_examples(data)[:4], device)
     anchors, valid = sample_anchors(
         batch, 6, torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(3))
     )
-    weights = row_weights(drafter.num_drafts, 4.0, CPU)
+    anchors, valid = anchors.to(device), valid.to(device)
+    weights = row_weights(drafter.num_drafts, 4.0, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def step() -> tuple:
         drafter.zero_grad()
-        if method == "dspark":
-            result = dspark_loss(target, drafter, batch, anchors, valid, weights, TERMS)
-        else:
-            result = dflash_loss(target, drafter, batch, anchors, valid, weights)
+        with autocast:
+            result = loss(method)
         result.loss_sum.backward()
         grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
         return result.loss_sum.detach(), result.drafts, grads, int(result.total.sum())
+
+    def loss(method: str):
+        if method == "dspark":
+            return dspark_loss(target, drafter, batch, anchors, valid, weights, TERMS)
+        return dflash_loss(target, drafter, batch, anchors, valid, weights)
 
     whole = step()
     calls = []
@@ -333,11 +348,17 @@ def test_loss_in_checkpointed_row_chunks_equals_the_whole(setup, tmp_path, monke
     monkeypatch.setattr(loss_module, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
     chunked = step()
     assert whole[3] > 20 and len(calls) == -(-whole[3] // 5)  # every labelled row, 5 a chunk
-    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-5, atol=1e-6)
-    assert torch.equal(chunked[1], whole[1])
     assert chunked[2].keys() == whole[2].keys() and len(whole[2]) > 4
-    for name, grad in whole[2].items():
-        torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    if device.type == "cpu":
+        torch.testing.assert_close(chunked[0], whole[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(chunked[1], whole[1])
+        for name, grad in whole[2].items():
+            torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    else:  # bf16 GEMMs of fewer rows may round differently: a chunk left out moves the loss by a twentieth
+        torch.testing.assert_close(chunked[0], whole[0], rtol=5e-3, atol=1e-3)
+        assert (chunked[1] == whole[1]).float().mean() > 0.95
+        for name, grad in whole[2].items():
+            assert F.cosine_similarity(chunked[2][name].flatten(), grad.flatten(), 0) > 0.99, name
 
 
 def saved_and_served(module, target, target_dir, tmp_path):
