@@ -62,7 +62,7 @@ from blockspec.train.masks import FlexBlockAttention, block_mask, flex_block_mas
 from blockspec.train.model import build_drafter
 from blockspec.train.prompts import build_prompts, read_prompts
 from blockspec.train.self_prompts import MIN_CHARS, target_prompts, user_turn
-from blockspec.train.trainer import Trainer
+from blockspec.train.trainer import Trainer, step_loss
 
 CPU = torch.device("cpu")
 VOCAB, NEW_TOKENS, TRAIN, HELD_OUT = 64, 64, 512, 32
@@ -316,8 +316,8 @@ def test_loss_in_checkpointed_row_chunks_equals_the_whole(setup, tmp_path, monke
     """Chunks of 5 draft rows, each checkpointed: the same loss, drafts and gradients as all rows at
     once, at a step whose rows are many chunks; on CUDA under the trainer's bf16 autocast."""
     target_dir, data, _ = setup
-    device = torch.device(device)
-    target = load_target(str(target_dir), torch.float32, device).model
+    device = torch.device(device)  # the trainer's target: fp32 on the CPU, bf16 on CUDA
+    target = load_target(str(target_dir), torch.float32 if device.type == "cpu" else torch.bfloat16, device).model
     cfg = config(target_dir, data, tmp_path, method=method, markov_rank=8, block_size=4)
     drafter = dspark_drafter(target, cfg) if method == "dspark" else build_drafter(target, cfg, VOCAB - 1)[0]
     drafter = drafter.to(device)
@@ -329,24 +329,24 @@ def test_loss_in_checkpointed_row_chunks_equals_the_whole(setup, tmp_path, monke
     weights = row_weights(drafter.num_drafts, 4.0, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
-    def step() -> tuple:
+    def step(chunk_elements: int) -> tuple:
         drafter.zero_grad()
         with autocast:
-            result = loss(method)
+            result = loss(method, chunk_elements)
         result.loss_sum.backward()
         grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
         return result.loss_sum.detach(), result.drafts, grads, int(result.total.sum())
 
-    def loss(method: str):
+    def loss(method: str, chunk_elements: int):
         if method == "dspark":
-            return dspark_loss(target, drafter, batch, anchors, valid, weights, TERMS)
-        return dflash_loss(target, drafter, batch, anchors, valid, weights)
+            return dspark_loss(target, drafter, batch, anchors, valid, weights, TERMS, chunk_elements=chunk_elements)
+        return dflash_loss(target, drafter, batch, anchors, valid, weights, chunk_elements=chunk_elements)
 
-    whole = step()
     calls = []
-    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 5 * VOCAB)
     monkeypatch.setattr(loss_module, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
-    chunked = step()
+    whole = step(0)
+    assert not calls
+    chunked = step(5 * VOCAB)
     assert whole[3] > 20 and len(calls) == -(-whole[3] // 5)  # every labelled row, 5 a chunk
     assert chunked[2].keys() == whole[2].keys() and len(whole[2]) > 4
     if device.type == "cpu":
@@ -628,6 +628,7 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
         ({"method": "dflash2", "conv_kernel_size": 9}, r"conv_kernel_size 9 is wider than the block \(8 rows\)"),
         ({"method": "dflash2", "selector_top_k": 0}, "selector_rank and selector_top_k must be >= 1"),
         ({"method": "dflash2", "selector_weight": -1.0}, "selector_weight must be >= 0"),
+        ({"loss_chunk_gib": -1.0}, "loss_chunk_gib must be >= 0, got -1.0"),
         ({"rows": "diagonal"}, "rows must be auto/shifted/filled, got 'diagonal'"),
         ({"method": "dflash2", "rows": "shifted"}, "rows shifted: dflash2 drafters fill their rows"),
         ({"prompt_source": "web"}, "prompt_source must be offline/target, got 'web'"),
@@ -639,6 +640,15 @@ def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -
     assert (
         config("t", tmp_path / "data.jsonl", tmp_path / "out", save_dtype="auto").save_dtype == "auto"
     )  # as run.py reads it
+
+
+def test_the_loss_chunks_come_from_the_config() -> None:
+    """loss_chunk_gib in fp32 elements of each vocabulary-wide tensor, 0 for none, to both losses."""
+    weights = torch.ones(3)
+    for method, gib, elements in (("dflash", 1.0, 2**28), ("dspark", 0.5, 2**27), ("dspark", 0.0, 0)):
+        loss = step_loss(TrainConfig(method=method, loss_chunk_gib=gib), weights, flex=False)
+        assert loss.func is {"dflash": dflash_loss, "dspark": dspark_loss}[method]
+        assert loss.keywords["chunk_elements"] == elements
 
 
 def test_loss_decay_defaults_to_the_methods_own() -> None:

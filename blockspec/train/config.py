@@ -89,6 +89,11 @@ class TrainConfig:
     confidence_weight: float = knob(1.0, "dspark: weight of the confidence head's loss")
     selector_weight: float = knob(1.0, "dflash2: weight of the candidate selector's loss")
     attention: str = knob("auto", "dense (bool mask, any device), flex (FlexAttention block mask, cuda) or auto")
+    loss_chunk_gib: float = knob(
+        1.0,
+        "dflash, dspark: GiB of each vocabulary-wide fp32 loss tensor per checkpointed chunk of draft rows "
+        "(0: all rows at once, no recomputation, the most memory)",
+    )
     # checkpoints, logs, evaluation
     save_every: int = knob(200, "steps between resumable checkpoints")
     log_every: int = knob(10, "steps between log lines (per-position accuracy) in OUTPUT/log.jsonl")
@@ -139,6 +144,7 @@ class TrainConfig:
                 f"conv_kernel_size {self.conv_kernel_size} is wider than the block ({self.block_size} rows)",
             ),
             (self.selector_weight >= 0, f"selector_weight must be >= 0, got {self.selector_weight}"),
+            (self.loss_chunk_gib >= 0, f"loss_chunk_gib must be >= 0, got {self.loss_chunk_gib}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -32,11 +32,6 @@ from blockspec.models.dspark import DSparkDrafter
 from blockspec.train.batches import Batch
 from blockspec.train.masks import block_attention
 
-# the draft rows a loss chunk holds: its vocabulary-wide fp32 tensors (logits, probabilities) of
-# 2^28 elements (1 GiB) each, where a whole step's rows (128 x 32 blocks of 15 drafts over a
-# 49,152-token vocabulary) would keep each at 12 GiB for the backward pass
-LOSS_CHUNK_ELEMENTS = 2**28
-
 
 @dataclass
 class StepResult:
@@ -136,13 +131,15 @@ def draft_blocks(
     return Blocks(hidden, anchor_ids, labels, labelled, target_hidden)
 
 
-def by_row_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], vocab: int, *rows: torch.Tensor | None) -> tuple:
+def by_row_chunks(
+    fn: Callable[..., tuple[torch.Tensor, ...]], elements: int, vocab: int, *rows: torch.Tensor | None
+) -> tuple:
     """fn's per-row outputs over the rows [M, ...] of `rows` (None passed through), concatenated.
-    Where the rows' vocabulary-wide tensors exceed LOSS_CHUNK_ELEMENTS, fn runs on chunks of rows,
-    each checkpointed when gradients are on: the backward pass recomputes one chunk at a time, so
-    one chunk's tensors are alive, not every row's (and the loss is the same sum)."""
+    Where the rows' vocabulary-wide tensors exceed `elements` (0: never), fn runs on chunks of
+    rows, each checkpointed when gradients are on: the backward pass recomputes one chunk at a
+    time, so one chunk's tensors are alive, not every row's (and the loss is the same sum)."""
     m = next(r for r in rows if r is not None).shape[0]
-    size = max(1, LOSS_CHUNK_ELEMENTS // vocab)
+    size = max(1, elements // vocab) if elements else m
     if m <= size:
         return fn(*rows)
     chunks = []
@@ -173,6 +170,7 @@ def dflash_loss(
     valid: torch.Tensor,
     weights: torch.Tensor,
     flex: bool = False,
+    chunk_elements: int = 0,
 ) -> StepResult:
     blocks = draft_blocks(target, drafter, batch, anchors, valid, flex)
     labelled = blocks.labelled
@@ -181,7 +179,8 @@ def dflash_loss(
         logits = drafter.compute_logits(hidden, target)  # the target's LM head, frozen
         return F.cross_entropy(logits.float(), labels, reduction="none"), logits.argmax(-1)
 
-    ce, greedy = by_row_chunks(rows, target.config.vocab_size, blocks.hidden[labelled], blocks.labels[labelled])
+    vocab, hidden, labels = target.config.vocab_size, blocks.hidden[labelled], blocks.labels[labelled]
+    ce, greedy = by_row_chunks(rows, chunk_elements, vocab, hidden, labels)
     w = weights.expand_as(labelled)[labelled]
     return step_result(blocks, valid, (ce * w).sum(), w.sum(), greedy)
 
@@ -234,6 +233,7 @@ def dspark_loss(
     weights: torch.Tensor,
     terms: DSparkWeights,
     flex: bool = False,
+    chunk_elements: int = 0,
 ) -> StepResult:
     """DSpark's loss. Its greedy drafts (accuracy, tau) are teacher-forced argmaxes: a draft's
     Markov bias reads the target's token before it, which is the engine's own draft wherever
@@ -263,7 +263,7 @@ def dspark_loss(
         return terms.ce * ce + terms.l1 * l1, l1, logits.argmax(-1)
 
     loss, l1, greedy = by_row_chunks(
-        rows, target.config.vocab_size, hidden[labelled], latents, target_rows, labels[labelled]
+        rows, chunk_elements, target.config.vocab_size, hidden[labelled], latents, target_rows, labels[labelled]
     )
     confidence = drafter.confidence_logits(hidden, prev_embeddings)
     if confidence is not None:  # the chance of acceptance, sum of min(p, q): 1 - L1/2

@@ -85,12 +85,13 @@ def uses_flex(cfg: TrainConfig, device: torch.device) -> bool:
 
 def step_loss(cfg: TrainConfig, weights: torch.Tensor, flex: bool) -> Callable[..., StepResult]:
     """The loss of cfg's method, as `Objective` calls it."""
+    chunk = round(cfg.loss_chunk_gib * 2**28)  # fp32 elements of each vocabulary-wide tensor; 0: no chunks
     if cfg.method == "dflash":
-        return partial(dflash_loss, weights=weights, flex=flex)
+        return partial(dflash_loss, weights=weights, flex=flex, chunk_elements=chunk)
     if cfg.method == "dflash2":
         return partial(dflash2_loss, weights=weights, selector_weight=cfg.selector_weight, flex=flex)
     terms = DSparkWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight)
-    return partial(dspark_loss, weights=weights, terms=terms, flex=flex)
+    return partial(dspark_loss, weights=weights, terms=terms, flex=flex, chunk_elements=chunk)
 
 
 class Trainer:
