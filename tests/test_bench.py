@@ -230,6 +230,11 @@ def test_acceptance_names_drafters_apart(tmp_path):
     assert written["meta"]["max_width"] == {"plain": 1, "old": 8, "new": 4}  # two drafters, not one twice
     with pytest.raises(ValueError, match="two drafters named 'dflash'"):
         acceptance.run(parser.parse_args([*common, "--draft", str(first), "--draft", str(second)]))
+    sweep = tmp_path / "lr=3e-4"  # a directory whose path holds '=': no name, whatever precedes it
+    assert acceptance.named_drafter(str(first)) == (None, str(first))
+    assert acceptance.named_drafter(f"old={sweep}") == ("old", str(sweep))
+    sweep.mkdir()
+    assert acceptance.named_drafter(str(sweep)) == (None, str(sweep))
 
 
 def test_acceptance_refuses_a_block_without_drafts():

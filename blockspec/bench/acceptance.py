@@ -122,11 +122,19 @@ def block_widths(text: str) -> list[int]:
     return widths
 
 
+def named_drafter(text: str) -> tuple[str | None, str]:
+    """--draft's NAME=DIR as (NAME, DIR), or (None, DIR): a directory whose path holds '=' (a sweep's
+    `lr=3e-4/drafter`) is a DIR alone."""
+    name, sep, path = text.partition("=")
+    return (None, text) if not sep or Path(text).is_dir() else (name, path)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
     p.add_argument(
         "--draft",
         action="append",
+        type=named_drafter,
         metavar="[NAME=]DIR",
         help="a drafter directory, measured under NAME or else its kind's name (dflash, dspark); repeat to compare "
         "drafters (default: the shipped one for the default target)",
@@ -178,7 +186,7 @@ def run(args: argparse.Namespace) -> None:
     if args.ngram:
         ngram = {"method": "ngram", "num_speculative_tokens": 15, "adaptive_width": False}
         engines["ngram"], start_s["ngram"] = engine(ngram)
-    drafts = args.draft or ([str(DEFAULT_DRAFTER)] if (DEFAULT_DRAFTER / "config.json").is_file() else [])
+    drafts = args.draft or ([(None, str(DEFAULT_DRAFTER))] if (DEFAULT_DRAFTER / "config.json").is_file() else [])
     if not drafts:
         print("no drafter given and none shipped: measuring plain and n-gram decoding only")
     variants = {"": {"fp8": False, "adaptive_width": False}}
@@ -188,8 +196,7 @@ def run(args: argparse.Namespace) -> None:
         variants["_fp8"] = {"fp8": True, "adaptive_width": False}
     for width in args.widths:  # a block of `width` rows: the anchor and width - 1 drafts
         variants[f"_w{width}"] = {"fp8": False, "adaptive_width": False, "num_speculative_tokens": width - 1}
-    for draft in drafts:
-        label, _, path = draft.rpartition("=")
+    for label, path in drafts:
         for suffix, options in variants.items():
             llm, seconds = engine({"model": path, "cpu_bf16": args.cpu_bf16, **options})
             name = (label or llm.engine.drafter.proposer) + suffix  # by default named by its kind: dflash, dspark
