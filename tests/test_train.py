@@ -643,9 +643,11 @@ def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -
 
 
 def test_the_loss_chunks_come_from_the_config() -> None:
-    """loss_chunk_gib in fp32 elements of each vocabulary-wide tensor, 0 for none, to both losses."""
+    """loss_chunk_gib in fp32 elements of each vocabulary-wide tensor, 0 for none (and only 0), to
+    both losses."""
     weights = torch.ones(3)
-    for method, gib, elements in (("dflash", 1.0, 2**28), ("dspark", 0.5, 2**27), ("dspark", 0.0, 0)):
+    cases = (("dflash", 1.0, 2**28), ("dspark", 0.5, 2**27), ("dspark", 1e-12, 1), ("dspark", 0.0, 0))
+    for method, gib, elements in cases:  # any size above 0 chunks, a row at least
         loss = step_loss(TrainConfig(method=method, loss_chunk_gib=gib), weights, flex=False)
         assert loss.func is {"dflash": dflash_loss, "dspark": dspark_loss}[method]
         assert loss.keywords["chunk_elements"] == elements

@@ -85,7 +85,7 @@ def uses_flex(cfg: TrainConfig, device: torch.device) -> bool:
 
 def step_loss(cfg: TrainConfig, weights: torch.Tensor, flex: bool) -> Callable[..., StepResult]:
     """The loss of cfg's method, as `Objective` calls it."""
-    chunk = round(cfg.loss_chunk_gib * 2**28)  # fp32 elements of each vocabulary-wide tensor; 0: no chunks
+    chunk = math.ceil(cfg.loss_chunk_gib * 2**28)  # fp32 elements of each vocabulary-wide tensor; 0: no chunks
     if cfg.method == "dflash":
         return partial(dflash_loss, weights=weights, flex=flex, chunk_elements=chunk)
     if cfg.method == "dflash2":
