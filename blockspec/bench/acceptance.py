@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> None:
         engines["ngram"], start_s["ngram"] = engine(ngram)
     drafts = args.draft or ([(None, str(DEFAULT_DRAFTER))] if (DEFAULT_DRAFTER / "config.json").is_file() else [])
     if not drafts:
-        print("no drafter given and none shipped: measuring plain and n-gram decoding only")
+        print(f"no drafter given and none shipped: measuring {' and '.join(engines)} decoding only")
     variants = {"": {"fp8": False, "adaptive_width": False}}
     if args.adaptive:
         variants["_adaptive"] = {"fp8": False}
