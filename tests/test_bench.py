@@ -237,6 +237,33 @@ def test_acceptance_names_drafters_apart(tmp_path):
     assert acceptance.named_drafter(str(sweep)) == (None, str(sweep))
 
 
+def test_acceptance_second_pass_goes_over_the_prompts_rounds_times(tmp_path):
+    """--rounds N: the timed pass decodes every prompt N times (tokens N times the first pass's,
+    the same greedy tau), recorded in the metadata; 0 rounds is refused."""
+    target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
+    drafter = make_drafter(tmp_path / "a", target, block_size=4)
+    with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
+    (tmp_path / "mtbench.jsonl").write_text(json.dumps({"turns": ["w8 w9"]}) + "\n")
+    parser = argparse.ArgumentParser()
+    acceptance.add_arguments(parser)
+    common = ["--model", str(target), "--device", "cpu", "--dtype", "float32", "--humaneval",
+              str(tmp_path / "humaneval.jsonl.gz"), "--mtbench", str(tmp_path / "mtbench.jsonl"), "--max-tokens", "6",
+              "--temperatures", "0", "--no-adaptive", "--no-ngram", "--draft", str(drafter)]  # fmt: skip
+    written = {}
+    for rounds in (1, 3):
+        out = tmp_path / f"rounds{rounds}.json"
+        acceptance.run(parser.parse_args([*common, "--rounds", str(rounds), "--out", str(out)]))
+        written[rounds] = json.loads(out.read_text())
+        assert written[rounds]["meta"]["second_pass_rounds"] == rounds
+    for once, thrice in zip(written[1]["results"], written[3]["results"]):
+        for engine in ("plain", "dflash"):
+            assert thrice[engine]["tokens"] == 3 * once[engine]["tokens"] == 18
+            assert thrice[engine]["tau"] == once[engine]["tau"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rounds", "0"])
+
+
 def test_acceptance_refuses_a_block_without_drafts():
     parser = argparse.ArgumentParser()
     acceptance.add_arguments(parser)

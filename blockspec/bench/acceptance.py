@@ -63,7 +63,9 @@ def grouped_generate(llm: LLM, groups: list[list[list[int]]], params: SamplingPa
     return [o for outs, _ in runs for o in outs], sum(seconds for _, seconds in runs)
 
 
-def two_passes(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, group: int) -> dict:
+def two_passes(
+    engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, group: int, rounds: int = 1
+) -> dict:
     """Each engine's second pass over the prompts summarized, with its first pass's tok/s beside it
     (a capture or compile at request time, or adaptive width still exploring, shows as a slower
     first pass) and, with adaptive width, the steps the second pass ran at each width. Both passes
@@ -71,13 +73,15 @@ def two_passes(engines: dict[str, LLM], prompts: list[list[int]], params: Sampli
     admit newcomers one by one as others finish, a prefill step each). The first pass runs engine
     after engine. In the second the engines take turns, a group each, each group in a rotated
     order: a machine whose speed wanders (a shared CPU, a busy host) then slows every engine alike,
-    and the ratios between them hold."""
+    and the ratios between them hold. The second pass goes over the groups `rounds` times: where one
+    takes a fraction of a second (a GPU at a large batch), a hiccup of the host would move its
+    tok/s by more than the differences it measures."""
     groups = in_groups(prompts, group)
     first = {name: summarize(*grouped_generate(llm, groups, params)) for name, llm in engines.items()}
     adaptive = {name: llm.engine.adaptive for name, llm in engines.items() if llm.engine.adaptive is not None}
     before = {name: dict(policy.width_steps) for name, policy in adaptive.items()}
     outs, seconds, names = {name: [] for name in engines}, dict.fromkeys(engines, 0.0), list(engines)
-    for turn, prompts_of_turn in enumerate(groups):
+    for turn, prompts_of_turn in enumerate(groups * rounds):
         for name in names[turn % len(names) :] + names[: turn % len(names)]:
             out, elapsed = timed_generate(engines[name], prompts_of_turn, params)
             outs[name] += out
@@ -122,6 +126,12 @@ def block_widths(text: str) -> list[int]:
     return widths
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def named_drafter(text: str) -> tuple[str | None, str]:
     """--draft's NAME=DIR as (NAME, DIR), or (None, DIR): a directory whose path holds '=' (a sweep's
     `lr=3e-4/drafter`) is a DIR alone."""
@@ -152,6 +162,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (1: latency)")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="times the timed (second) pass goes over the prompts: more where a pass takes under a few seconds",
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--compare-fp8", action="store_true", help="also run the drafter with FP8 weights")
@@ -214,7 +230,7 @@ def run(args: argparse.Namespace) -> None:
                 temperature=temperature, max_tokens=args.max_tokens, structured_output=structured
             )
             row = {"set": set_name, "temperature": temperature, "prompts": len(prompts)}
-            row |= two_passes(engines, prompts, params, args.batch_size)
+            row |= two_passes(engines, prompts, params, args.batch_size, args.rounds)
             results.append(row)
             plain = row["plain"]["tok_per_s"]
             speeds = "  ".join(
@@ -237,6 +253,7 @@ def run(args: argparse.Namespace) -> None:
         cpu_bf16=args.cpu_bf16,
         first_pass="in batches",
         second_pass="engines in turn",
+        second_pass_rounds=args.rounds,
     )
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
