@@ -210,11 +210,10 @@ def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path
         width_trace.record(no_adaptive, prompts, SamplingParams(max_tokens=4), 1)
 
 
-def test_acceptance_names_drafters_apart(tmp_path):
-    """--draft NAME=DIR measures two drafters of one kind side by side; --no-adaptive and
-    --no-ngram leave those engines out; two drafters under one name are refused before any run."""
+def acceptance_setup(tmp_path: Path) -> tuple[Path, argparse.ArgumentParser, list[str]]:
+    """A tiny word-tokenized target, one-prompt HumanEval and MT-Bench files, the acceptance bench's
+    parser and its arguments for them (6 greedy tokens, no adaptive or n-gram engines)."""
     target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
-    first, second = make_drafter(tmp_path / "a", target), make_drafter(tmp_path / "b", target, block_size=4)
     with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
         f.write(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
     (tmp_path / "mtbench.jsonl").write_text(json.dumps({"turns": ["w8 w9"]}) + "\n")
@@ -222,7 +221,16 @@ def test_acceptance_names_drafters_apart(tmp_path):
     acceptance.add_arguments(parser)
     common = ["--model", str(target), "--device", "cpu", "--dtype", "float32", "--humaneval",
               str(tmp_path / "humaneval.jsonl.gz"), "--mtbench", str(tmp_path / "mtbench.jsonl"), "--max-tokens", "6",
-              "--temperatures", "0", "--no-adaptive", "--no-ngram", "--out", str(tmp_path / "acceptance.json")]  # fmt: skip
+              "--temperatures", "0", "--no-adaptive", "--no-ngram"]  # fmt: skip
+    return target, parser, common
+
+
+def test_acceptance_names_drafters_apart(tmp_path):
+    """--draft NAME=DIR measures two drafters of one kind side by side; --no-adaptive and
+    --no-ngram leave those engines out; two drafters under one name are refused before any run."""
+    target, parser, common = acceptance_setup(tmp_path)
+    first, second = make_drafter(tmp_path / "a", target), make_drafter(tmp_path / "b", target, block_size=4)
+    common += ["--out", str(tmp_path / "acceptance.json")]
     acceptance.run(parser.parse_args([*common, "--draft", f"old={first}", "--draft", f"new={second}"]))
     written = json.loads((tmp_path / "acceptance.json").read_text())
     assert list(written["meta"]["engine_start_s"]) == ["plain", "old", "new"]
@@ -240,16 +248,8 @@ def test_acceptance_names_drafters_apart(tmp_path):
 def test_acceptance_second_pass_goes_over_the_prompts_rounds_times(tmp_path):
     """--rounds N: the timed pass decodes every prompt N times (tokens N times the first pass's,
     the same greedy tau), recorded in the metadata; 0 rounds is refused."""
-    target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
-    drafter = make_drafter(tmp_path / "a", target, block_size=4)
-    with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
-        f.write(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
-    (tmp_path / "mtbench.jsonl").write_text(json.dumps({"turns": ["w8 w9"]}) + "\n")
-    parser = argparse.ArgumentParser()
-    acceptance.add_arguments(parser)
-    common = ["--model", str(target), "--device", "cpu", "--dtype", "float32", "--humaneval",
-              str(tmp_path / "humaneval.jsonl.gz"), "--mtbench", str(tmp_path / "mtbench.jsonl"), "--max-tokens", "6",
-              "--temperatures", "0", "--no-adaptive", "--no-ngram", "--draft", str(drafter)]  # fmt: skip
+    target, parser, common = acceptance_setup(tmp_path)
+    common += ["--draft", str(make_drafter(tmp_path / "a", target, block_size=4))]
     written = {}
     for rounds in (1, 3):
         out = tmp_path / f"rounds{rounds}.json"
