@@ -154,9 +154,11 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     # the policy's step time estimates, at batch bucket 1 only (JSON keys), width 1 and wider ones
     assert all(list(v["width_ms"]) == ["1"] and "1" in v["width_ms"]["1"] for v in adaptive)
     assert all(len(v["width_ms"]["1"]) > 1 and min(v["width_ms"]["1"].values()) > 0 for v in adaptive)
-    for v in adaptive:  # milliseconds, of the order of the steps' mean (which holds prefills and host work)
+    # milliseconds, of the order of the steps' mean (which holds prefills and host work): seconds or
+    # microseconds would be 1000x off, while one step timed on a loaded machine may be 10x the mean
+    for v in adaptive:
         mean_ms = 1e3 * v["tokens"] / v["tok_per_s"] / sum(v["histogram"].values())
-        assert all(0.1 * mean_ms < ms < 10 * mean_ms for ms in v["width_ms"]["1"].values()), (mean_ms, v["width_ms"])
+        assert all(0.01 * mean_ms < ms < 100 * mean_ms for ms in v["width_ms"]["1"].values()), (mean_ms, v["width_ms"])
     assert not any("width_steps" in r[e] for r in rows for e in engines if not e.endswith("_adaptive"))
     rendered = "\n".join(report.section(out))
     assert "First pass over second pass" in rendered and "Steps at each block width" in rendered
