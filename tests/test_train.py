@@ -311,15 +311,16 @@ ON_DEVICES = [
 
 
 @pytest.mark.parametrize("device", ON_DEVICES)
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
 def test_loss_in_checkpointed_row_chunks_equals_the_whole(setup, tmp_path, monkeypatch, method, device) -> None:
     """Chunks of 5 draft rows, each checkpointed: the same loss, drafts and gradients as all rows at
     once, at a step whose rows are many chunks; on CUDA under the trainer's bf16 autocast."""
     target_dir, data, _ = setup
     device = torch.device(device)  # the trainer's target: fp32 on the CPU, bf16 on CUDA
     target = load_target(str(target_dir), torch.float32 if device.type == "cpu" else torch.bfloat16, device).model
-    cfg = config(target_dir, data, tmp_path, method=method, markov_rank=8, block_size=4)
-    drafter = dspark_drafter(target, cfg) if method == "dspark" else build_drafter(target, cfg, VOCAB - 1)[0]
+    cfg = config(target_dir, data, tmp_path, method=method, markov_rank=8, block_size=4, selector_rank=8)
+    drafters = {"dspark": dspark_drafter, "dflash2": dflash2_drafter}
+    drafter = drafters[method](target, cfg) if method in drafters else build_drafter(target, cfg, VOCAB - 1)[0]
     drafter = drafter.to(device)
     batch = collate(read_examples(data)[:4], device)
     anchors, valid = sample_anchors(
@@ -332,14 +333,16 @@ def test_loss_in_checkpointed_row_chunks_equals_the_whole(setup, tmp_path, monke
     def step(chunk_elements: int) -> tuple:
         drafter.zero_grad()
         with autocast:
-            result = loss(method, chunk_elements)
-        result.loss_sum.backward()
+            result = loss(chunk_elements)
+        result.loss_sum.sum().backward()  # DFlash2's: its two terms
         grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
         return result.loss_sum.detach(), result.drafts, grads, int(result.total.sum())
 
-    def loss(method: str, chunk_elements: int):
+    def loss(chunk_elements: int):
         if method == "dspark":
             return dspark_loss(target, drafter, batch, anchors, valid, weights, TERMS, chunk_elements=chunk_elements)
+        if method == "dflash2":
+            return dflash2_loss(target, drafter, batch, anchors, valid, weights, 1.0, chunk_elements=chunk_elements)
         return dflash_loss(target, drafter, batch, anchors, valid, weights, chunk_elements=chunk_elements)
 
     calls = []
@@ -644,12 +647,12 @@ def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -
 
 def test_the_loss_chunks_come_from_the_config() -> None:
     """loss_chunk_gib in fp32 elements of each vocabulary-wide tensor, 0 for none (and only 0), to
-    both losses."""
+    every method's loss."""
     weights = torch.ones(3)
-    cases = (("dflash", 1.0, 2**28), ("dspark", 0.5, 2**27), ("dspark", 1e-12, 1), ("dspark", 0.0, 0))
+    cases = (("dflash", 1.0, 2**28), ("dspark", 0.5, 2**27), ("dspark", 1e-12, 1), ("dflash2", 0.0, 0))
     for method, gib, elements in cases:  # any size above 0 chunks, a row at least
         loss = step_loss(TrainConfig(method=method, loss_chunk_gib=gib), weights, flex=False)
-        assert loss.func is {"dflash": dflash_loss, "dspark": dspark_loss}[method]
+        assert loss.func is {"dflash": dflash_loss, "dspark": dspark_loss, "dflash2": dflash2_loss}[method]
         assert loss.keywords["chunk_elements"] == elements
 
 

@@ -91,7 +91,7 @@ class TrainConfig:
     attention: str = knob("auto", "dense (bool mask, any device), flex (FlexAttention block mask, cuda) or auto")
     loss_chunk_gib: float = knob(
         1.0,
-        "dflash, dspark: GiB of each vocabulary-wide fp32 loss tensor per checkpointed chunk of draft rows "
+        "GiB of each vocabulary-wide fp32 loss tensor per checkpointed chunk of draft rows "
         "(0: all rows at once, no recomputation, the most memory)",
     )
     # checkpoints, logs, evaluation

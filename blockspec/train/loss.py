@@ -201,6 +201,7 @@ def dflash2_loss(
     weights: torch.Tensor,
     selector_weight: float,
     flex: bool = False,
+    chunk_elements: int = 0,
 ) -> StepResult:
     """DFlash2's loss: two terms, each its own mean over the batch. Its greedy drafts (accuracy,
     tau) are the selector's teacher-forced best among each draft's top K (the serving candidates,
@@ -208,17 +209,25 @@ def dflash2_loss(
     blocks = draft_blocks(target, drafter, batch, anchors, valid, flex)
     labels, labelled, selector = blocks.labels, blocks.labelled, drafter.candidate_selector
     hidden, gold = blocks.hidden[labelled], labels[labelled]
-    logits = drafter.compute_logits(hidden, target).float()  # the target's LM head, frozen
-    ce = F.cross_entropy(logits, gold, reduction="none")
+
+    def rows(hidden: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The vocabulary-wide part: each row's CE, its top K (the serving candidates, with their
+        logits) and the recipe's candidates (with theirs)."""
+        logits = drafter.compute_logits(hidden, target).float()  # the target's LM head, frozen
+        unary, top = logits.topk(selector.top_k, -1)
+        ids = candidates_with_gold(top, gold)
+        ce = F.cross_entropy(logits, gold, reduction="none")
+        return ce, logits.gather(-1, ids), ids, unary.detach(), top
+
+    vocab = target.config.vocab_size
+    ce, candidate_logits, ids, unary, top = by_row_chunks(rows, chunk_elements, vocab, hidden, gold)
     w = weights.expand_as(labelled)[labelled]
     prev = blocks.previous[labelled]
-    unary, top = logits.topk(selector.top_k, -1)  # the serving candidates
     # each candidate scored after the one predecessor teacher forcing gives its row
-    ids = candidates_with_gold(top, gold)
-    scores = selector.scores(logits.gather(-1, ids), ids, hidden, prev[:, None])[:, 0]
+    scores = selector.scores(candidate_logits, ids, hidden, prev[:, None])[:, 0]
     selector_ce = F.cross_entropy(scores, (ids == gold[:, None]).int().argmax(-1), reduction="sum")
     with torch.no_grad():
-        scores = selector.scores(unary.detach(), top, hidden, prev[:, None])[:, 0]
+        scores = selector.scores(unary, top, hidden, prev[:, None])[:, 0]
         greedy = top.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
     loss_sum = torch.stack([(ce * w).sum(), selector_weight * selector_ce])
     return step_result(blocks, valid, loss_sum, torch.stack([w.sum(), w.new_tensor(len(gold))]), greedy)

@@ -89,7 +89,9 @@ def step_loss(cfg: TrainConfig, weights: torch.Tensor, flex: bool) -> Callable[.
     if cfg.method == "dflash":
         return partial(dflash_loss, weights=weights, flex=flex, chunk_elements=chunk)
     if cfg.method == "dflash2":
-        return partial(dflash2_loss, weights=weights, selector_weight=cfg.selector_weight, flex=flex)
+        return partial(
+            dflash2_loss, weights=weights, selector_weight=cfg.selector_weight, flex=flex, chunk_elements=chunk
+        )
     terms = DSparkWeights(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight)
     return partial(dspark_loss, weights=weights, terms=terms, flex=flex, chunk_elements=chunk)
 
