@@ -212,7 +212,9 @@ class AdaptiveWidth:
         known = [r for r in rows if r in self.slots]
         if known:  # [R, positions]: each sequence's rates, leaning on all sequences' where its counts are few
             own = self.own.counts[[self.slots[r] for r in known]]
-            rates = self.confident_rates((own[:, 1] + ROW_PRIOR * rates) / (own[:, 0] + ROW_PRIOR), known)
+            rates = (own[:, 1] + ROW_PRIOR * rates) / (own[:, 0] + ROW_PRIOR)
+            if any(r in self.confidence for r in known):
+                rates = self.confident_rates(rates, known)
         expected = np.ones(rates.shape[-1] + 1)
         expected[1:] += np.cumprod(np.atleast_2d(rates), axis=1).cumsum(axis=1).mean(0)
         return expected
@@ -236,8 +238,8 @@ class AdaptiveWidth:
         """The width class of a step of `batch` sequences (their request ids `rows`), none of which
         can take more than `limit` rows (their max_tokens or the context may cap them): wider
         classes could not run, so they are neither timed nor chosen."""
-        costs = self.bucket(batch)
-        allowed = [w for w in self.classes if w <= self.row_class(limit)]
+        costs, widest = self.bucket(batch), self.row_class(limit)
+        allowed = [w for w in self.classes if w <= widest]
         if len(allowed) == 1:
             return allowed[0]
         if costs.repeats and costs.repeat in allowed:
