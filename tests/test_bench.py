@@ -147,6 +147,9 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     widths = written["meta"]["max_width"]
     assert widths["dflash_w3"] == widths["dspark_w3"] == 3 and widths["dflash"] > 3 and widths["plain"] == 1
     assert all(r[e]["first_pass_tok_per_s"] > 0 for r in rows for e in engines)  # two passes, both timed
+    # nothing built while serving: the CPU captures no graphs and compiles nothing at request time
+    nothing = {"cuda_graphs": 0, "compiled": 0}
+    assert all(r[e]["built"] == {"first_pass": nothing, "second_pass": nothing} for r in rows for e in engines)
     assert list(written["meta"]["engine_start_s"]) == list(engines)
     adaptive = [r[e] for r in rows for e in ("dflash_adaptive", "dspark_adaptive")]
     # batch 1: a step per committed run of tokens, each counted at the width class it ran
@@ -162,6 +165,7 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     assert not any("width_steps" in r[e] for r in rows for e in engines if not e.endswith("_adaptive"))
     rendered = "\n".join(report.section(out))
     assert "First pass over second pass" in rendered and "Steps at each block width" in rendered
+    assert "Built while serving" in rendered and "dspark_w3 0/0" in rendered
     assert "Estimated step ms" in rendered
 
 
@@ -169,12 +173,14 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
     """The first pass runs each engine over the prompts in batches, one engine after another (the
     batches of the second pass: the same work); in the second the engines take turns, a batch of
     prompts each, each batch starting one engine later, and each engine's second pass is summarized
-    from its own batches' outputs and seconds."""
+    from its own batches' outputs and seconds, each pass's builds summed over its batches."""
     calls = []
 
     def timed(llm, prompts, params):
         calls.append((llm.name, prompts))
-        return [llm.name] * len(prompts), 1.0 if llm.name == "a" else 2.0
+        first_pass = len(calls) <= 9  # 3 engines x 3 batches
+        built = {"cuda_graphs": int(llm.name == "c" and first_pass), "compiled": int(llm.name == "b")}
+        return acceptance.Served([llm.name] * len(prompts), 1.0 if llm.name == "a" else 2.0, built)
 
     monkeypatch.setattr(acceptance, "timed_generate", timed)
     monkeypatch.setattr(acceptance, "summarize", lambda outs, s: {"outs": outs, "tok_per_s": len(outs) / s})
@@ -184,8 +190,17 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
     turns = [("a", [[1], [2]]), ("b", [[1], [2]]), ("c", [[1], [2]]), ("b", [[3], [4]]), ("c", [[3], [4]]),
              ("a", [[3], [4]]), ("c", [[5]]), ("a", [[5]]), ("b", [[5]])]  # fmt: skip
     assert calls == first + turns
-    assert rows["a"] == {"outs": ["a"] * 5, "tok_per_s": 5 / 3, "first_pass_tok_per_s": 5 / 3}
+    none = {"cuda_graphs": 0, "compiled": 0}
+    assert rows["a"] == {
+        "outs": ["a"] * 5, "tok_per_s": 5 / 3, "first_pass_tok_per_s": 5 / 3,
+        "built": {"first_pass": none, "second_pass": none},
+    }  # fmt: skip
     assert rows["b"]["tok_per_s"] == 5 / 6 and rows["c"]["first_pass_tok_per_s"] == 5 / 6
+    assert rows["b"]["built"] == {
+        "first_pass": {"cuda_graphs": 0, "compiled": 3},
+        "second_pass": {"cuda_graphs": 0, "compiled": 3},
+    }
+    assert rows["c"]["built"] == {"first_pass": {"cuda_graphs": 3, "compiled": 0}, "second_pass": none}
 
 
 def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path):

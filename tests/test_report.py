@@ -115,3 +115,24 @@ def test_malformed_input_names_the_file(tmp_path, capsys):
         err = capsys.readouterr().err
         assert str(bad) in err and why in err
         assert not out.exists()
+
+
+def test_what_engines_built_while_serving_is_summed_over_the_rows(tmp_path):
+    """Rows that record what each engine built in its passes (CUDA graphs captured, torch.compile
+    graphs): one line under the first-pass table, each engine's counts summed over the rows."""
+    none = {"cuda_graphs": 0, "compiled": 0}
+
+    def timed(tok_per_s, first, second):
+        return {"tau": 1.0, "tokens": 10, "tok_per_s": tok_per_s, "histogram": {"1": 10},
+                "first_pass_tok_per_s": tok_per_s, "built": {"first_pass": first, "second_pass": second}}  # fmt: skip
+
+    rows = [
+        {"set": s, "temperature": 0.0, "prompts": 1, "plain": timed(10.0, none, none),
+         "dflash": timed(20.0, {"cuda_graphs": 2, "compiled": 1}, {"cuda_graphs": 0, "compiled": n})}
+        for s, n in (("humaneval", 1), ("mtbench", 0))
+    ]  # fmt: skip
+    text = "\n".join(report.section(write(tmp_path, "built.json", rows)))
+    assert "first pass/second pass): plain 0/0, dflash 6/1" in text
+    unrecorded = [r | {e: {k: v for k, v in r[e].items() if k != "built"} for e in ("plain", "dflash")} for r in rows]
+    older = "\n".join(report.section(write(tmp_path, "old.json", unrecorded)))
+    assert "First pass over second pass" in older and "Built while serving" not in older

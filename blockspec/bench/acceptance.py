@@ -10,9 +10,11 @@ import gzip
 import importlib.util
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from blockspec.bench.bench import add_cpu_bf16_argument
 from blockspec.bench.meta import run_meta
@@ -42,14 +44,41 @@ def mtbench_prompts(path: str | None) -> list[str]:
     return [json.loads(line)["turns"][0] for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
+@dataclass
+class Served:
+    """Requests served and timed: their outputs, the seconds they took, and what serving them built
+    (`built_so_far`: each count's increase)."""
+
+    outs: list
+    seconds: float
+    built: dict[str, int]
+
+
+def built_so_far(llm: LLM) -> dict[str, int]:
+    """What serving has built, each build a stall of the requests running then: the engine's CUDA
+    graphs captured, and the graphs torch.compile has compiled in this process."""
+    return {"cuda_graphs": llm.engine.runner.num_graphs(), "compiled": counters["stats"]["unique_graphs"]}
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Served:
+    before = built_so_far(llm)
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
-    return outs, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return Served(outs, seconds, {k: n - before[k] for k, n in built_so_far(llm).items()})
+
+
+def served_together(runs: list[Served]) -> Served:
+    """Runs as one: their outputs in order, their seconds and builds summed."""
+    built = {}
+    for run in runs:
+        for k, n in run.built.items():
+            built[k] = built.get(k, 0) + n
+    return Served([o for run in runs for o in run.outs], sum(run.seconds for run in runs), built)
 
 
 def in_groups(prompts: list[list[int]], group: int) -> list[list[list[int]]]:
@@ -57,38 +86,33 @@ def in_groups(prompts: list[list[int]], group: int) -> list[list[list[int]]]:
     return [prompts[i : i + group] for i in range(0, len(prompts), group)]
 
 
-def grouped_generate(llm: LLM, groups: list[list[list[int]]], params: SamplingParams) -> tuple[list, float]:
-    """The groups one after another: their outputs, and their seconds summed."""
-    runs = [timed_generate(llm, g, params) for g in groups]
-    return [o for outs, _ in runs for o in outs], sum(seconds for _, seconds in runs)
-
-
 def two_passes(
     engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, group: int, rounds: int = 1
 ) -> dict:
     """Each engine's second pass over the prompts summarized, with its first pass's tok/s beside it
     (a capture or compile at request time, or adaptive width still exploring, shows as a slower
-    first pass) and, with adaptive width, the steps the second pass ran at each width. Both passes
-    run the prompts in groups of `group`, so that they are the same work (all prompts at once would
-    admit newcomers one by one as others finish, a prefill step each). The first pass runs engine
-    after engine. In the second the engines take turns, a group each, each group in a rotated
-    order: a machine whose speed wanders (a shared CPU, a busy host) then slows every engine alike,
-    and the ratios between them hold. The second pass goes over the groups `rounds` times: where one
-    takes a fraction of a second (a GPU at a large batch), a hiccup of the host would move its
-    tok/s by more than the differences it measures."""
+    first pass), what each pass built (`built_so_far`) and, with adaptive width, the steps the
+    second pass ran at each width. Both passes run the prompts in groups of `group`, so that they
+    are the same work (all prompts at once would admit newcomers one by one as others finish, a
+    prefill step each). The first pass runs engine after engine. In the second the engines take
+    turns, a group each, each group in a rotated order: a machine whose speed wanders (a shared CPU,
+    a busy host) then slows every engine alike, and the ratios between them hold. The second pass
+    goes over the groups `rounds` times: where one takes a fraction of a second (a GPU at a large
+    batch), a hiccup of the host would move its tok/s by more than the differences it measures."""
     groups = in_groups(prompts, group)
-    first = {name: summarize(*grouped_generate(llm, groups, params)) for name, llm in engines.items()}
+    first = {name: served_together([timed_generate(llm, g, params) for g in groups]) for name, llm in engines.items()}
     adaptive = {name: llm.engine.adaptive for name, llm in engines.items() if llm.engine.adaptive is not None}
     before = {name: dict(policy.width_steps) for name, policy in adaptive.items()}
-    outs, seconds, names = {name: [] for name in engines}, dict.fromkeys(engines, 0.0), list(engines)
+    runs, names = {name: [] for name in engines}, list(engines)
     for turn, prompts_of_turn in enumerate(groups * rounds):
         for name in names[turn % len(names) :] + names[: turn % len(names)]:
-            out, elapsed = timed_generate(engines[name], prompts_of_turn, params)
-            outs[name] += out
-            seconds[name] += elapsed
+            runs[name].append(timed_generate(engines[name], prompts_of_turn, params))
     rows = {}
     for name in engines:
-        rows[name] = summarize(outs[name], seconds[name]) | {"first_pass_tok_per_s": first[name]["tok_per_s"]}
+        second = served_together(runs[name])
+        rows[name] = summarize(second.outs, second.seconds)
+        rows[name]["first_pass_tok_per_s"] = summarize(first[name].outs, first[name].seconds)["tok_per_s"]
+        rows[name]["built"] = {"first_pass": first[name].built, "second_pass": second.built}
         if name in adaptive:
             steps = adaptive[name].width_steps.items()
             rows[name]["width_steps"] = {w: n - before[name][w] for w, n in steps if n > before[name][w]}
@@ -239,6 +263,8 @@ def run(args: argparse.Namespace) -> None:
             first = "  ".join(f"{k} {row[k]['first_pass_tok_per_s'] / row[k]['tok_per_s']:.2f}" for k in specs)
             print(f"{set_name:9} T={temperature:<4} plain {plain:.1f} tok/s  {speeds}", flush=True)
             print(f"          first pass over second: {first}", flush=True)
+            built = {k: row[k]["built"] for k in specs if any(any(p.values()) for p in row[k]["built"].values())}
+            print(f"          built while serving: {built or 'nothing'}", flush=True)
             for k in specs:
                 if k != "plain":
                     print(f"          {k} tau histogram {row[k]['histogram']}", flush=True)

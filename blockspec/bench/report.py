@@ -248,9 +248,24 @@ def first_pass_table(rows: list[dict], engines: list[str]) -> list[str]:
         + [fmt(ratio((r.get(e) or {}).get("first_pass_tok_per_s"), (r.get(e) or {}).get("tok_per_s"))) for e in engines]
         for r in rows
     ]
-    return ["", "First pass over second pass, tok/s (the same requests twice on one engine):", ""] + table(
-        ["set", "T", *engines], body
+    lines = ["", "First pass over second pass, tok/s (the same requests twice on one engine):", ""]
+    return lines + table(["set", "T", *engines], body) + built_while_serving(rows, engines)
+
+
+def built_while_serving(rows: list[dict], engines: list[str]) -> list[str]:
+    """Where the rows record them: what each engine built while it served its passes (CUDA graphs
+    captured, torch.compile graphs compiled), over all the rows, first pass / second pass."""
+    built = [(e, [(r.get(e) or {}).get("built") for r in rows]) for e in engines]
+    if not any(b for _, bs in built for b in bs):
+        return []
+    counts = ", ".join(
+        f"{e} {sum(sum(b['first_pass'].values()) for b in bs if b)}/{sum(sum(b['second_pass'].values()) for b in bs if b)}"
+        for e, bs in built
     )
+    return [
+        "",
+        f"Built while serving (CUDA graphs captured and torch.compile graphs, first pass/second pass): {counts}",
+    ]
 
 
 def histograms(keys: list[str], rows: list[list[str]]) -> list[str]:
