@@ -203,6 +203,24 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
     assert rows["c"]["built"] == {"first_pass": {"cuda_graphs": 3, "compiled": 0}, "second_pass": none}
 
 
+def test_acceptance_rounds_are_timed_apart(monkeypatch):
+    """Over two rounds each engine's second pass records each round's tok/s from its own batches:
+    here engine a's second round runs at half the speed of its first."""
+    seen = {}
+
+    def timed(llm, prompts, params):
+        seen[llm.name] = seen.get(llm.name, 0) + 1
+        second_round = seen[llm.name] > 4  # 2 batches in the first pass, 2 in the first round
+        return acceptance.Served([llm.name] * len(prompts), 2.0 if second_round and llm.name == "a" else 1.0, {})
+
+    monkeypatch.setattr(acceptance, "timed_generate", timed)
+    monkeypatch.setattr(acceptance, "summarize", lambda outs, s: {"tok_per_s": len(outs) / s})
+    engines = {n: SimpleNamespace(name=n, engine=SimpleNamespace(adaptive=None)) for n in "ab"}
+    rows = acceptance.two_passes(engines, [[1], [2], [3]], None, 2, rounds=2)
+    assert rows["a"]["round_tok_per_s"] == [3 / 2, 3 / 4] and rows["a"]["tok_per_s"] == 6 / 6
+    assert rows["b"]["round_tok_per_s"] == [3 / 2, 3 / 2]
+
+
 def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path):
     """A width trace of 3 requests in groups of 2: each request's full-width steps chain from
     position 0 (each block starts where the last one's tokens end) to its length; the forced run
@@ -277,6 +295,14 @@ def test_acceptance_second_pass_goes_over_the_prompts_rounds_times(tmp_path):
         for engine in ("plain", "dflash"):
             assert thrice[engine]["tokens"] == 3 * once[engine]["tokens"] == 18
             assert thrice[engine]["tau"] == once[engine]["tau"]
+            # each round's tok/s, the whole pass's between the slowest and the fastest; one round: none
+            rounds = thrice[engine]["round_tok_per_s"]
+            assert len(rounds) == 3 and min(rounds) <= thrice[engine]["tok_per_s"] <= max(rounds)
+            assert "round_tok_per_s" not in once[engine]
+    rendered = "\n".join(report.section(tmp_path / "rounds3.json"))
+    assert "Second pass by rounds" in rendered and "Second pass by rounds" not in "\n".join(
+        report.section(tmp_path / "rounds1.json")
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["--rounds", "0"])
 

@@ -91,8 +91,8 @@ def two_passes(
 ) -> dict:
     """Each engine's second pass over the prompts summarized, with its first pass's tok/s beside it
     (a capture or compile at request time, or adaptive width still exploring, shows as a slower
-    first pass), what each pass built (`built_so_far`) and, with adaptive width, the steps the
-    second pass ran at each width. Both passes run the prompts in groups of `group`, so that they
+    first pass), what each pass built (`built_so_far`), over several rounds each round's tok/s and,
+    with adaptive width, the steps the second pass ran at each width. Both passes run the prompts in groups of `group`, so that they
     are the same work (all prompts at once would admit newcomers one by one as others finish, a
     prefill step each). The first pass runs engine after engine. In the second the engines take
     turns, a group each, each group in a rotated order: a machine whose speed wanders (a shared CPU,
@@ -113,6 +113,11 @@ def two_passes(
         rows[name] = summarize(second.outs, second.seconds)
         rows[name]["first_pass_tok_per_s"] = summarize(first[name].outs, first[name].seconds)["tok_per_s"]
         rows[name]["built"] = {"first_pass": first[name].built, "second_pass": second.built}
+        if rounds > 1:  # each round's tok/s: how far apart the rounds of one engine are
+            per_round = [
+                served_together(runs[name][i : i + len(groups)]) for i in range(0, len(runs[name]), len(groups))
+            ]
+            rows[name]["round_tok_per_s"] = [summarize(r.outs, r.seconds)["tok_per_s"] for r in per_round]
         if name in adaptive:
             steps = adaptive[name].width_steps.items()
             rows[name]["width_steps"] = {w: n - before[name][w] for w, n in steps if n > before[name][w]}
@@ -263,6 +268,12 @@ def run(args: argparse.Namespace) -> None:
             first = "  ".join(f"{k} {row[k]['first_pass_tok_per_s'] / row[k]['tok_per_s']:.2f}" for k in specs)
             print(f"{set_name:9} T={temperature:<4} plain {plain:.1f} tok/s  {speeds}", flush=True)
             print(f"          first pass over second: {first}", flush=True)
+            spreads = [
+                (k, row[k]["round_tok_per_s"], row[k]["tok_per_s"]) for k in specs if "round_tok_per_s" in row[k]
+            ]
+            if spreads:
+                rounds = "  ".join(f"{k} {min(v) / whole:.2f}-{max(v) / whole:.2f}" for k, v, whole in spreads)
+                print(f"          rounds, slowest-fastest over the pass: {rounds}", flush=True)
             built = {k: row[k]["built"] for k in specs if any(any(p.values()) for p in row[k]["built"].values())}
             print(f"          built while serving: {built or 'nothing'}", flush=True)
             for k in specs:

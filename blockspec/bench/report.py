@@ -226,7 +226,7 @@ def acceptance_tables(rows: list[dict]) -> list[str]:
                     [fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["width_steps"]), v.get("width_ms")]
                 )
         body.append(row + [fmt(r.get(k)) for k in extra])
-    lines = table(header, body) + first_pass_table(rows, ["plain", *engines])
+    lines = table(header, body) + first_pass_table(rows, ["plain", *engines]) + rounds_table(rows, ["plain", *engines])
     lines += histograms(["set", "T", "proposer"], hists)
     if widths:
         lines += ["", "Steps at each block width, adaptive width (width: steps):", ""]
@@ -250,6 +250,21 @@ def first_pass_table(rows: list[dict], engines: list[str]) -> list[str]:
     ]
     lines = ["", "First pass over second pass, tok/s (the same requests twice on one engine):", ""]
     return lines + table(["set", "T", *engines], body) + built_while_serving(rows, engines)
+
+
+def rounds_table(rows: list[dict], engines: list[str]) -> list[str]:
+    """Where the second pass went over the prompts in rounds: each engine's slowest and fastest
+    round, tok/s over its whole second pass's (how far a ratio between engines can be trusted)."""
+    if not any("round_tok_per_s" in (r.get(e) or {}) for r in rows for e in engines):
+        return []
+
+    def spread(v: dict) -> str:
+        rounds, whole = v.get("round_tok_per_s"), v.get("tok_per_s")
+        return f"{fmt(ratio(min(rounds), whole))}-{fmt(ratio(max(rounds), whole))}" if rounds and whole else ""
+
+    body = [[fmt(r["set"]), temperature(r["temperature"])] + [spread(r.get(e) or {}) for e in engines] for r in rows]
+    lines = ["", "Second pass by rounds: each engine's slowest and fastest round, tok/s over its whole pass's:", ""]
+    return lines + table(["set", "T", *engines], body)
 
 
 def built_while_serving(rows: list[dict], engines: list[str]) -> list[str]:
