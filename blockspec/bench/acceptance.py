@@ -92,13 +92,14 @@ def two_passes(
     """Each engine's second pass over the prompts summarized, with its first pass's tok/s beside it
     (a capture or compile at request time, or adaptive width still exploring, shows as a slower
     first pass), what each pass built (`built_so_far`), over several rounds each round's tok/s and,
-    with adaptive width, the steps the second pass ran at each width. Both passes run the prompts in groups of `group`, so that they
-    are the same work (all prompts at once would admit newcomers one by one as others finish, a
-    prefill step each). The first pass runs engine after engine. In the second the engines take
-    turns, a group each, each group in a rotated order: a machine whose speed wanders (a shared CPU,
-    a busy host) then slows every engine alike, and the ratios between them hold. The second pass
-    goes over the groups `rounds` times: where one takes a fraction of a second (a GPU at a large
-    batch), a hiccup of the host would move its tok/s by more than the differences it measures."""
+    with adaptive width, the steps the second pass ran at each width. Both passes run the prompts
+    in groups of `group`, so that they are the same work (all prompts at once would admit
+    newcomers one by one as others finish, a prefill step each). The first pass runs engine after
+    engine. In the second the engines take turns, a group each, each group in a rotated order: a
+    machine whose speed wanders (a shared CPU, a busy host) then slows every engine alike, and the
+    ratios between them hold. The second pass goes over the groups `rounds` times: where one takes
+    a fraction of a second (a GPU at a large batch), a hiccup of the host would move its tok/s by
+    more than the differences it measures."""
     groups = in_groups(prompts, group)
     first = {name: served_together([timed_generate(llm, g, params) for g in groups]) for name, llm in engines.items()}
     adaptive = {name: llm.engine.adaptive for name, llm in engines.items() if llm.engine.adaptive is not None}

@@ -270,13 +270,14 @@ def rounds_table(rows: list[dict], engines: list[str]) -> list[str]:
 def built_while_serving(rows: list[dict], engines: list[str]) -> list[str]:
     """Where the rows record them: what each engine built while it served its passes (CUDA graphs
     captured, torch.compile graphs compiled), over all the rows, first pass / second pass."""
-    built = [(e, [(r.get(e) or {}).get("built") for r in rows]) for e in engines]
-    if not any(b for _, bs in built for b in bs):
+    built = {e: [b for r in rows if (b := (r.get(e) or {}).get("built"))] for e in engines}
+    if not any(built.values()):
         return []
-    counts = ", ".join(
-        f"{e} {sum(sum(b['first_pass'].values()) for b in bs if b)}/{sum(sum(b['second_pass'].values()) for b in bs if b)}"
-        for e, bs in built
-    )
+
+    def total(e: str, part: str) -> int:
+        return sum(sum(b[part].values()) for b in built[e])
+
+    counts = ", ".join(f"{e} {total(e, 'first_pass')}/{total(e, 'second_pass')}" for e in engines)
     return [
         "",
         f"Built while serving (CUDA graphs captured and torch.compile graphs, first pass/second pass): {counts}",
