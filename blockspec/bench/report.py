@@ -13,6 +13,7 @@ docs/benchmarks/*.json, sorted by name, so the output depends only on the files.
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_DIR = Path("docs/benchmarks")
@@ -238,33 +239,39 @@ def acceptance_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def engine_table(rows: list[dict], engines: list[str], key: str, title: str, cell: Callable[[dict], str]) -> list[str]:
+    """A table of each row's (set, T) and a cell per engine, cell(that engine's results), under
+    `title`; none where no engine's results hold `key` (files written before it was recorded)."""
+    if not any(key in (r.get(e) or {}) for r in rows for e in engines):
+        return []
+    body = [[fmt(r["set"]), temperature(r["temperature"])] + [cell(r.get(e) or {}) for e in engines] for r in rows]
+    return ["", title, ""] + table(["set", "T", *engines], body)
+
+
 def first_pass_table(rows: list[dict], engines: list[str]) -> list[str]:
     """Where the rows time two passes of the same requests: each engine's first pass tok/s over its
-    second's (below 1: the first requests ran slower)."""
-    if not any("first_pass_tok_per_s" in (r.get(e) or {}) for r in rows for e in engines):
-        return []
-    body = [
-        [fmt(r["set"]), temperature(r["temperature"])]
-        + [fmt(ratio((r.get(e) or {}).get("first_pass_tok_per_s"), (r.get(e) or {}).get("tok_per_s"))) for e in engines]
-        for r in rows
-    ]
-    lines = ["", "First pass over second pass, tok/s (the same requests twice on one engine):", ""]
-    return lines + table(["set", "T", *engines], body) + built_while_serving(rows, engines)
+    second's (below 1: the first requests ran slower), and what the passes built."""
+    title = "First pass over second pass, tok/s (the same requests twice on one engine):"
+    lines = engine_table(
+        rows,
+        engines,
+        "first_pass_tok_per_s",
+        title,
+        lambda v: fmt(ratio(v.get("first_pass_tok_per_s"), v.get("tok_per_s"))),
+    )
+    return lines + built_while_serving(rows, engines) if lines else []
 
 
 def rounds_table(rows: list[dict], engines: list[str]) -> list[str]:
     """Where the second pass went over the prompts in rounds: each engine's slowest and fastest
     round, tok/s over its whole second pass's (how far a ratio between engines can be trusted)."""
-    if not any("round_tok_per_s" in (r.get(e) or {}) for r in rows for e in engines):
-        return []
 
     def spread(v: dict) -> str:
         rounds, whole = v.get("round_tok_per_s"), v.get("tok_per_s")
         return f"{fmt(ratio(min(rounds), whole))}-{fmt(ratio(max(rounds), whole))}" if rounds and whole else ""
 
-    body = [[fmt(r["set"]), temperature(r["temperature"])] + [spread(r.get(e) or {}) for e in engines] for r in rows]
-    lines = ["", "Second pass by rounds: each engine's slowest and fastest round, tok/s over its whole pass's:", ""]
-    return lines + table(["set", "T", *engines], body)
+    title = "Second pass by rounds: each engine's slowest and fastest round, tok/s over its whole pass's:"
+    return engine_table(rows, engines, "round_tok_per_s", title, spread)
 
 
 def built_while_serving(rows: list[dict], engines: list[str]) -> list[str]:
