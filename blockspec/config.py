@@ -31,6 +31,11 @@ class SpeculativeConfig:
     # Each step picks the block width (1, 2, 4, ... up to the widest) that maximises committed
     # tokens per second, from running acceptance rates and measured step times (engine/adaptive.py).
     adaptive_width: bool = True
+    # With adaptive width: a width-1 step keeps each sequence's target features (up to this many
+    # positions) instead of committing them to the drafter's context, and the next step that drafts
+    # commits them all at once (`engine.step.flush_context`), so a plain step costs what plain
+    # decoding's does. 0: every step commits its own.
+    deferred_context: int = 8
     # Benchmarks only: blocks accepted at this mean acceptance length at the full block, the drafter
     # still run (`proposers.simulated`), so that random weights can be timed at a realistic tau.
     simulate_tau: float | None = None
@@ -45,6 +50,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 0 <= self.confidence_threshold <= 1:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
+        if self.deferred_context < 0:
+            raise ValueError(f"deferred_context must be >= 0, got {self.deferred_context}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.simulate_tau is not None and (self.method not in DRAFTER_METHODS or self.simulate_tau < 1):

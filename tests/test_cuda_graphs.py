@@ -140,9 +140,18 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
     runner = engine.runner
     runner.graphs = CpuGraphCache(4, -(-engine.max_model_len // 4), engine.adaptive.classes)
     warm_up(runner, 4, engine.config.max_num_batched_tokens, engine.step_rows, engine.num_slots, grammar)
-    plain = {k[0] for k in runner.graphs.graphs if "grammar" not in k[0] and not k[0].startswith("propose")}
+    names = {k[0] for k in runner.graphs.graphs}
+    plain = {
+        n
+        for n in names
+        if "grammar" not in n and "defer" not in n and n.split("+")[0] in ("greedy", "sampled", "filtered")
+    }
     assert len(plain) == len(step_kinds()) == 12
-    assert {(m, b, w) for m in plain for b in (1, 2, 4) for w in engine.adaptive.classes} <= set(runner.graphs.graphs)
+    wide = [w for w in engine.adaptive.classes if w > 1]
+    assert {(m, b, w) for m in plain for b in (1, 2, 4) for w in wide} <= set(runner.graphs.graphs)
+    # width-1 steps defer the drafter's context (`StepInputs.backlog`), and a flush commits it
+    deferring = {(m + "+defer", b, 1) for m in plain for b in (1, 2, 4)} | {("flush", b, 1) for b in (1, 2, 4)}
+    assert deferring <= set(runner.graphs.graphs)
     captured = len(runner.graphs.graphs)
     prompts = [[5, 9], list(range(20, 45)), [7] * 3, [(i * 37) % 120 for i in range(40)]]
     kinds = [

@@ -217,6 +217,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
             fp8=args.fp8,
             adaptive_width=args.adaptive_width,
             simulate_tau=args.simulate_tau,
+            deferred_context=args.deferred_context,
         )
         if drafter is not None
         else None
@@ -351,6 +352,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--adaptive-width", action="store_true", help="let steps narrow the block (default: every step at full width)"
     )
     p.add_argument(
+        "--deferred-context",
+        type=int,
+        default=SpeculativeConfig.deferred_context,
+        help="SpeculativeConfig.deferred_context: positions a width-1 step may defer the drafter's context of (0: none)",
+    )
+    p.add_argument(
         "--row-invariant",
         choices=SWITCH_WORDS,
         default="off",
@@ -400,6 +407,7 @@ def run(args: argparse.Namespace) -> None:
     meta = run_meta(
         "blockspec.bench.bench", device, dtype, model=args.model, draft=args.draft, bandwidth_Bps=bandwidth,
         simulated_tau=args.simulate_tau, cpu_packed=args.cpu_packed, cpu_bf16=args.cpu_bf16,
+        adaptive_width=args.adaptive_width, deferred_context=args.deferred_context,
     )  # fmt: skip
     results = []
     for prompt_len in [int(n) for n in args.prompt_len.split(",")]:

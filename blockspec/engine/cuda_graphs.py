@@ -19,7 +19,7 @@ from blockspec.engine.step import StepInputs
 from blockspec.layers.fast_path import fast_kernels
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-StepTensors = tuple[torch.Tensor, torch.Tensor | None]  # a step's packed outcome, and its per-row results
+StepTensors = tuple[torch.Tensor | None, torch.Tensor | None]  # a step's packed outcome, and its per-row results
 
 
 def round_up(n: int, sizes) -> int:
@@ -68,6 +68,8 @@ class GraphCache:
         fill_buffers(tuple(bufs.values()), tuple(xs.values()), tuple(StepInputs.PAD[n] for n in xs), batch)
         graph.replay()
         packed, per_row = out
+        if packed is None:  # a step part that returns nothing (`step.flush_forward`)
+            return out
         return packed[:batch, : packed.shape[1] - (key[2] - rows)], per_row[
             :batch, :rows
         ] if per_row is not None else None

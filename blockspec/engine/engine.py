@@ -119,6 +119,10 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, self.proposer, target_cache, drafter_cache, config.page_size, graphs, self.max_model_len, self.layout
         )
+        if adaptive and drafter_cache is not None and spec.deferred_context:
+            features = len(self.proposer.capture_layers) * model.spec.hidden_size
+            shape = (self.num_slots, spec.deferred_context, features)
+            self.runner.deferred = torch.zeros(shape, dtype=self.dtype, device=self.device)
         checkpoints = StateCheckpoints(range(self.num_slots, self.num_state_slots)) if self.num_checkpoints else None
         pages = KVCacheManager(self.layout.reaches, num_pages, config.page_size, prefix_caching, checkpoints)
         self.scheduler = Scheduler(config, pages, SlotAllocator(self.num_slots), self.span)

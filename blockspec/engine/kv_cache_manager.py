@@ -370,11 +370,13 @@ class KVCacheManager:
 
     def register(self, seq: Sequence) -> None:
         """Register the sequence's pages whose every position is computed (below num_cached), in
-        each group that holds them."""
+        each group that holds them; not yet those holding positions whose drafter context is
+        deferred (a sequence sharing them would draft from context never written)."""
         if not self.prefix_caching:
             return
         first = len(seq.page_hashes)
-        for i, key in enumerate(self.page_keys(seq, first, seq.num_cached // self.page_size), first):
+        complete = (seq.num_cached - seq.num_deferred) // self.page_size
+        for i, key in enumerate(self.page_keys(seq, first, complete), first):
             seq.page_hashes.append(key.prefix_hash)
             for g, t in zip(self.groups, seq.block_tables):
                 if (page := t.page(i)) is not None:

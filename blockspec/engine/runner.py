@@ -12,7 +12,7 @@ from blockspec.engine.cuda_graphs import GraphCache
 from blockspec.engine.kv_cache import KVCache
 from blockspec.engine.kv_cache_manager import CacheLayout
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.step import StepInputs, propose_forward, row_logprob, step_forward
+from blockspec.engine.step import StepInputs, flush_forward, propose_forward, row_logprob, step_forward
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.decoder import RECURRENT_STATE
 from blockspec.layers.recurrent_state import RecurrentStates
@@ -47,6 +47,9 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.phase_marks = None  # benchmarks: an object whose record(name) marks a step's phases
         self.penalty_state: PenaltyState | None = None  # allocated with the first request with logit rules
+        # [state slots, R, C]: per sequence, the target features (C: the proposer's layers') of up to
+        # R positions whose drafter context width-1 steps deferred (`step.defer_context`); None: none are
+        self.deferred: torch.Tensor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -192,14 +195,18 @@ class ModelRunner:
         host_drafts: list[list[int]] | None = None,
         bitmask: np.ndarray | None = None,
         q: torch.Tensor | None = None,
+        backlog: list[int] | None = None,
     ) -> StepInputs:
         """A decoding step's inputs, the host's part in one copy. Row 0 of each block is its anchor:
         `anchors` [B, 1] on the device (a step launched ahead passes them, and `starts`, while the
         step before still computes them), else the host's, followed by `host_drafts` where they
         were made before the step (q: their distributions). `starts` None: the committed lengths.
-        bitmask: the rows' grammar masks (`structured_output.token_bitmasks`), None: no grammar."""
+        bitmask: the rows' grammar masks (`structured_output.token_bitmasks`), None: no grammar.
+        backlog: `StepInputs.backlog`, None: the step commits its drafter context."""
         width = max(widths)
         arrays = [widths, self.host_block_tables(seqs), [s.seed for s in seqs], [s.state_slot for s in seqs]]
+        if backlog is not None:
+            arrays.append(backlog)
         if starts is None:
             arrays.append([s.num_cached for s in seqs])
         if host_drafts is not None:
@@ -221,6 +228,7 @@ class ModelRunner:
         if bitmask is not None:  # int32 words crossing bitwise, two to an int64
             arrays.append(bitmask.view(np.int64))
         lengths, tables, seeds, slots, *rest = self.tensors(*arrays)
+        backlog = rest.pop(0) if backlog is not None else None
         bitmask = rest.pop().view(torch.int32) if bitmask is not None else None
         min_positions, stop_ids = (rest.pop(-2), rest.pop()) if ruled else (None, None)
         penalty_rows = rest.pop() if ruled else None
@@ -232,7 +240,7 @@ class ModelRunner:
         logprobs = any(s.params.logprobs is not None for s in seqs)
         return StepInputs(
             tokens, starts, lengths, tables, seeds, slots, sampling, filters, logprobs, min_positions, stop_ids,
-            penalty_rows, bitmask, q,
+            penalty_rows, bitmask, q, backlog,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -246,6 +254,18 @@ class ModelRunner:
         fn = functools.partial(propose_forward, self)
         packed, q = fn(inputs) if self.graphs is None else self.graphs.run("propose+" + inputs.mode, fn, inputs)
         return [r[1 : 1 + r[0]] for r in packed.tolist()], q
+
+    @torch.inference_mode()
+    def flush(self, inputs: StepInputs) -> None:
+        """`flush_forward` on the inputs (a CUDA graph replay when graphs are on); it reads their
+        positions, pages, state slots and backlog only: one graph serves every step kind."""
+        inputs = replace(inputs, sampling=None, filters=False, logprobs=False, min_positions=None)
+        inputs = replace(inputs, stop_ids=None, penalties=None, bitmask=None, q=None)
+        fn = functools.partial(flush_forward, self)
+        if self.graphs is None:
+            fn(inputs)
+        else:
+            self.graphs.run("flush", fn, inputs)
 
     @torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

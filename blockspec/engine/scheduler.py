@@ -152,6 +152,7 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         """Its pages and its state slot back to the pools."""
         self.kv_cache_manager.free(seq)
+        seq.num_deferred = 0  # its deferred drafter context is lost with its pages: a prefill writes it again
         if seq.state_slot:
             self.slots.free(seq.state_slot)
             seq.state_slot = 0

@@ -1,7 +1,7 @@
 """One request: its tokens, status, block tables and decoding statistics.
 
-Invariant while running: the target has processed (and the drafter holds context K/V for)
-positions 0 .. num_cached-1, and token_ids has exactly one token more: the anchor, the
+Invariant while running: the target has processed (and the drafter holds context K/V for, but
+for the last num_deferred) positions 0 .. num_cached-1, and token_ids has exactly one token more: the anchor, the
 newest token, which the next step verifies at position num_cached."""
 
 import enum
@@ -47,6 +47,9 @@ class Sequence:
         self.seed = seed  # int64: keys the counter-based draws of its sampled tokens
         self.status = Status.WAITING
         self.num_cached = 0
+        # positions whose drafter context its width-1 steps deferred (`engine.step.defer_context`),
+        # steps launched but not yet committed among them: not yet in the drafter's cache
+        self.num_deferred = 0
         self.block_tables: list[BlockTable] = []  # one per cache group (`KVCacheManager.tables`)
         self.page_hashes: list[bytes] = []  # prefix hashes of its leading pages (`KVCacheManager.register`)
         self.state_slot = 0  # its linear-attention layers' state slot while it runs (0: none held)

@@ -63,6 +63,11 @@ class StepInputs:
     # sampled (`ModelRunner.propose`). None: no grammar.
     bitmask: torch.Tensor | None = None
     q: torch.Tensor | None = None
+    # A width-1 step whose drafter context is deferred: [B] where in its sequence's ring
+    # (`ModelRunner.deferred`) its row's target features go, the positions deferred before it; a
+    # flush (`flush_forward`): how many positions before the anchor the ring holds. None: the
+    # step commits its own drafter context.
+    backlog: torch.Tensor | None = None
 
     # A CUDA graph's rows past the batch: sequences of one greedy row at position 0, writing to the
     # trash page (0.0 is all zero bits).
@@ -79,6 +84,7 @@ class StepInputs:
         "penalties": 0,
         "bitmask": -1,
         "q": 0,
+        "backlog": 0,
     }
 
     @property
@@ -86,7 +92,7 @@ class StepInputs:
         """The step's kind (its CUDA graphs' name): what its rows need computed."""
         kind = "greedy" if self.sampling is None else "filtered" if self.filters else "sampled"
         mode = kind + "+logprobs" * self.logprobs + "+rules" * (self.penalties is not None)
-        mode += "+grammar" * (self.bitmask is not None)
+        mode += "+grammar" * (self.bitmask is not None) + "+defer" * (self.backlog is not None)
         return mode + "+q" * (self.q is not None)  # a width-1 step of sampled rows has no q
 
     @property
@@ -182,7 +188,9 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     if inputs.penalties is not None:
         runner.penalty_state.commit(inputs.state_slots, committed_tokens(proposal.drafts, accepted, bonus), committed)
     runner.mark("rollback")
-    if proposer is not None:
+    if inputs.backlog is not None:  # a width-1 step commits one row: its features wait in the ring
+        runner.deferred[inputs.state_slots, inputs.backlog] = features[:, 0]
+    elif proposer is not None:
         proposer.commit(runner, features, inputs.starts, committed, inputs.block_tables)
     runner.mark("context")
     confidence = proposal.confidence
@@ -202,6 +210,15 @@ def propose_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Te
     if proposal.num_drafts is not None:
         num_drafts = torch.minimum(num_drafts, proposal.num_drafts)
     return torch.cat([num_drafts[:, None].long(), proposal.drafts.long()], 1), proposal.q
+
+
+def flush_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[None, None]:
+    """Commit the drafter context each sequence's width-1 steps deferred: the target features of
+    the `backlog` positions before its anchor, from its ring."""
+    backlog = inputs.backlog
+    starts = (inputs.starts - backlog).clamp_min(0)  # a warm-up sequence never advances past 0
+    runner.proposer.commit(runner, runner.deferred[inputs.state_slots], starts, backlog, inputs.block_tables)
+    return None, None
 
 
 def committed_tokens(drafts: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
@@ -277,6 +294,7 @@ def launch_step(
     proposed first (the host masks the verify rows by them); they set the widths."""
     proposer, host_drafts, q = runner.proposer, None, None
     grammar = any(s.grammar is not None for s in seqs)
+    flush_context(runner, seqs, max(widths), anchors, starts)
     if proposer is not None and max(widths) > 1:
         if not proposer.on_device:
             host_drafts = proposer.host_drafts([s.token_ids for s in seqs], widths)
@@ -288,11 +306,39 @@ def launch_step(
         blocks = [[s.anchor, *d] for s, d in zip(seqs, host_drafts or [[]] * len(seqs))]
         bitmask = token_bitmasks([s.grammar for s in seqs], blocks, max(widths), runner.vocab_size)
         q = q[:, : max(widths) - 1] if q is not None and max(widths) > 1 else None  # all cut to none: no q
-    inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts, bitmask, q)
+    backlog = defer_context(runner, seqs, max(widths))
+    inputs = runner.step_inputs(seqs, widths, anchors, starts, host_drafts, bitmask, q, backlog)
     packed, logprobs = runner.step(inputs)
     (host, host_logprobs), ready = runner.to_host(packed, logprobs)
     confident = proposer is not None and proposer.confident
     return LaunchedStep(seqs, widths, StepOutcome(packed), host, host_logprobs, ready, confident)
+
+
+def flush_context(
+    runner: "ModelRunner", seqs: list[Sequence], width: int, anchors: torch.Tensor | None, starts: torch.Tensor | None
+) -> None:
+    """Before a step that drafts (width > 1), or one that would overfill a sequence's ring, commit
+    the drafter context the sequences' width-1 steps deferred."""
+    if runner.deferred is None or not any(s.num_deferred for s in seqs):
+        return
+    if width == 1 and max(s.num_deferred for s in seqs) < runner.deferred.shape[1]:
+        return
+    backlog = [s.num_deferred for s in seqs]
+    runner.flush(runner.step_inputs(seqs, [1] * len(seqs), anchors, starts, backlog=backlog))
+    for s in seqs:
+        s.num_deferred = 0
+
+
+def defer_context(runner: "ModelRunner", seqs: list[Sequence], width: int) -> list[int] | None:
+    """Where a width-1 step defers its drafter context: each sequence's place in its ring (None:
+    the step commits it). A width-1 step commits exactly one token a sequence, so the host counts
+    the deferred positions as it launches steps, also ahead of their results."""
+    if runner.deferred is None or width > 1:
+        return None
+    backlog = [s.num_deferred for s in seqs]
+    for s in seqs:
+        s.num_deferred += 1
+    return backlog
 
 
 def finish_step(step: LaunchedStep) -> list[StepOutput]:

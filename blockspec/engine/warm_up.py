@@ -1,6 +1,7 @@
 """Everything a GPU engine would otherwise build while it serves, built when it starts: the CUDA
 graph of every step kind (greedy, sampled, filtered; with logprobs, logit rules (penalties and
-min_tokens) and a grammar's masks or without) at every batch bucket and row class, and the
+min_tokens) and a grammar's masks or without) at every batch bucket and row class (and where
+width-1 steps defer the drafter's context, the flush of each bucket), and the
 prefill's kernels: over a grid of chunk shapes (the kernels' variants follow the rows and their
 alignment), then one prefill for each attention kernel variant the grid missed
 (`paged_attention.prefill_variants`: they follow the rows, the sequences and the context, as a
@@ -91,7 +92,13 @@ def grammar_step(runner: "ModelRunner", seqs: list[Sequence], width: int) -> Non
             q = q[:, : width - 1] if q is not None else None
         drafts = [[0] * (width - 1) for _ in seqs]
     bitmask = token_bitmasks([None] * len(seqs), [[0] * width] * len(seqs), width, runner.vocab_size)
-    runner.step(runner.step_inputs(seqs, widths, None, None, drafts, bitmask, q))
+    runner.step(runner.step_inputs(seqs, widths, None, None, drafts, bitmask, q, deferring(runner, seqs, width)))
+
+
+def deferring(runner: "ModelRunner", seqs: list[Sequence], width: int) -> list[int] | None:
+    """A warm-up step's `StepInputs.backlog`: where the runner defers drafter context, a width-1
+    step's (nothing deferred before it), else None."""
+    return [0] * len(seqs) if runner.deferred is not None and width == 1 else None
 
 
 def warm_up(
@@ -110,6 +117,8 @@ def warm_up(
     runner.reset_penalties(trash_sequence(runner, 0, 0, kinds[-1], columns), num_slots)
     for params, bucket, width in product(kinds, graphs.buckets, graphs.row_classes):
         seqs = [trash_sequence(runner, 0, 0, params, columns) for _ in range(bucket)]
-        runner.step(runner.step_inputs(seqs, [width] * bucket, None, None))
+        runner.step(runner.step_inputs(seqs, [width] * bucket, None, None, backlog=deferring(runner, seqs, width)))
         if grammar:
             grammar_step(runner, seqs, width)
+        if runner.deferred is not None and width == 1 and params == kinds[0]:  # one flush graph a bucket
+            runner.flush(runner.step_inputs(seqs, [1] * bucket, None, None, backlog=[0] * bucket))
