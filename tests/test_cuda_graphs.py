@@ -27,7 +27,7 @@ class ReplayByCall:
 
 
 class CpuGraphCache(GraphCache):
-    def capture(self, fn, bucket, width, inputs):
+    def capture(self, fn, bucket, width, inputs, pool):
         static = self.static_inputs(bucket, width, inputs)
         out = fn(static)
         return ReplayByCall(fn, static, out), static, out
@@ -98,9 +98,9 @@ def count_replays(graphs: GraphCache) -> list[str]:
     """The names of the graphs replayed, in order."""
     names, run = [], graphs.run
 
-    def counted(name, fn, inputs):
+    def counted(name, fn, inputs, **options):
         names.append(name)
-        return run(name, fn, inputs)
+        return run(name, fn, inputs, **options)
 
     graphs.run = counted
     return names

@@ -1,6 +1,7 @@
 """The CUDA fast path (CUDA graphs, Triton kernels) against the reference path. Skipped
 without a GPU; run on the GPU machine."""
 
+import itertools
 import json
 
 import pytest
@@ -366,6 +367,26 @@ def test_warm_up_leaves_nothing_to_capture_at_request_time(tmp_path):
     assert len(graphs) == captured
     assert counters["stats"]["unique_graphs"] == compiled
     assert not [reason for reason in counters["unimplemented"] if "recompile limit" in reason.lower()]
+
+
+def test_deferred_context_in_graphs_launched_ahead_keeps_greedy_exact(tmp_path):
+    """Width-1 steps defer the drafter's context and a flush graph commits it, replayed between a
+    step and the step launched ahead from that step's outputs (warm-up captures every graph, the
+    sampled kinds' after the flush): a greedy row beside a sampled one (the sampled step kinds)
+    keeps plain decoding's tokens, and the sampled row's are tokens of the vocabulary."""
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    plain = outputs(cuda_llm(t), n=40)
+    llm = LLM(str(t), {"model": str(d), "deferred_context": 3}, device="cuda", dtype="float32", max_num_seqs=2)
+    assert llm.engine.run_ahead and llm.engine.runner.deferred is not None
+    widths = itertools.cycle((1, 1, 4, 1, 1, 1, 1, 1, 2, 8))
+    llm.engine.adaptive.choose = lambda batch, limit, rows: next(widths)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)
+    for prompt, expected in zip(PROMPTS, plain):
+        out = llm.generate([prompt, prompt], [greedy, sampled])
+        assert out[0].outputs[0].token_ids == expected
+        assert all(0 <= token < 128 for token in out[1].outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

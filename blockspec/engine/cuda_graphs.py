@@ -54,13 +54,18 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, StepInputs, StepTensors]] = {}
 
-    def run(self, name: str, fn: Callable[[StepInputs], StepTensors], inputs: StepInputs) -> StepTensors:
+    def run(
+        self, name: str, fn: Callable[[StepInputs], StepTensors], inputs: StepInputs, own_pool: bool = False
+    ) -> StepTensors:
         """fn(inputs) -> ([B, k + w-1], [B, w, ...] or None) (w: the step's width, rows per
-        sequence), replayed."""
+        sequence), replayed. Graphs share one memory pool, so a graph's intermediates may lie where
+        another's outputs do: a graph replayed before the previous one's outputs are read (a step
+        launched from them reads them when its inputs are filled) is captured in a pool of its
+        own (`own_pool`)."""
         batch, rows = inputs.tokens.shape
         key = (name, round_up(batch, self.buckets), round_up(rows, self.row_classes))
         if key not in self.graphs:
-            self.graphs[key] = self.capture(fn, *key[1:], inputs)
+            self.graphs[key] = self.capture(fn, *key[1:], inputs, None if own_pool else self.pool)
         graph, static, out = self.graphs[key]
         xs = tensor_fields(inputs)
         bufs = tensor_fields(static)
@@ -87,7 +92,7 @@ class GraphCache:
 
         return dataclasses.replace(inputs, **{n: buffer(n, x) for n, x in tensor_fields(inputs).items()})
 
-    def capture(self, fn: Callable[[StepInputs], StepTensors], bucket: int, width: int, inputs: StepInputs):
+    def capture(self, fn: Callable[[StepInputs], StepTensors], bucket: int, width: int, inputs: StepInputs, pool):
         static = self.static_inputs(bucket, width, inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -96,6 +101,6 @@ class GraphCache:
                 fn(static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=pool):
             out = fn(static)
         return graph, static, out

@@ -258,14 +258,16 @@ class ModelRunner:
     @torch.inference_mode()
     def flush(self, inputs: StepInputs) -> None:
         """`flush_forward` on the inputs (a CUDA graph replay when graphs are on); it reads their
-        positions, pages, state slots and backlog only: one graph serves every step kind."""
+        positions, pages, state slots and backlog only: one graph serves every step kind. It
+        replays between a step and the step launched ahead from that one's outputs, so its graph
+        has a memory pool of its own."""
         inputs = replace(inputs, sampling=None, filters=False, logprobs=False, min_positions=None)
         inputs = replace(inputs, stop_ids=None, penalties=None, bitmask=None, q=None)
         fn = functools.partial(flush_forward, self)
         if self.graphs is None:
             fn(inputs)
         else:
-            self.graphs.run("flush", fn, inputs)
+            self.graphs.run("flush", fn, inputs, own_pool=True)
 
     @torch.inference_mode()  # the ops' CUDA fast paths (argmax among them) run without grad
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
