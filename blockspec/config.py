@@ -33,9 +33,9 @@ class SpeculativeConfig:
     adaptive_width: bool = True
     # With adaptive width: a width-1 step keeps each sequence's target features (up to this many
     # positions) instead of committing them to the drafter's context, and the next step that drafts
-    # commits them all at once (`engine.step.flush_context`), so a plain step costs what plain
-    # decoding's does. 0: every step commits its own.
-    deferred_context: int = 8
+    # commits them all at once (`engine.step.flush_context`), so that on a GPU a plain step costs
+    # about what plain decoding's does (8 is a good size). 0: every step commits its own.
+    deferred_context: int = 0
     # Benchmarks only: blocks accepted at this mean acceptance length at the full block, the drafter
     # still run (`proposers.simulated`), so that random weights can be timed at a realistic tau.
     simulate_tau: float | None = None

@@ -120,7 +120,8 @@ def test_a_sliding_layer_reads_only_its_window(tmp_path):
 def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     """`blockspec.bench.acceptance` with two --draft: each measured under its kind's name, beside
     plain decoding and the n-gram baseline, on the same prompts (local prompt files); with
-    --widths 3, each also at a fixed block of 3 rows (at most 3 tokens a step)."""
+    --widths 3, each also at a fixed block of 3 rows (at most 3 tokens a step); with --deferred-context,
+    each also with adaptive width deferring the drafter's context."""
     target = add_word_tokenizer(make_target(tmp_path / "t", "qwen3"), 128)
     dflash, dspark = make_drafter(tmp_path / "dflash", target), make_dspark(tmp_path / "dspark", target)
     with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as f:
@@ -133,13 +134,14 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
         ["--model", str(target), "--draft", str(dflash), "--draft", str(dspark), "--device", "cpu",
          "--dtype", "float32", "--humaneval", str(tmp_path / "humaneval.jsonl.gz"), "--mtbench",
          str(tmp_path / "mtbench.jsonl"), "--max-tokens", "8", "--temperatures", "0", "--widths", "3",
-         "--out", str(out)]
+         "--deferred-context", "4", "--out", str(out)]
     )  # fmt: skip
     acceptance.run(args)
     written = json.loads(out.read_text())
     rows = written["results"]
     assert [(r["set"], r["prompts"]) for r in rows] == [("humaneval", 3), ("mtbench", 1)]
-    engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_w3", "dspark", "dspark_adaptive", "dspark_w3")
+    engines = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_adaptive_deferred", "dflash_w3")
+    engines += ("dspark", "dspark_adaptive", "dspark_adaptive_deferred", "dspark_w3")
     # the second pass: the engines in turn, a prompt each (batch 1), every prompt's tokens counted
     assert all(set(engines) <= set(r) and all(r[e]["tokens"] == 8 * r["prompts"] for e in engines) for r in rows)
     assert written["meta"]["second_pass"] == "engines in turn" and written["meta"]["device"].startswith("cpu")
@@ -151,7 +153,7 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     nothing = {"cuda_graphs": 0, "compiled": 0}
     assert all(r[e]["built"] == {"first_pass": nothing, "second_pass": nothing} for r in rows for e in engines)
     assert list(written["meta"]["engine_start_s"]) == list(engines)
-    adaptive = [r[e] for r in rows for e in ("dflash_adaptive", "dspark_adaptive")]
+    adaptive = [r[e] for r in rows for e in engines if "_adaptive" in e]
     # batch 1: a step per committed run of tokens, each counted at the width class it ran
     assert all(sum(v["width_steps"].values()) == sum(v["histogram"].values()) for v in adaptive)
     # the policy's step time estimates, at batch bucket 1 only (JSON keys), width 1 and wider ones
@@ -162,7 +164,7 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     for v in adaptive:
         mean_ms = 1e3 * v["tokens"] / v["tok_per_s"] / sum(v["histogram"].values())
         assert all(0.01 * mean_ms < ms < 100 * mean_ms for ms in v["width_ms"]["1"].values()), (mean_ms, v["width_ms"])
-    assert not any("width_steps" in r[e] for r in rows for e in engines if not e.endswith("_adaptive"))
+    assert not any("width_steps" in r[e] for r in rows for e in engines if "_adaptive" not in e)
     rendered = "\n".join(report.section(out))
     assert "First pass over second pass" in rendered and "Steps at each block width" in rendered
     assert "Built while serving" in rendered and "dspark_w3 0/0" in rendered

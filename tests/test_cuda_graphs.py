@@ -133,7 +133,7 @@ def test_warm_up_captures_every_step_graph_serving_needs(tmp_path, family, draft
     t = hybrid_target(tmp_path, family) if family == "qwen3_5" else make_target(tmp_path / "t", family, vocab=128)
     add_word_tokenizer(t, 128)
     d = drafter(tmp_path / "d", t)
-    spec = {"model": str(d)}
+    spec = {"model": str(d), "deferred_context": 4}
     eager = LLM(str(t), spec, device="cpu", page_size=4, max_num_seqs=4)
     graphed = LLM(str(t), spec, device="cpu", page_size=4, max_num_seqs=4)
     engine = graphed.engine

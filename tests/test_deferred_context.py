@@ -5,14 +5,14 @@ holds what per-step commits write, greedy output stays the target's, pages are s
 their drafter context is written, and a preempted sequence starts with nothing deferred."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import make_dflash2, make_drafter, make_dspark, make_target
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import SpeculativeConfig
-from blockspec.proposers.dflash import DFlashProposer
 
 # forced widths: runs of width-1 steps shorter and longer than a ring of 3, between drafting steps
 WIDTHS = (1, 1, 4, 1, 1, 1, 1, 1, 2, 8, 1, 1, 1, 1, 1, 1, 1, 4)
@@ -21,10 +21,19 @@ PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("deferred")
-    t = make_target(root / "t", "qwen3", vocab=128)
-    return str(t), str(make_drafter(root / "d", t, block_size=8))
+def target(tmp_path_factory) -> str:
+    return str(make_target(tmp_path_factory.mktemp("deferred") / "t", "qwen3", vocab=128))
+
+
+@pytest.fixture(scope="module", params=[make_drafter, make_dspark, make_dflash2], ids=["dflash", "dspark", "dflash2"])
+def drafters(request, target) -> tuple[str, str]:
+    """The target with a drafter of each kind (all commit their context as DFlash does)."""
+    return target, str(request.param(Path(target).parent / request.param.__name__, Path(target)))
+
+
+@pytest.fixture(scope="module")
+def pair(target) -> tuple[str, str]:
+    return target, str(make_drafter(Path(target).parent / "d", Path(target), block_size=8))
 
 
 def engine(pair, deferred: int, **options) -> LLM:
@@ -38,8 +47,8 @@ def engine(pair, deferred: int, **options) -> LLM:
 
 def record_commits(llm: LLM) -> list[int]:
     """The rows of each drafter context commit (a prefill's, a step's, a flush's)."""
-    rows, commit = [], DFlashProposer.commit
     proposer = llm.engine.proposer
+    rows, commit = [], type(proposer).commit
 
     def counted(runner, features, starts, counts, block_tables):
         rows.append(features.shape[1])
@@ -55,8 +64,8 @@ def drafter_cache(llm: LLM) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("async_steps", [False, True])
-def test_deferred_context_is_the_context_per_step_commits_write(pair, async_steps) -> None:
-    deferred, direct = engine(pair, 3, async_steps=async_steps), engine(pair, 0, async_steps=async_steps)
+def test_deferred_context_is_the_context_per_step_commits_write(drafters, async_steps) -> None:
+    deferred, direct = engine(drafters, 3, async_steps=async_steps), engine(drafters, 0, async_steps=async_steps)
     assert deferred.engine.runner.deferred.shape[:2] == (deferred.engine.num_slots, 3)
     assert direct.engine.runner.deferred is None
     rows = {"deferred": record_commits(deferred), "direct": record_commits(direct)}

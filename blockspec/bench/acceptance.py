@@ -202,10 +202,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--compare-fp8", action="store_true", help="also run the drafter with FP8 weights")
     p.add_argument(
-        "--compare-deferred",
-        action="store_true",
-        help="also time adaptive width with every step committing the drafter's context, none deferred "
-        "(engines <name>_adaptive_per_step)",
+        "--deferred-context",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="also time adaptive width with width-1 steps deferring the drafter's context of up to N positions "
+        "(SpeculativeConfig.deferred_context; engines <name>_adaptive_deferred)",
     )
     add_cpu_bf16_argument(p)
     p.add_argument(
@@ -244,8 +246,8 @@ def run(args: argparse.Namespace) -> None:
     variants = {"": {"fp8": False, "adaptive_width": False}}
     if args.adaptive:
         variants["_adaptive"] = {"fp8": False}
-    if args.adaptive and args.compare_deferred:
-        variants["_adaptive_per_step"] = {"fp8": False, "deferred_context": 0}
+    if args.adaptive and args.deferred_context:
+        variants["_adaptive_deferred"] = {"fp8": False, "deferred_context": args.deferred_context}
     if args.compare_fp8:
         variants["_fp8"] = {"fp8": True, "adaptive_width": False}
     for width in args.widths:  # a block of `width` rows: the anchor and width - 1 drafts

@@ -63,8 +63,8 @@ concurrent answers equal to the same request's answer sent alone.
 turns), chat template applied, a real target and drafter. Per prompt set and temperature: plain
 decoding's tok/s, and for each proposer its tau, tok/s and speed over plain decoding on the same
 engine and prompts (*x plain*). `dflash` and `ngram` verify the full block every step;
-`dflash_adaptive` lets the engine choose the width (`dflash_adaptive_per_step` too, its width-1
-steps committing the drafter's context instead of deferring it); `dflash_wN` verifies a fixed block of N rows
+`dflash_adaptive` lets the engine choose the width (`dflash_adaptive_deferred` too, its width-1
+steps deferring the drafter's context); `dflash_wN` verifies a fixed block of N rows
 (the anchor and N-1 drafts); `dflash_fp8` runs the drafter in FP8. Each
 configuration runs the same requests twice from a freshly started engine; the figures are the
 second pass's, and a table gives the first pass's tok/s over the second's (1.00: nothing was
