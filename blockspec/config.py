@@ -52,6 +52,11 @@ class SpeculativeConfig:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.deferred_context < 0:
             raise ValueError(f"deferred_context must be >= 0, got {self.deferred_context}")
+        if self.deferred_context and (self.method not in DRAFTER_METHODS or not self.adaptive_width):
+            raise ValueError(
+                "deferred_context defers a drafter model's context at the width-1 steps of adaptive width: "
+                "it needs both"
+            )
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.simulate_tau is not None and (self.method not in DRAFTER_METHODS or self.simulate_tau < 1):

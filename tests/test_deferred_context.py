@@ -133,3 +133,6 @@ def test_a_preempted_sequence_starts_with_nothing_deferred(pair) -> None:
 def test_deferred_context_is_validated() -> None:
     with pytest.raises(ValueError, match="deferred_context must be >= 0"):
         SpeculativeConfig(deferred_context=-1)
+    for needs in ({"adaptive_width": False}, {"method": "ngram"}):
+        with pytest.raises(ValueError, match="needs both"):
+            SpeculativeConfig(deferred_context=8, **needs)
