@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_dflash2, make_drafter, make_dspark, make_target
+from conftest import add_word_tokenizer, make_dflash2, make_drafter, make_dspark, make_target
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import SpeculativeConfig
+from blockspec.structured_output import StructuredOutput, xgrammar_installed
 
 # forced widths: runs of width-1 steps shorter and longer than a ring of 3, between drafting steps
 WIDTHS = (1, 1, 4, 1, 1, 1, 1, 1, 2, 8, 1, 1, 1, 1, 1, 1, 1, 4)
@@ -96,6 +97,22 @@ def test_deferred_context_keeps_greedy_output_exact(pair, async_steps) -> None:
     out = engine(pair, 3, async_steps=async_steps).generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
     assert {1, 4, 8} <= {len(d) + 1 for o in out for d in o.metrics.draft_token_ids}
+
+
+def test_drafts_are_those_of_per_step_commits(tmp_path) -> None:
+    """The drafter drafts from the same context whether it was deferred or not: the same drafts
+    every step, in a batch with a request that follows a grammar (its drafts proposed before the
+    step, after the flush) where xgrammar is installed."""
+    t = add_word_tokenizer(make_target(tmp_path / "t", "qwen3", vocab=128), 128)
+    pair = str(t), str(make_drafter(tmp_path / "d", t, block_size=8))
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, return_drafts=True)] * len(PROMPTS)
+    if xgrammar_installed():
+        regex = StructuredOutput(regex="(w5|w6|w7)+")
+        params[1] = SamplingParams(temperature=0, max_tokens=40, structured_output=regex, return_drafts=True)
+    runs = [engine(pair, k).generate(PROMPTS, params) for k in (3, 0)]
+    deferred, direct = ([(o.outputs[0].token_ids, o.metrics.draft_token_ids) for o in out] for out in runs)
+    assert deferred == direct
+    assert all(any(drafts) for _, drafts in deferred)  # every request drafted, the grammar's among them
 
 
 def test_pages_are_shared_once_their_drafter_context_is_written(pair) -> None:
