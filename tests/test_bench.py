@@ -148,6 +148,8 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     assert all(max(map(int, r[e]["histogram"])) <= 3 for r in rows for e in ("dflash_w3", "dspark_w3"))
     widths = written["meta"]["max_width"]
     assert widths["dflash_w3"] == widths["dspark_w3"] == 3 and widths["dflash"] > 3 and widths["plain"] == 1
+    deferred = written["meta"]["deferred_context"]  # the deferring engines' rings, none elsewhere
+    assert deferred == {e: 4 if e.endswith("_deferred") else 0 for e in engines}
     assert all(r[e]["first_pass_tok_per_s"] > 0 for r in rows for e in engines)  # two passes, both timed
     # nothing built while serving: the CPU captures no graphs and compiles nothing at request time
     nothing = {"cuda_graphs": 0, "compiled": 0}

@@ -81,6 +81,12 @@ def served_together(runs: list[Served]) -> Served:
     return Served([o for run in runs for o in run.outs], sum(run.seconds for run in runs), built)
 
 
+def deferred_positions(llm: LLM) -> int:
+    """Positions an engine's width-1 steps defer the drafter's context of (0: none)."""
+    ring = llm.engine.runner.deferred
+    return ring.shape[1] if ring is not None else 0
+
+
 def in_groups(prompts: list[list[int]], group: int) -> list[list[list[int]]]:
     """The prompts in order, `group` a list (the last one the rest)."""
     return [prompts[i : i + group] for i in range(0, len(prompts), group)]
@@ -297,6 +303,7 @@ def run(args: argparse.Namespace) -> None:
         plain.dtype,
         engine_start_s=start_s,
         max_width={name: llm.engine.max_width for name, llm in engines.items()},
+        deferred_context={name: deferred_positions(llm) for name, llm in engines.items()},
         response_format=args.response_format,
         cpu_bf16=args.cpu_bf16,
         first_pass="in batches",
