@@ -261,8 +261,10 @@ class ModelRunner:
         positions, pages, state slots and backlog only: one graph serves every step kind. It
         replays between a step and the step launched ahead from that one's outputs, so its graph
         has a memory pool of its own."""
-        inputs = replace(inputs, sampling=None, filters=False, logprobs=False, min_positions=None)
-        inputs = replace(inputs, stop_ids=None, penalties=None, bitmask=None, q=None)
+        inputs = replace(
+            inputs, sampling=None, filters=False, logprobs=False, min_positions=None, stop_ids=None, penalties=None,
+            bitmask=None, q=None,
+        )  # fmt: skip
         fn = functools.partial(flush_forward, self)
         if self.graphs is None:
             fn(inputs)
