@@ -54,6 +54,10 @@ INVARIANT_CALL_ROWS = 128
 # Row counts whose rows `kept_rows` compares with the same rows of one call of INVARIANT_CALL_ROWS
 CHECK_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 33, 64, 100)
 LONE_ROWS = (0, 1, 5, 77)  # rows that `kept_rows` runs alone
+# Batches of INVARIANT_CALL_ROWS random rows `kept_rows` tries, per dtype. A bf16 output's rounding
+# hides most of another order of summation: on the AMX Xeon measured, oneDNN's bf16 GEMM rounds a
+# few outputs in 10^5 apart at fewer rows, and one batch found none about half the time at 960 x 576
+CHECK_BATCHES = {torch.float32: 1, torch.bfloat16: 16}
 _checked: dict[tuple, KeptRows] = {}  # (N, K, dtype, threads) -> what `kept_rows` found
 
 
@@ -134,24 +138,34 @@ def onednn_gemm(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 def kept_rows(packed: torch.Tensor) -> KeptRows:
     """Whether oneDNN's GEMM on a packed [N, K] weight, at this process's threads, gives each row the
     same bits at every row count of CHECK_ROWS and at an offset as in one call of INVARIANT_CALL_ROWS
-    (random rows in the copy's dtype), and whether a lone float32 row does too (at some shapes it
-    takes another path: `invariant_gemm` then pads it); found once per shape, dtype and threads."""
+    (CHECK_BATCHES batches of random rows in the copy's dtype), and whether a lone float32 row does
+    too (at some shapes it takes another path: `invariant_gemm` then pads it); found once per shape,
+    dtype and threads."""
     key = (*packed.shape, packed.dtype, torch.get_num_threads())
     if key not in _checked:
-        x = torch.randn(INVARIANT_CALL_ROWS, packed.shape[1], generator=torch.Generator().manual_seed(0))
-        x = x.to(packed.dtype)
-        whole = onednn_gemm(x, packed)
-        parts = [(x[:m], whole[:m]) for m in CHECK_ROWS] + [(x[7:40], whole[7:40])]
-        from_two = all(torch.equal(_gemm_calls(rows, packed, pad_lone=True), want) for rows, want in parts)
+        gen = torch.Generator().manual_seed(0)
+        shape = (INVARIANT_CALL_ROWS, packed.shape[1])
+        batches = [torch.randn(shape, generator=gen).to(packed.dtype) for _ in range(CHECK_BATCHES[packed.dtype])]
+        from_two = all(rows_kept(x, packed) for x in batches)
         # bf16: rounding the outputs hides most of another path's differences (12 of 128 rows differ
         # alone at K 1536 on the EPYC measured), so a lone bf16 row is always padded
-        lone = (
-            from_two
-            and packed.dtype == torch.float32
-            and all(torch.equal(onednn_gemm(x[i : i + 1], packed), whole[i : i + 1]) for i in LONE_ROWS)
-        )
+        lone = from_two and packed.dtype == torch.float32 and lone_rows_kept(batches[0], packed)
         _checked[key] = KeptRows(from_two, lone)
     return _checked[key]
+
+
+def rows_kept(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether the first rows of x ([INVARIANT_CALL_ROWS, K]) at each count of CHECK_ROWS, and rows at
+    an offset, come out of the packed GEMM with the bits they have in one call of all of x."""
+    whole = onednn_gemm(x, packed)
+    parts = [(x[:m], whole[:m]) for m in CHECK_ROWS] + [(x[7:40], whole[7:40])]
+    return all(torch.equal(_gemm_calls(rows, packed, pad_lone=True), want) for rows, want in parts)
+
+
+def lone_rows_kept(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether rows LONE_ROWS of x, each in a call of its own, keep the bits they have in one call of x."""
+    whole = onednn_gemm(x, packed)
+    return all(torch.equal(onednn_gemm(x[i : i + 1], packed), whole[i : i + 1]) for i in LONE_ROWS)
 
 
 def invariant_rows(packed: torch.Tensor) -> bool:
