@@ -21,6 +21,17 @@ from blockspec.penalties import PenaltyState, penalty_row
 from blockspec.proposers.base import Proposer
 from blockspec.sampling import MAX_STOP_IDS, sampling_row, token_logprobs
 
+# The step inputs a flush does not read, emptied so that one flush graph serves every step kind
+FLUSH_UNREAD = {
+    "sampling": None,
+    "filters": False,
+    "logprobs": False,
+    "min_positions": None,
+    "stop_ids": None,
+    "penalties": None,
+    "bitmask": None,
+    "q": None,
+}
 PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits a prefill computes at once (prompt_logprobs)
 
 
@@ -261,10 +272,7 @@ class ModelRunner:
         positions, pages, state slots and backlog only: one graph serves every step kind. It
         replays between a step and the step launched ahead from that one's outputs, so its graph
         has a memory pool of its own."""
-        inputs = replace(
-            inputs, sampling=None, filters=False, logprobs=False, min_positions=None, stop_ids=None, penalties=None,
-            bitmask=None, q=None,
-        )  # fmt: skip
+        inputs = replace(inputs, **FLUSH_UNREAD)
         fn = functools.partial(flush_forward, self)
         if self.graphs is None:
             fn(inputs)

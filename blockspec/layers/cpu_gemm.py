@@ -55,8 +55,8 @@ INVARIANT_CALL_ROWS = 128
 CHECK_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 33, 64, 100)
 LONE_ROWS = (0, 1, 5, 77)  # rows that `kept_rows` runs alone
 # Batches of INVARIANT_CALL_ROWS random rows `kept_rows` tries, per dtype. A bf16 output's rounding
-# hides most of another order of summation: on the AMX Xeon measured, oneDNN's bf16 GEMM rounds a
-# few outputs in 10^5 apart at fewer rows, and one batch found none about half the time at 960 x 576
+# hides most of another order of summation, so a GEMM that rounds a rare output apart by the row
+# count (oneDNN's bf16 GEMM on an AMX Xeon) may pass one batch: docs/design.md, row invariance
 CHECK_BATCHES = {torch.float32: 1, torch.bfloat16: 16}
 _checked: dict[tuple, KeptRows] = {}  # (N, K, dtype, threads) -> what `kept_rows` found
 
