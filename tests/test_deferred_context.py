@@ -113,6 +113,8 @@ def test_drafts_are_those_of_per_step_commits(tmp_path) -> None:
     deferred, direct = ([(o.outputs[0].token_ids, o.metrics.draft_token_ids) for o in out] for out in runs)
     assert deferred == direct
     assert all(any(drafts) for _, drafts in deferred)  # every request drafted, the grammar's among them
+    if xgrammar_installed():  # the grammar was in force: its request's tokens are w5-w7, then eos (w2)
+        assert set(deferred[1][0]) <= {2, 5, 6, 7}
 
 
 def test_pages_are_shared_once_their_drafter_context_is_written(pair) -> None:
