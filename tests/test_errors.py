@@ -165,6 +165,27 @@ def test_unsupported_weights_and_configs(tmp_path, pair):
         LLM(str(broken), None, device="cpu")
 
 
+@pytest.mark.parametrize(
+    "family, name",
+    [
+        ("qwen3", "model.layers.0.self_attn.k_proj.weight"),  # a part of the packed q|k|v
+        ("qwen3", "model.layers.1.mlp.up_proj.weight"),  # of gate|up
+        ("qwen3_moe", "model.layers.0.mlp.experts.3.up_proj.weight"),  # an expert stacked with the others
+        ("qwen3_5", "model.layers.0.input_layernorm.weight"),  # a norm stored as its offset from 1
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_tensors_of_other_dtypes_are_refused_before_they_are_combined(tmp_path, family, name, dtype):
+    """A tensor that loading concatenates, stacks or offsets is checked before: those ops would
+    convert an integer or bool tensor to float silently."""
+    t = make_target(tmp_path / "t", family, layers=2, vocab=64)
+    weights = load_file(t / "model.safetensors")
+    weights[name] = (weights[name] * 100).to(dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    with pytest.raises(CheckpointError, match=f"{name} is {dtype_name}: 16/32/64-bit float weights expected"):
+        LLM(str(rewrite(t, tmp_path / "bad", weights=weights)), None, device="cpu")
+
+
 def test_malformed_shard_index(tmp_path, pair):
     t, _ = pair
     weights = load_file(t / "model.safetensors")

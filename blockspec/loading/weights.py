@@ -103,15 +103,22 @@ def check_tensors(
         if not params[name].is_floating_point():
             if tensor.dtype != params[name].dtype:
                 raise CheckpointError(f"{source}: {name} is {tensor.dtype}, expected {params[name].dtype}")
-        elif not tensor.dtype.is_floating_point or tensor.element_size() == 1:
-            raise CheckpointError(
-                f"{source}: {name} is {str(tensor.dtype).removeprefix('torch.')}: 16/32/64-bit float weights "
-                "expected (quantized checkpoints are not supported)"
-            )
+        else:
+            check_float(name, tensor, source)
         if tuple(tensor.shape) != tuple(params[name].shape):
             raise CheckpointError(
                 f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
             )
+
+
+def check_float(name: str, tensor: torch.Tensor, source: Path) -> None:
+    """Raise CheckpointError unless `tensor` may fill a float parameter: a 16, 32 or 64-bit float
+    (checked before packing or stacking, whose concatenation would convert another dtype)."""
+    if not tensor.dtype.is_floating_point or tensor.element_size() == 1:
+        raise CheckpointError(
+            f"{source}: {name} is {str(tensor.dtype).removeprefix('torch.')}: 16/32/64-bit float weights "
+            "expected (quantized checkpoints are not supported)"
+        )
 
 
 def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: int) -> None:
@@ -151,6 +158,7 @@ def pack(weights: dict[str, torch.Tensor], source: Path, packing: Packing) -> di
             if missing:
                 raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing}")
             for part, (_, rows) in zip(names, parts):
+                check_float(part, out[part], source)
                 if out[part].dim() == 0 or out[part].shape[0] != rows:
                     raise CheckpointError(f"{source}: {part} has shape {tuple(out[part].shape)}, expected {rows} rows")
             widths = {out[n].shape[1:] for n in names}
