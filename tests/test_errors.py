@@ -66,6 +66,18 @@ def test_missing_and_misshapen_tensors(tmp_path, pair):
     save_file({k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k}, broken / "model.safetensors")
     with pytest.raises(CheckpointError, match="model.layers.1.mlp.up_proj.weight"):
         LLM(str(broken), None, device="cpu")
+    # a projection that loading packs with others is named as the checkpoint holds it, its first part too
+    broken = copy(t, tmp_path / "first_part")
+    save_file({k: v for k, v in weights.items() if "layers.1.self_attn.q_proj" not in k}, broken / "model.safetensors")
+    with pytest.raises(
+        CheckpointError, match=r"missing from the checkpoint: \['model.layers.1.self_attn.q_proj.weight'\]"
+    ):
+        LLM(str(broken), None, device="cpu")
+    deeper = rewrite(t, tmp_path / "deeper", {"num_hidden_layers": 5, "layer_types": None})  # a layer it lacks
+    with pytest.raises(
+        CheckpointError, match=r"model.layers.4.self_attn.q_proj.weight', 'model.layers.4.self_attn.k_proj"
+    ):
+        LLM(str(deeper), None, device="cpu")
     broken = copy(t, tmp_path / "shape")
     weights["model.norm.weight"] = torch.ones(63)
     save_file(weights, broken / "model.safetensors")

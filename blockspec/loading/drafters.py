@@ -113,7 +113,7 @@ def build_drafter(raw: dict, tensors: dict[str, torch.Tensor], target: CausalLM,
     if problems:
         raise CheckpointError(f"{source}: " + "; ".join(problems))
     params = kind.weights.to_model(weights, drafter.spec, source)
-    check_tensors(drafter, params, source)
+    check_tensors(drafter, params, source, packing=kind.weights.packing(drafter.spec))
     return MetaDrafter(drafter, params, d2t, t2d)
 
 

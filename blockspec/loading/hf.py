@@ -110,7 +110,8 @@ def build_target(
 ) -> CausalLM:
     """The target of `config` (of `family`, `target_family`) with the checkpoint tensors `weights`,
     ready (`finish_target`)."""
-    weights = family.weights.to_model(weights, family.layer_spec(config), source)
+    spec = family.layer_spec(config)
+    weights = family.weights.to_model(weights, spec, source)
     head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
     if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
         config.tie_word_embeddings = False  # as transformers does: the file's own, different head is kept
@@ -128,7 +129,8 @@ def build_target(
     names = ("model.embed_tokens.weight", "lm_head.weight")
     kept, other = names[::-1] if embed is None and head is not None else names
     tied = (other,) if config.tie_word_embeddings else ()
-    fill_module(model, {n: t for n, t in weights.items() if n not in tied}, dtype, device, source, optional=tied)
+    kept_weights = {n: t for n, t in weights.items() if n not in tied}
+    fill_module(model, kept_weights, dtype, device, source, tied, family.weights.packing(spec))
     if tied:  # one Parameter under both names
         owner, _, attr = other.rpartition(".")
         setattr(model.get_submodule(owner), attr, model.get_parameter(kept))

@@ -76,24 +76,30 @@ def fill_module(
     device: torch.device,
     source: Path,
     optional: tuple[str, ...] = (),
+    packing: Packing | None = None,
 ) -> None:
     """Assign checkpoint tensors to a module built on the meta device; every parameter must
-    come from the checkpoint (except `optional` ones) with exactly its shape."""
-    check_tensors(module, weights, source, optional)
+    come from the checkpoint (except `optional` ones) with exactly its shape (`check_tensors`)."""
+    check_tensors(module, weights, source, optional, packing)
     state = {n: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for n, t in weights.items()}
     module.load_state_dict(state, strict=False, assign=True)
 
 
 def check_tensors(
-    module: nn.Module, weights: dict[str, torch.Tensor], source: Path, optional: tuple[str, ...] = ()
+    module: nn.Module,
+    weights: dict[str, torch.Tensor],
+    source: Path,
+    optional: tuple[str, ...] = (),
+    packing: Packing | None = None,
 ) -> None:
     """Raise CheckpointError unless `weights` are exactly the module's parameters and its uint8
     buffers (MXFP4 experts held as stored, `Experts.hold_mxfp4`), but `optional` may be absent, each
-    of the tensor's shape: a float tensor for a parameter, uint8 for such a buffer."""
+    of the tensor's shape: a float tensor for a parameter, uint8 for such a buffer. Missing packed
+    projections are named by their parts, as the checkpoint would hold them (`packing`)."""
     params = dict(module.named_parameters(remove_duplicate=False)) | {
         n: b for n, b in module.named_buffers() if b.dtype == torch.uint8
     }
-    missing = [n for n in params if n not in weights and n not in optional]
+    missing = [s for n in params if n not in weights and n not in optional for s in stored_names(n, packing or {})]
     if missing:
         raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing[:8]}")
     unexpected = sorted(set(weights) - set(params))
@@ -145,15 +151,36 @@ def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: 
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
+def packed_of(name: str, packing: Packing) -> str | None:
+    """The packed projection a model parameter's name is of (None: no packed one)."""
+    return next((p for p in packing if f".{p}." in name), None)
+
+
+def stored_names(name: str, packing: Packing) -> list[str]:
+    """A model parameter's name as a checkpoint stores it: a packed projection's as its parts'."""
+    packed = packed_of(name, packing)
+    return [name] if packed is None else [name.replace(f".{packed}.", f".{part}.") for part, _ in packing[packed]]
+
+
+def layer_parts(names: list[str], packed: str, parts: list[tuple[str, int]]) -> dict[str, list[str]]:
+    """Each decoder layer's `packed` projection of which `names` hold any part -> all its parts' names."""
+    found = {}
+    for name in names:
+        part = next((p for p, _ in parts if f".{p}." in name), None)
+        if part is not None and ".layers." in f".{name}":  # decoder layers' only
+            found.setdefault(
+                name.replace(f".{part}.", f".{packed}."), [name.replace(f".{part}.", f".{p}.") for p, _ in parts]
+            )
+    return found
+
+
 def pack(weights: dict[str, torch.Tensor], source: Path, packing: Packing) -> dict[str, torch.Tensor]:
     """Concatenate the parts of each packed projection (q/k/v, gate/up) into it; packing: packed
     name -> its parts and the rows each must have (checked per part: a sum could hide a wrong split),
     in order (a part that another's name holds, as a shared expert's `.gate_proj.`, is packed first)."""
     out = dict(weights)
     for packed, parts in packing.items():
-        first = f".{parts[0][0]}."
-        for name in [n for n in out if first in n and ".layers." in f".{n}"]:  # decoder layers' only
-            names = [name.replace(first, f".{part}.") for part, _ in parts]
+        for packed_name, names in layer_parts(list(out), packed, parts).items():
             missing = [n for n in names if n not in out]
             if missing:
                 raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing}")
@@ -166,7 +193,7 @@ def pack(weights: dict[str, torch.Tensor], source: Path, packing: Packing) -> di
                 raise CheckpointError(
                     f"{source}: {names} have mismatched shapes {[tuple(out[n].shape) for n in names]}"
                 )
-            out[name.replace(first, f".{packed}.")] = torch.cat([out.pop(n) for n in names])
+            out[packed_name] = torch.cat([out.pop(n) for n in names])
     return out
 
 
@@ -174,13 +201,9 @@ def unpack(weights: dict[str, torch.Tensor], packing: Packing) -> dict[str, torc
     """The inverse of `pack`, for writing checkpoints."""
     out = {}
     for name, tensor in weights.items():
-        packed = next((p for p in packing if f".{p}." in name), None)
-        if packed is None:
-            out[name] = tensor
-            continue
-        parts = packing[packed]
-        for (part, _), chunk in zip(parts, tensor.split([rows for _, rows in parts])):
-            out[name.replace(f".{packed}.", f".{part}.")] = chunk
+        packed = packed_of(name, packing)
+        chunks = [tensor] if packed is None else tensor.split([rows for _, rows in packing[packed]])
+        out.update(zip(stored_names(name, packing), chunks))
     return out
 
 
