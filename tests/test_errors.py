@@ -167,6 +167,13 @@ def test_unsupported_weights_and_configs(tmp_path, pair):
         LLM(str(rewrite(t, tmp_path / "split", weights=bad)), None, device="cpu")
     with pytest.raises(ValueError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
         LLM(str(rewrite(t, tmp_path / "heads", {"num_key_value_heads": 3})), None, device="cpu")
+    for field, value in (("hidden_size", -64), ("num_key_value_heads", 0), ("head_dim", 0)):
+        with pytest.raises(CheckpointError, match=rf"{field} must be a positive integer, got {value}"):
+            LLM(str(rewrite(t, tmp_path / f"size_{field}", {field: value})), None, device="cpu")
+    for method in ("fp8", "gptq"):
+        quantized = rewrite(t, tmp_path / method, {"quantization_config": {"quant_method": method}})
+        with pytest.raises(CheckpointError, match=f"quant_method '{method}' is not supported"):
+            LLM(str(quantized), None, device="cpu")
     with pytest.raises(CheckpointError, match="config.json: not a usable model config"):
         LLM(str(rewrite(t, tmp_path / "nolayers", {"num_hidden_layers": "four"})), None, device="cpu")
     with pytest.raises(CheckpointError, match="config.json: fields missing: hidden_size, vocab_size"):
@@ -231,6 +238,8 @@ def test_malformed_shard_index(tmp_path, pair):
         ({"layer_types": ["sliding_attention"] * 2}, "sliding_attention layers need a positive sliding_window"),
         ({"dflash_config": {"mask_token_id": 1, "output_multiplier": "2"}}, "output_multiplier must be a number"),
         ({"num_attention_heads": 3}, "num_attention_heads 3 is not a multiple of num_key_value_heads 2"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
     ],
 )
 def test_malformed_drafter_configs(tmp_path, pair, change, message):

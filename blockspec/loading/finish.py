@@ -16,6 +16,7 @@ from blockspec.layers.linear import fused_gemms_on, pack_linears
 from blockspec.layers.moe import Experts
 from blockspec.loading.fp8 import quantize_drafter, resolve_fp8
 from blockspec.models.causal_lm import CausalLM
+from blockspec.models.hf_config import quant_method
 from blockspec.models.registry import Drafter
 
 
@@ -53,9 +54,7 @@ def target_options(fold_norms: bool | None, device: torch.device, mxfp4_experts:
 
 def stores_mxfp4(config: PretrainedConfig) -> bool:
     """The checkpoint's experts are MXFP4 (gpt-oss: `quantization_config.quant_method`)."""
-    quantization = getattr(config, "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
-    return method == "mxfp4"
+    return quant_method(config) == "mxfp4"
 
 
 def drafter_options(spec: SpeculativeConfig, device: torch.device, hidden_size: int, dtype: torch.dtype) -> LoadOptions:

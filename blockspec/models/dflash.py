@@ -25,7 +25,7 @@ from blockspec.layers.linear import Linear, gemm, linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, layers_k, layers_kv_write
 from blockspec.models.causal_lm import CausalLM
-from blockspec.models.hf_config import config_problems, decoder_layer_kinds, sliding_window
+from blockspec.models.hf_config import config_problems, decoder_layer_kinds, size_problems, sliding_window
 from blockspec.models.qwen3 import layer_spec
 from blockspec.models.registry import DrafterKind
 from blockspec.sampling import is_int, is_number
@@ -258,6 +258,8 @@ def draft_vocab_size(config: PretrainedConfig) -> int:
 def dflash_problems(config: PretrainedConfig, target: PretrainedConfig) -> list[str]:
     """What a DFlash drafter's config asks for that it cannot do against a target of config
     `target`: the DFlash fields' presence and types, then their fit, then its layers' own."""
+    if sizes := size_problems(config):
+        return sizes
     problems = []
     ids, mask = dflash_value(config, "target_layer_ids"), dflash_value(config, "mask_token_id")
     if ids is not None and not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)):

@@ -7,6 +7,15 @@ from blockspec.layers.decoder import LayerKind, LayerSpec, kind_problems
 from blockspec.sampling import is_int
 
 SWIGLU_ACTS = ("silu", "swish")
+# Sizes that must be positive where a config gives them (a layer plan is read from them)
+POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 def num_kv_heads(config: PretrainedConfig) -> int:
@@ -54,11 +63,32 @@ def sliding_window(config: PretrainedConfig, kinds: list[LayerKind]) -> int | No
     return config.sliding_window if any(k.attention == "sliding_attention" for k in kinds) else None
 
 
+def size_problems(config: PretrainedConfig) -> list[str]:
+    """POSITIVE_SIZES that a config gives and are not positive integers: checked before anything is
+    read from them."""
+    sizes = {f: getattr(config, f, None) for f in POSITIVE_SIZES}
+    return [
+        f"{f} must be a positive integer, got {v!r}"
+        for f, v in sizes.items()
+        if v is not None and not (is_int(v) and v > 0)
+    ]
+
+
+def quant_method(config: PretrainedConfig) -> str | None:
+    """The checkpoint's `quantization_config.quant_method` (None: float weights)."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    return quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+
+
 def config_problems(config: PretrainedConfig, kinds: list[LayerKind]) -> list[str]:
-    """What a target's or drafter's config asks for that its layers (of `kinds`) cannot do: an MLP
-    activation other than SwiGLU's, query heads that do not share the K/V heads evenly, layer kinds
-    without a module, sliding layers without a window."""
+    """What a target's or drafter's config asks for that its layers (of `kinds`) cannot do: weights
+    quantized other than gpt-oss's MXFP4 experts, an MLP activation other than SwiGLU's, query heads
+    that do not share the K/V heads evenly, layer kinds without a module, sliding layers without a
+    window."""
     heads, kv_heads, problems = config.num_attention_heads, num_kv_heads(config), []
+    method = quant_method(config)
+    if method not in (None, "mxfp4"):
+        problems.append(f"quantization_config.quant_method {method!r} is not supported (float weights only)")
     act = getattr(config, "hidden_act", "silu")
     if act not in SWIGLU_ACTS:
         problems.append(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu only)")

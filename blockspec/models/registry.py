@@ -18,7 +18,7 @@ from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.decoder import MIXERS, RECURRENT_STATE, KVCache, LayerKind, LayerSpec
 from blockspec.loading.weights import WeightMapping
 from blockspec.models.causal_lm import CausalLM
-from blockspec.models.hf_config import config_problems, decoder_layer_kinds
+from blockspec.models.hf_config import config_problems, decoder_layer_kinds, size_problems
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class TargetFamily:
 
     def problems(self, config: PretrainedConfig) -> list[str]:
         """What `config` asks for that this family's model cannot do."""
+        if sizes := size_problems(config):
+            return sizes
         spec, kinds = self.layer_spec(config), self.layer_kinds(config)
         parts = [p for p in (spec.moe, spec.linear_attention) if p is not None]
         problems = config_problems(config, kinds) + [problem for p in parts for problem in p.problems()]
