@@ -39,6 +39,8 @@ class InvalidSamplingParam(ValueError):
 MAX_LOGPROBS = 20  # most likely tokens a step reports per row (OpenAI's top_logprobs bound)
 MAX_STOP_IDS = 16  # eos and stop token ids a request with min_tokens may have (a step's [B, 16] tensor)
 DRAW_CHUNK = 1024  # tokens a chunk of `draw`'s two-level CDF
+MAX_STOP_STRINGS = 64  # a request's stop strings: each is searched for after every token, on the engine's thread
+MAX_STOP_CHARS = 1024  # a stop string's length, which that search's cost grows with
 
 
 @dataclass
@@ -90,7 +92,11 @@ class SamplingParams:
                 self.max_tokens is None or is_int(self.max_tokens) and self.max_tokens >= 1,
                 f"must be >= 1 or None, got {self.max_tokens}",
             ),
-            "stop": (all(isinstance(s, str) and s for s in self.stop), "strings must be non-empty strings"),
+            "stop": (
+                len(self.stop) <= MAX_STOP_STRINGS
+                and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+                f"must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+            ),
             "stop_token_ids": (
                 all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "must be non-negative ints",

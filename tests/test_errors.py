@@ -264,7 +264,7 @@ def test_malformed_drafter_configs(tmp_path, pair, change, message):
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
         ({"min_p": None}, r"min_p must be in \[0, 1\], got None"),
-        ({"stop": [""]}, "stop strings must be non-empty"),
+        ({"stop": [""]}, "stop must be at most 64 non-empty strings"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be non-negative"),
     ],
 )

@@ -18,7 +18,10 @@ from blockspec.proposers.base import Proposal
 from blockspec.proposers.simulated import geometric_counts
 from blockspec.sampling import (
     DRAW_CHUNK,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     SAMPLING_COLUMNS,
+    InvalidSamplingParam,
     Stream,
     argmax,
     draw,
@@ -339,3 +342,12 @@ def test_sampling_ops_agree_on_cuda_and_cpu() -> None:
     torch.testing.assert_close(tempered_scores(logits, t), tempered_scores.eager(logits, t))
     p = torch.softmax(tempered_scores(logits, t), -1)
     torch.testing.assert_close(min_p_filter(p, m), min_p_filter.eager(p, m))
+
+
+def test_stop_strings_are_bounded_in_count_and_length():
+    SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS)  # at both limits
+    for stop in (["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_CHARS + 1)]):
+        with pytest.raises(InvalidSamplingParam) as e:
+            SamplingParams(stop=stop)
+        assert e.value.param == "stop"
+        assert str(e.value) == "stop must be at most 64 non-empty strings of at most 1024 characters"

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -19,18 +20,22 @@ import pytest
 import uvicorn
 from conftest import add_word_tokenizer, make_drafter, make_target
 from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from blockspec import LLM, SamplingParams
 from blockspec.bench import report, serve_load
 from blockspec.cli import main
 from blockspec.engine.detokenizer import append_text
 from blockspec.engine.sequence import Sequence
-from blockspec.outputs import RequestMetrics, RequestOutput
+from blockspec.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from blockspec.server.api import build_app
 from blockspec.server.async_engine import NewestOutput
 from blockspec.server.http import HeadTimeoutProtocol
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.protocol import ChatMessage
+from blockspec.server.serving import ChatFormat, OpenAIServing, vocab_bytes
 from blockspec.structured_output import StructuredOutput
 
 KEY = "test-key"
@@ -278,6 +283,8 @@ BAD_COMPLETIONS = [
     ({"extra_body": {"top_k": True}}, 400, "top_k"),  # a boolean is no count (lax pydantic: top_k 1)
     ({"seed": True}, 400, "seed"),
     ({"stop": [""]}, 400, "stop"),
+    ({"stop": ["w1"] * 65}, 400, "stop"),
+    ({"stop": ["w1" * 513]}, 400, "stop"),  # 1026 characters
 ]
 
 
@@ -545,6 +552,8 @@ def test_ordinary_chat_formats(live: Live) -> None:
     assert developer.template_message() == {"role": "system", "content": "a\nb"}
     tool_message = ChatMessage(role="tool", content="w33", tool_call_id="c").template_message()
     assert tool_message == {"role": "tool", "content": "w33", "tool_call_id": "c"}
+    named = ChatMessage(role="user", content="w33", name="ann").template_message()
+    assert named == {"role": "user", "content": "w33", "name": "ann"}
     tool = [{"role": "assistant", "content": None}, {"role": "tool", "content": "w33", "tool_call_id": "c"}]
     rendered = [{"role": "assistant", "content": ""}, {"role": "tool", "content": "w33"}]
     assert reply(plain + tool) == live.reference.chat(plain + rendered, greedy(8))[0].outputs[0].text
@@ -855,3 +864,123 @@ def test_load_bench_counts_answers_equal_to_alone(live: Live, tmp_path) -> None:
         assert all(r["failed"] == r["lost"] == 0 and r["tok_per_s"] > 0 for r in (concurrent, alone))
         assert concurrent["equal_to_alone"] == "10/10"
     assert "equal to alone" in report.render([out])
+
+
+LONG_PROMPT = " ".join(["w9"] * MAX_MODEL_LEN)
+CHAT = "chat/completions"
+
+
+def user(content, **keys) -> list[dict]:
+    return [{"role": "user", "content": content} | keys]
+
+
+BAD_FIELDS = [  # (endpoint, fields, the param the 400 names, the start of its message)
+    ("completions", {"max_tokens": True}, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ("completions", {"logprobs": True}, "logprobs", "logprobs: Input should be a valid integer"),
+    ("completions", {"min_tokens": "1"}, "min_tokens", "min_tokens: Input should be a valid integer"),
+    ("completions", {"temperature": "0"}, "temperature", "temperature: Input should be a valid number"),
+    ("completions", {"top_p": True}, "top_p", "top_p: Input should be a valid number"),
+    (CHAT, {"max_completion_tokens": True}, "max_completion_tokens", "max_completion_tokens: Input should be a valid"),
+    (CHAT, {"logprobs": True, "top_logprobs": True}, "top_logprobs", "top_logprobs: Input should be a valid integer"),
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options", "stream_options: only allowed when stream"),
+    (
+        CHAT,
+        {"max_tokens": 5, "max_completion_tokens": 6},
+        "max_tokens",
+        "max_tokens (5) differs from max_completion_tokens (6), its newer name",
+    ),
+    ("completions", {"prompt": LONG_PROMPT, "max_tokens": None}, "prompt", "This model's maximum context length"),
+    (CHAT, {"messages": user(LONG_PROMPT)}, "messages", "This model's maximum context length"),
+    (
+        CHAT,
+        {"messages": user(LONG_PROMPT), "max_completion_tokens": 4},
+        "max_completion_tokens",
+        "This model's maximum context length",
+    ),
+    (
+        CHAT,
+        {"messages": user([{"type": "text", "text": "w7"}, {"type": "image_url", "image_url": {"url": "x.png"}}])},
+        "messages",
+        "messages.0.content.1.type: content parts of type 'image_url' are not supported (text only)",
+    ),
+    (
+        CHAT,
+        {"messages": user([{"type": "text", "text": "w7", "cache_control": {}}])},
+        "messages",
+        "messages.0.content.0.cache_control: Extra inputs are not permitted",
+    ),
+    (CHAT, {"messages": user("w7", foo=1)}, "messages", "messages.0.foo: Extra inputs are not permitted"),
+    (
+        CHAT,
+        {
+            "messages": user("w7")
+            + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]
+        },
+        "messages",
+        "messages.1: tool_calls is not supported: this server takes no tools",
+    ),
+    (
+        CHAT,
+        {"messages": user("w7", tool_call_id="c")},
+        "messages",
+        "messages.0: tool_call_id is a tool message's, not a user's",
+    ),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "param", "message"), BAD_FIELDS)
+def test_bad_fields_are_named(live: Live, endpoint: str, fields: dict, param: str, message: str) -> None:
+    base = {"prompt": "w7", "max_tokens": 4} if endpoint == "completions" else {"messages": user("w7")}
+    r = httpx.post(f"{live.url}/v1/{endpoint}", json={"model": NAME} | base | fields, headers=auth())
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"].startswith(message)
+
+
+def test_integers_in_float_fields_and_an_equal_max_pair(live: Live) -> None:
+    """temperature 1 reads as 1.0; max_tokens and max_completion_tokens equal are one cap; a
+    message's name passes."""
+    body = {"model": NAME, "messages": user("w7", name="ann"), "seed": 3, "max_tokens": 5, "max_completion_tokens": 5}
+    texts = []
+    for temperature in (1, 1.0):
+        r = httpx.post(f"{live.url}/v1/{CHAT}", json=body | {"temperature": temperature}, headers=auth())
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+        texts.append(r.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1]
+
+
+def test_a_replayed_response_message_passes(live: Live) -> None:
+    """An assistant message as a client replays it from a response (the SDK's message object): its
+    null or empty keys of features this server does not serve ask for nothing."""
+    replayed = {"role": "assistant", "content": "w5", "refusal": None, "tool_calls": [], "function_call": None}
+    body = {"model": NAME, "messages": user("w7") + [replayed] + user("w8"), "max_tokens": 3}
+    assert httpx.post(f"{live.url}/v1/{CHAT}", json=body, headers=auth()).status_code == 200
+    body["messages"][1] |= {"refusal": "no"}
+    r = httpx.post(f"{live.url}/v1/{CHAT}", json=body, headers=auth())
+    assert r.status_code == 400 and "messages.1.refusal: Extra inputs are not permitted" in r.json()["error"]["message"]
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """GPT-2's byte-level scheme over one token per byte, and a special token."""
+    tokenizer = Tokenizer(models.BPE({char: i for i, char in enumerate(bytes_to_unicode().values())}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>")
+
+
+def test_chat_logprob_bytes_are_the_tokens_own() -> None:
+    """A byte-level token that is half of "é" reports its byte, not the three of the U+FFFD its text
+    decodes to; a special token reports its text."""
+    tokenizer = byte_level_tokenizer()
+    ids = tokenizer.encode("é <|end|>")
+    serving = OpenAIServing(SimpleNamespace(tokenizer=tokenizer, engine=SimpleNamespace(max_model_len=8)), None, NAME)
+    fmt = ChatFormat("chatcmpl-0", NAME, serving.token_text, token_bytes=serving.token_bytes)
+    content = fmt.logprobs([TokenLogprob(i, -1.0, {i: -1.0}) for i in ids]).content
+    assert [c.token for c in content] == ["\ufffd", "\ufffd", " ", "<|end|>"]
+    assert [c.bytes for c in content] == [[0xC3], [0xA9], [0x20], list(b"<|end|>")]
+    assert [c.top_logprobs[0].bytes for c in content] == [c.bytes for c in content]
+
+
+def test_sentencepiece_token_bytes() -> None:
+    """A byte-fallback token is its byte; SentencePiece's \u2581 is a space."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE({"<0xC3>": 0, "\u2581a": 1}, merges=[])))
+    assert [vocab_bytes(tokenizer, i) for i in (0, 1)] == [b"\xc3", b" a"]

@@ -109,10 +109,18 @@ async def server_error(_: Request, exc: Exception) -> JSONResponse:
     return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
+def most_specific(errors: list[dict]) -> dict:
+    """Pydantic's first complaint; where it is of a union, the branch that got deepest (a list of
+    content parts failing inside, rather than the string it is not either)."""
+    loc = errors[0]["loc"]
+    union = next((i for i, p in enumerate(loc) if UNION_TAG.fullmatch(str(p))), len(loc))
+    return max((e for e in errors if e["loc"][:union] == loc[:union]), key=lambda e: len(e["loc"]))
+
+
 def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """Pydantic's first complaint, as a 400 naming the offending top-level parameter (the message
-    has its path inside it, without pydantic's union branch tags such as `str` or `list[int]`)."""
-    err = exc.errors()[0]
+    """Pydantic's most specific complaint, as a 400 naming the offending top-level parameter (the
+    message has its path inside it, without pydantic's union branch tags such as `str` or `list[int]`)."""
+    err = most_specific(exc.errors())
     if err["type"] == "json_invalid":  # its location is a character offset, not a parameter
         return bad_request(f"the request body is not valid JSON ({err['msg']})").response()
     if err["type"] == "missing" and tuple(err["loc"]) == ("body",):

@@ -2,10 +2,20 @@
 
 import json
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from blockspec.sampling import MAX_LOGPROBS
 from blockspec.structured_output import StructuredOutput
@@ -39,6 +49,15 @@ def lone_surrogate(value) -> str | None:
 
 
 MAX_CHOICES = 64  # n, and prompts x n of a batched completion
+
+
+def integral_float_as_int(value):
+    """JSON's 3.0 is the number 3 (a client's arithmetic may send it); true and "3" stay no integers."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# A request's numbers are strict: a boolean or a numeric string is a 400 (StrictFloat takes JSON's 1 too)
+Integer = Annotated[StrictInt, BeforeValidator(integral_float_as_int)]
 
 
 class APIError(Exception):
@@ -75,8 +94,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class OpenAIModel(BaseModel):
-    # Extra fields are kept, for the request check to name (`OpenAIServing.check`), or, in a chat
-    # message, to reach the chat template (a message's `name`, `tool_call_id`).
+    # Extra fields are kept, for the request check to name (`OpenAIServing.check`).
     model_config = ConfigDict(extra="allow")
 
     @field_validator("*", mode="before")
@@ -130,23 +148,23 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions (None: the OpenAI default)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    max_tokens: Integer | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    n: Integer = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # int64
+    seed: Integer | None = Field(None, ge=-(2**63), lt=2**63)  # int64
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
     # vLLM's extensions
-    repetition_penalty: float = 1.0
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: StrictFloat = 1.0
+    top_k: Integer = Field(0, ge=-1)
+    min_p: StrictFloat = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=256)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Integer = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
@@ -155,6 +173,17 @@ class SamplingRequest(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def options_of_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return options
+
+    def output_cap(self) -> tuple[str | None, int | None]:
+        """The field the client capped the output with, and the cap ((None, None): not capped)."""
+        return ("max_tokens", self.max_tokens) if self.max_tokens is not None else (None, None)
 
     @property
     def structured_field(self) -> str | None:
@@ -176,22 +205,12 @@ class SamplingRequest(OpenAIModel):
         except ValueError as e:  # an empty choice list
             raise bad_request(f"{field}: {e}", field) from e
 
-    @field_validator(
-        "max_tokens", "temperature", "top_p", "n", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", mode="before",
-    )  # fmt: skip
-    @classmethod
-    def no_booleans(cls, value):  # pydantic's lax mode would read true as 1 (3.0 as 3 may pass)
-        if isinstance(value, bool):
-            raise ValueError("a number is expected, not a boolean")  # noqa: TRY004 (pydantic reports ValueErrors)
-        return value
-
 
 class CompletionRequest(SamplingRequest):
     # one prompt, or a batch (each its own choices); strict: true is no token id
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False  # the prompt's text before each choice's
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top ones'
+    logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top ones'
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -205,31 +224,74 @@ class TextPart(OpenAIModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def text_only(cls, value):
+        if value != "text":
+            raise ValueError(f"content parts of type {value!r} are not supported (text only)")
+        return value
+
+
+TOOL_KEYS = ("tool_calls", "function_call")  # a message's keys of tool use, which this server does not serve
+# OpenAI's keys of a message this server does not take: null or empty (a replayed response message
+# holds them so) they ask for nothing and pass; else a 400
+MESSAGE_KEYS_OFF = (*TOOL_KEYS, "refusal", "audio", "annotations")
+
 
 class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")  # a key not named here is a 400, not the chat template's to read
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # text, or its parts (text only: this server reads no images or audio); an assistant's may be null
     content: str | list[TextPart] | None
+    name: str | None = None  # the author's, for the template
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def keys_off(cls, message):
+        """MESSAGE_KEYS_OFF that ask for nothing are dropped; tool use is named as such."""
+        if not isinstance(message, dict):
+            return message
+        for key in TOOL_KEYS:
+            if message.get(key):
+                raise ValueError(f"{key} is not supported: this server takes no tools")
+        return {k: v for k, v in message.items() if k not in MESSAGE_KEYS_OFF or v}
 
     @model_validator(mode="after")
-    def null_content_is_an_assistants(self) -> "ChatMessage":
+    def fields_of_the_role(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is null, which only an assistant message's may be (not a {self.role}'s)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is a tool message's, not a {self.role}'s")
         return self
 
     def template_message(self) -> dict:
         """The message as the chat template reads it: parts joined by newlines (as vLLM does), a
-        developer message as the system message (templates know the older role), extras kept."""
+        developer message as the system message (templates know the older role), `name` and
+        `tool_call_id` where given."""
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
         role = "system" if self.role == "developer" else self.role
-        return (self.model_extra or {}) | {"role": role, "content": content or ""}
+        given = self.model_dump(include={"name", "tool_call_id"}, exclude_none=True)
+        return {"role": role, "content": content or ""} | given
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    max_completion_tokens: Integer | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False  # each output token's log-probability
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many most likely tokens'
+    top_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many most likely tokens'
+
+    def output_cap(self) -> tuple[str | None, int | None]:
+        """max_completion_tokens, or its older name max_tokens: a 400 where both are sent and differ."""
+        if self.max_completion_tokens is None:
+            return super().output_cap()
+        if self.max_tokens not in (None, self.max_completion_tokens):
+            raise bad_request(
+                f"max_tokens ({self.max_tokens}) differs from max_completion_tokens ({self.max_completion_tokens}), "
+                "its newer name: give one, or both the same",
+                "max_tokens",
+            )
+        return "max_completion_tokens", self.max_completion_tokens
 
 
 class UsageInfo(BaseModel):

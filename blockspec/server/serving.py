@@ -5,6 +5,7 @@ engine request each, decoded in the same batch."""
 import asyncio
 import itertools
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -16,6 +17,9 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
+from tokenizers import decoders
+from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from blockspec.engine.detokenizer import streamable_text
 from blockspec.llm import LLM
@@ -57,11 +61,32 @@ ALSO_OFF = {
     "tool_choice": ("none",),
 }
 SEED_STEP = 0x9E3779B97F4A7C15  # choice i of a seeded request draws with seed + i * SEED_STEP (mod 2**64)
+BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}  # byte-level BPE's stand-ins for bytes
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token of a byte no piece covers
 
 
 def feature_off(name: str, value) -> bool:
     """Whether an unsupported field asks for nothing (clients send frequency_penalty 0, logit_bias {})."""
     return not value or value in ALSO_OFF.get(name, ())
+
+
+def byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """GPT-2's byte-level BPE (Llama 3's, Qwen's): each byte of a token spelled as a printable character."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+
+
+def vocab_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes:
+    """A token's raw bytes from its vocabulary entry: a token that is part of a UTF-8 character
+    keeps its own bytes, which its decoded text (U+FFFD) has lost."""
+    added = tokenizer.added_tokens_decoder.get(token_id)
+    if added is not None:
+        return added.content.encode()
+    token = tokenizer.convert_ids_to_tokens(token_id) or ""  # None: an id past the vocabulary
+    if byte_level(tokenizer) and set(token) <= BYTE_OF_CHAR.keys():  # a stray character: its text, not a 500
+        return bytes(BYTE_OF_CHAR[c] for c in token)
+    byte = BYTE_FALLBACK.fullmatch(token)
+    return bytes([int(byte[1], 16)]) if byte else token.replace("\u2581", " ").encode()  # SentencePiece's space
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -263,8 +288,10 @@ class CompletionFormat(Format):
         )
 
 
+@dataclass
 class ChatFormat(Format):
     whole, streamed = ChatCompletionResponse, ChatCompletionChunk
+    token_bytes: Callable[[int], bytes] = field(kw_only=True)  # a token id's raw bytes, as chat's logprobs show them
 
     def logprobs(self, lps: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if lps is None:
@@ -272,7 +299,7 @@ class ChatFormat(Format):
 
         def entry(token_id: int, logprob: float) -> dict:
             text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
 
         return ChatLogprobs(
             content=[
@@ -311,6 +338,7 @@ class OpenAIServing:
         self.llm, self.engine, self.model_name = llm, engine, model_name
         self.max_model_len = llm.engine.max_model_len
         self.token_texts: dict[int, str] = {}  # at most the vocabulary
+        self.token_raw_bytes: dict[int, bytes] = {}  # the same
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check(req)
@@ -319,16 +347,13 @@ class OpenAIServing:
             raise bad_request(f"{len(batch)} prompts x n={req.n} choices is more than {MAX_CHOICES}", "n")
         # tokenizing a long prompt takes a while: off the event loop, which serves every connection
         prompts = await asyncio.to_thread(lambda: [self.prompt(p, req.echo) for p in batch])
-        max_tokens = req.max_tokens or COMPLETION_MAX_TOKENS
+        cap_field, cap = req.output_cap()
+        max_tokens = cap or COMPLETION_MAX_TOKENS
+        for _, ids in prompts:
+            self.check_context(len(ids), max_tokens, cap_field or "prompt")
         prompt_logprobs = req.logprobs if req.echo else None  # echo with logprobs: the prompt's too
         choices = [
-            Choice(
-                p * req.n + j,
-                p,
-                ids,
-                self.sampling_params(req, len(ids), max_tokens, j, req.logprobs, prompt_logprobs),
-                echo,
-            )
+            Choice(p * req.n + j, p, ids, self.sampling_params(req, max_tokens, j, req.logprobs, prompt_logprobs), echo)
             for p, (echo, ids) in enumerate(prompts)
             for j in range(req.n)
         ]
@@ -337,15 +362,15 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check(req)
+        cap_field, cap = req.output_cap()
         ids = await asyncio.to_thread(self.chat_ids, req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(ids))
-        choices = [
-            Choice(j, 0, ids, self.sampling_params(req, len(ids), max_tokens, j, logprobs)) for j in range(req.n)
-        ]
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.token_text)
+        max_tokens = cap or max(1, self.max_model_len - len(ids))
+        self.check_context(len(ids), max_tokens, cap_field or "messages")
+        choices = [Choice(j, 0, ids, self.sampling_params(req, max_tokens, j, logprobs)) for j in range(req.n)]
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.token_text, token_bytes=self.token_bytes)
         return await self.generate(req, raw, choices, fmt)
 
     def token_text(self, token_id: int) -> str:
@@ -357,6 +382,15 @@ class OpenAIServing:
             text = tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
             self.token_texts[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's raw bytes (looked up once per id); without a tokenizer, its text's."""
+        raw = self.token_raw_bytes.get(token_id)
+        if raw is None:
+            tokenizer = self.llm.tokenizer
+            raw = vocab_bytes(tokenizer, token_id) if tokenizer is not None else self.token_text(token_id).encode()
+            self.token_raw_bytes[token_id] = raw
+        return raw
 
     def check(self, req: SamplingRequest) -> None:
         """What pydantic cannot say: fields this server does not take, then the model name."""
@@ -397,22 +431,25 @@ class OpenAIServing:
             raise bad_request("echo of a token-id prompt needs a tokenizer, and this model has none", "echo")
         return self.llm.tokenizer.decode(ids), ids
 
+    def check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
+        """A 400 naming `param` (the output's cap the client sent, else the prompt) where the prompt
+        and the output do not fit the context."""
+        if prompt_len + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
+                param,
+                "context_length_exceeded",
+            )
+
     def sampling_params(
         self,
         req: SamplingRequest,
-        prompt_len: int,
         max_tokens: int,
         choice: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        if prompt_len + max_tokens > self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
-                "max_tokens",
-                "context_length_exceeded",
-            )
         try:
             return SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
