@@ -518,16 +518,21 @@ def test_batched_prompts_and_echo(live: Live) -> None:
 def test_stop_token_ids_and_include_stop_str(live: Live) -> None:
     """stop_token_ids end the output at the token (its text left out, or kept with
     include_stop_str_in_output); a stop string is kept the same way."""
-    tokens = live.reference.generate("w7 w8", greedy(12))[0].outputs[0].token_ids
+    out = live.reference.generate("w7 w8", greedy(12))[0]
+    tokens, prompt = out.outputs[0].token_ids, out.prompt_token_ids
     stop = tokens[4]
     cut = tokens[: tokens.index(stop) + 1]
     decode = live.reference.tokenizer.decode
+
+    def continuation(ids: list[int]) -> str:  # the text of ids after the prompt's
+        return decode(prompt + ids).removeprefix(decode(prompt))
+
     base = {"prompt": "w7 w8", "max_tokens": 12, "temperature": 0}
     r = live.client().completions.create(model=NAME, **base, extra_body={"stop_token_ids": [stop]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(cut)
-    assert r.choices[0].text == decode(cut[:-1])
+    assert r.choices[0].text == continuation(cut[:-1])
     kept = {"stop_token_ids": [stop], "include_stop_str_in_output": True}
-    assert completion_texts(live, **base, extra_body=kept) == [decode(cut)]
+    assert completion_texts(live, **base, extra_body=kept) == [continuation(cut)]
     word = f"w{stop}"
     texts = completion_texts(live, **base, stop=[word], extra_body={"include_stop_str_in_output": True})
     assert texts[0].endswith(word) and texts[0].count(word) == 1
@@ -741,11 +746,28 @@ def test_cli_serve_refuses_an_empty_api_key(checkpoints, capsys, monkeypatch) ->
 
 
 def test_skip_special_tokens_false_keeps_their_text(live: Live) -> None:
-    for skip, text in ((True, "w5 w6"), (False, "w5 w2 w6")):
+    # the text continues the prompt's, bos w1: a space after it where its text is kept
+    for skip, text in ((True, "w5 w6"), (False, " w5 w2 w6")):
         seq = Sequence(None, [1], SamplingParams(skip_special_tokens=skip), seed=0)
         seq.token_ids += [5, 2, 6]
         append_text(live.reference.tokenizer, seq, final=True)
         assert seq.text == text
+
+
+def test_output_text_keeps_its_leading_space_under_a_sentencepiece_decoder() -> None:
+    """A SentencePiece decoder (Metaspace) drops the first token's space: the output's first token
+    decodes after prompt tokens, so prompt text + output text = the text of both."""
+    vocab = {"▁Hello": 0, "▁world": 1, "▁the": 2, "<unk>": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+    assert tokenizer.decode([1, 2]) == "world the"  # alone: no leading space
+    seq = Sequence(None, [0], SamplingParams(), seed=0)
+    for token in (1, 2):
+        seq.token_ids.append(token)
+        append_text(tokenizer, seq)
+    assert seq.text == " world the" and tokenizer.decode([0]) + seq.text == "Hello world the"
 
 
 def test_prefix_cache_hits_are_counted(live: Live) -> None:

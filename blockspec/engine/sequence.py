@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from blockspec.engine.kv_cache_manager import BlockTable
 
 _ids = itertools.count()
+# Prompt tokens decoded ahead of the output's: a token's leading space or byte-fallback decodes as it
+# does in context (a SentencePiece decoder strips the first token's space), as vLLM decodes it
+PROMPT_CONTEXT = 5
 
 
 def fresh_request_id(taken: Container[str] = ()) -> str:
@@ -61,7 +64,9 @@ class Sequence:
         # by eos or a stop token id: its text is left out, as vLLM does (unless include_stop_str_in_output)
         self.stopped_on_token = False
         self.text = ""  # detokenized output
-        self.prefix_offset = self.read_offset = 0  # incremental detokenization (detokenizer.py)
+        # incremental detokenization (detokenizer.py), in `text_token_ids`: the prompt's context decoded
+        self.text_start = self.num_prompt_tokens - min(PROMPT_CONTEXT, self.num_prompt_tokens)
+        self.prefix_offset, self.read_offset = 0, self.num_prompt_tokens - self.text_start
         self.acceptance_lengths: list[int] = []
         self.draft_token_ids: list[list[int]] = []
         self.logprobs: list[TokenLogprob] = []  # of each output token, with SamplingParams(logprobs=k)
@@ -74,8 +79,8 @@ class Sequence:
 
     @property
     def text_token_ids(self) -> list[int]:
-        """The output tokens whose text is the output text."""
-        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.stopped_on_token]
+        """The output tokens whose text is the output text, after PROMPT_CONTEXT prompt tokens."""
+        return self.token_ids[self.text_start : len(self.token_ids) - self.stopped_on_token]
 
     @property
     def num_generated(self) -> int:
