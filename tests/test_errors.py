@@ -178,6 +178,10 @@ def test_unsupported_weights_and_configs(tmp_path, pair):
         LLM(str(rewrite(t, tmp_path / "nolayers", {"num_hidden_layers": "four"})), None, device="cpu")
     with pytest.raises(CheckpointError, match="config.json: fields missing: hidden_size, vocab_size"):
         LLM(str(rewrite(t, tmp_path / "nowidth", {"hidden_size": None, "vocab_size": None})), None, device="cpu")
+    vocabless = copy(t, tmp_path / "vocabless")  # a download that left the vocabulary out
+    (vocabless / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    with pytest.raises(CheckpointError, match="the tokenizer has no tokens but its special ones"):
+        LLM(str(vocabless), None, device="cpu")
     broken = copy(t, tmp_path / "tokenizer")
     (broken / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="the tokenizer files do not load"):

@@ -79,9 +79,15 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # as load_config: the tokenizers library raises its own kinds too
         raise CheckpointError(f"{path}: the tokenizer files do not load ({type(e).__name__}: {e})") from e
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):  # transformers builds one from the config alone
+        raise CheckpointError(
+            f"{path}: the tokenizer has no tokens but its special ones: its vocabulary file (tokenizer.json, or "
+            f"the file its class {type(tokenizer).__name__} reads, such as tokenizer.model) is missing"
+        )
+    return tokenizer
 
 
 def target_family(config, source: Path) -> TargetFamily:
