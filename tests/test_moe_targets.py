@@ -237,7 +237,33 @@ def test_mismatched_moe_checkpoints_fail_naming_the_tensor(tmp_path):
         load_target(path, torch.float32, torch.device("cpu"))
     weights["model.layers.2.mlp.experts.3.down_proj.weight"] = torch.zeros(64, 31)
     save_file(weights, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"down_proj.weight have different shapes"):
+    with pytest.raises(
+        CheckpointError, match=r"experts\.3\.down_proj\.weight has shape \(64, 31\), expected \(64, 32\)"
+    ):
+        load_target(path, torch.float32, torch.device("cpu"))
+    weights["model.layers.2.mlp.experts.3.down_proj.weight"] = torch.zeros(64, 32)
+    for e in range(8):  # every expert's up_proj alike, and narrower than its gate_proj
+        weights[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = torch.zeros(32, 63)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"experts\.0\.up_proj\.weight has shape \(32, 63\), expected \(32, 64\)"):
+        load_target(path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("model.layers.0.mlp.experts.gate_up_proj", (8, 64)),  # two dims of three
+        ("model.layers.1.mlp.experts.gate_up_proj_bias", (8, 63)),  # an odd gate|up: no pairs
+        ("model.layers.0.mlp.experts.down_proj", (8, 64, 32)),  # transposed
+    ],
+)
+def test_misshapen_gpt_oss_experts_fail_naming_the_tensor(tmp_path, name, shape):
+    path = moe_target(tmp_path, "gpt_oss")
+    weights = load_file(path / "model.safetensors")
+    expected = tuple(weights[name].shape)
+    save_file({**weights, name: torch.zeros(shape)}, path / "model.safetensors")
+    match = f"{name} has shape {shape}, expected {expected}".replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(CheckpointError, match=match):
         load_target(path, torch.float32, torch.device("cpu"))
 
 
@@ -247,7 +273,7 @@ def test_malformed_mxfp4_fails_naming_the_tensor(tmp_path):
     weights = load_file(path / "model.safetensors")
     name = "model.layers.0.mlp.experts.down_proj_scales"
     save_file({**weights, name: weights[name][:, :3].contiguous()}, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.down_proj: MXFP4 blocks .* do not fit scales"):
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.down_proj_scales has shape \(8, 3, 1\)"):
         load_target(path, torch.float32, torch.device("cpu"))
 
 

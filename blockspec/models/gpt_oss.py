@@ -51,15 +51,25 @@ def gate_first(gate_up: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim)
 
 
-def take(weights: dict[str, torch.Tensor], name: str, source: Path) -> torch.Tensor:
+def take(weights: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], source: Path) -> torch.Tensor:
+    """A tensor of the checkpoint, removed from `weights`, checked to have the `shape` it is stored in."""
     if name not in weights:
         raise CheckpointError(f"{source}: tensors missing from the checkpoint: {[name]}")
-    return weights.pop(name)
+    tensor = weights.pop(name)
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {shape}")
+    return tensor
 
 
-def mxfp4_pair(weights: dict[str, torch.Tensor], prefix: str, source: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MXFP4 weight `prefix` as stored: its (blocks, scales), checked."""
-    blocks, scales = take(weights, f"{prefix}_blocks", source), take(weights, f"{prefix}_scales", source)
+def mxfp4_pair(
+    weights: dict[str, torch.Tensor], prefix: str, shape: tuple[int, int, int], source: Path
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 weight `prefix` of `shape` [E, N, K] as stored: its (blocks, scales), checked."""
+    groups = (*shape[:2], shape[2] // 32)
+    blocks, scales = (
+        take(weights, f"{prefix}_blocks", (*groups, 16), source),
+        take(weights, f"{prefix}_scales", groups, source),
+    )
     problems = mxfp4_problems(blocks, scales)
     if problems:
         raise CheckpointError(f"{source}: {prefix}: " + "; ".join(problems))
@@ -71,22 +81,24 @@ def expert_layout(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Pat
     stored in MXFP4, the same rows as `gate_up_blocks`/`_scales` and `down_blocks`/`_scales`, as
     `Experts` holds them: loading dequantizes them where the model keeps bf16 experts), and the
     biases (`gate_up_bias`, `down_bias`)."""
+    E, I, H = spec.moe.num_experts, spec.moe.intermediate_size, spec.hidden_size  # experts, their width, hidden
     for experts in sorted({m[1] for n in weights if (m := EXPERTS.fullmatch(n))}):
         prefix = f"{experts}.gate_up_proj"
         if f"{prefix}_blocks" in weights and prefix in weights:
             raise CheckpointError(f"{source}: {prefix} is stored twice: in MXFP4 and dense")
         if f"{prefix}_blocks" in weights:  # MXFP4: blocks [E, rows, K / 32, 16] of [E, 2I, H] and [E, H, I]
             for name, (blocks, scales) in (
-                ("gate_up", [gate_first(t, 1) for t in mxfp4_pair(weights, prefix, source)]),
-                ("down", mxfp4_pair(weights, f"{experts}.down_proj", source)),
+                ("gate_up", [gate_first(t, 1) for t in mxfp4_pair(weights, prefix, (E, 2 * I, H), source)]),
+                ("down", mxfp4_pair(weights, f"{experts}.down_proj", (E, H, I), source)),
             ):
                 weights[f"{experts}.{name}_blocks"], weights[f"{experts}.{name}_scales"] = blocks, scales
         else:  # transformers' [E, H, 2I] and [E, I, H]
-            gate_up, down = (take(weights, n, source).transpose(1, 2) for n in (prefix, f"{experts}.down_proj"))
+            stored = ((prefix, (E, H, 2 * I)), (f"{experts}.down_proj", (E, I, H)))
+            gate_up, down = (take(weights, n, shape, source).transpose(1, 2) for n, shape in stored)
             weights[f"{experts}.gate_up_proj"] = gate_first(gate_up, 1).contiguous()
             weights[f"{experts}.down_proj"] = down.contiguous()
-        weights[f"{experts}.gate_up_bias"] = gate_first(take(weights, f"{prefix}_bias", source), 1)
-        weights[f"{experts}.down_bias"] = take(weights, f"{experts}.down_proj_bias", source)
+        weights[f"{experts}.gate_up_bias"] = gate_first(take(weights, f"{prefix}_bias", (E, 2 * I), source), 1)
+        weights[f"{experts}.down_bias"] = take(weights, f"{experts}.down_proj_bias", (E, H), source)
     return weights
 
 

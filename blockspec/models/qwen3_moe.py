@@ -69,12 +69,14 @@ def stack_experts(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Pat
             missing, extra = sorted(expected - set(names)), sorted(set(names) - expected)
             raise CheckpointError(f"{source}: {prefix}: expert tensors missing {missing[:4]}, unexpected {extra[:4]}")
         part = {key: weights.pop(name) for key, name in names.items()}
-        for key, name in names.items():
-            check_float(name, part[key], source)
-        for kind in ("gate", "up", "down"):
-            shapes = {tuple(part[kind, e].shape) for e in experts}
-            if len(shapes) > 1:
-                raise CheckpointError(f"{source}: {prefix}.*.{kind}_proj.weight have different shapes {sorted(shapes)}")
+        I, H = spec.moe.intermediate_size, spec.hidden_size  # an expert's width, the hidden size
+        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        for (kind, e), name in names.items():
+            check_float(name, part[kind, e], source)
+            if tuple(part[kind, e].shape) != shapes[kind]:
+                raise CheckpointError(
+                    f"{source}: {name} has shape {tuple(part[kind, e].shape)}, expected {shapes[kind]}"
+                )
         weights[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([part["gate", e], part["up", e]]) for e in experts])
         weights[f"{prefix}.down_proj"] = torch.stack([part["down", e] for e in experts])
     return weights
