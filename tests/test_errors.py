@@ -133,6 +133,9 @@ def test_mismatched_drafters(tmp_path, pair):
     (unnamed / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "architectures"}))
     with pytest.raises(CheckpointError, match="config.json names no architecture, so it is not a supported drafter"):
         LLM(str(t), {"model": str(unnamed)}, device="cpu")
+    (unnamed / "config.json").write_text(json.dumps({**cfg, "architectures": "DFlashDraftModel"}))
+    with pytest.raises(CheckpointError, match="architectures must be a list of class names, got 'DFlashDraftModel'"):
+        LLM(str(t), {"model": str(unnamed)}, device="cpu")
     with pytest.raises(ValueError, match="speculative method 'eagle' is not supported"):
         LLM(str(t), {"method": "eagle", "model": str(d)}, device="cpu")
 

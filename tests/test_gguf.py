@@ -155,6 +155,14 @@ def tiny_gguf(
     return path
 
 
+def test_tokenizer_metadata_that_does_not_load_names_the_file(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path / "vocabless.gguf", 4, 16)  # no tokenizer.ggml.* keys
+    with pytest.raises(
+        ValueError, match=r"vocabless\.gguf: the tokenizer metadata \(tokenizer\.ggml\.\*\) does not load"
+    ):
+        loader._tokenizer(gguf.GGUFReader(path), path)
+
+
 def test_unsupported_contents(tmp_path: Path) -> None:
     """Each names the file and what is wrong, instead of a bare error from gguf or numpy."""
     int8 = tiny_gguf(tmp_path / "int8.gguf", 4, 16, gguf.GGMLQuantizationType.I8)

@@ -211,7 +211,14 @@ def _check_shapes(state_dict: dict[str, torch.Tensor], config: transformers.Llam
 
 def _tokenizer(reader: gguf.GGUFReader, path: Path) -> transformers.PreTrainedTokenizerBase:
     # transformers converts the GGUF vocabulary/merges into a fast tokenizer, offline.
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+    except (ValueError, KeyError, TypeError) as e:  # metadata missing or of a kind it does not convert
+        raise ValueError(
+            f"{path}: the tokenizer metadata (tokenizer.ggml.*) does not load ({type(e).__name__}: {e})"
+        ) from e
     # Set it ourselves so the template is always the file's own, whatever transformers does.
     tokenizer.chat_template = _field(reader, path, "tokenizer.chat_template", None)
     return tokenizer

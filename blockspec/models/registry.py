@@ -150,8 +150,12 @@ def drafter_kinds() -> tuple[DrafterKind, ...]:
 
 
 def architecture(config: PretrainedConfig) -> str | None:
-    """The class config.json names, or None where it names none (transformers then goes by model_type)."""
-    return (getattr(config, "architectures", None) or [None])[0]
+    """The class config.json names, or None where it names none (transformers then goes by model_type);
+    ValueError where `architectures` is not a list of names."""
+    names = getattr(config, "architectures", None) or [None]
+    if not isinstance(names, list) or not isinstance(names[0], str | None):
+        raise ValueError(f"architectures must be a list of class names, got {names!r}")  # noqa: TRY004 (callers name the file)
+    return names[0]
 
 
 def supported(records: tuple[TargetFamily, ...] | tuple[DrafterKind, ...]) -> str:
