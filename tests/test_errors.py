@@ -111,6 +111,8 @@ def test_mismatched_drafters(tmp_path, pair):
     (unsaid / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_target_layers"}))
     with pytest.raises(CheckpointError, match=r"target_layer_ids .* must be in -1..1 \(-1: the embedding output\)"):
         LLM(str(other), {"model": str(unsaid)}, device="cpu")
+    vocabless = rewrite(d, tmp_path / "no_vocab_size", {"vocab_size": None})  # it drafts over the target's
+    assert LLM(str(t), {"model": str(vocabless)}, device="cpu").generate([[5, 6]])[0].outputs[0].token_ids
     three = copy(d, tmp_path / "three_ids")
     cfg = json.loads((three / "config.json").read_text())
     cfg["dflash_config"]["target_layer_ids"] = [0, 1, 2]

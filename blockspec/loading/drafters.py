@@ -30,8 +30,9 @@ from blockspec.models.dialects import Dialect, dialect_of
 from blockspec.models.registry import Drafter, DrafterKind, drafter_kind_for
 
 
-def read_drafter_config(raw: dict, source: Path | str) -> tuple[PretrainedConfig, Dialect]:
-    """A drafter's config.json, read in its dialect (`blockspec.models.dialects`)."""
+def read_drafter_config(raw: dict, source: Path | str, target_vocab: int) -> tuple[PretrainedConfig, Dialect]:
+    """A drafter's config.json, read in its dialect (`blockspec.models.dialects`); without a
+    vocab_size, the target's (`target_vocab`: the drafter drafts over it, not transformers' default)."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"{source}: expected a JSON object")
     dialect = dialect_of(raw)
@@ -42,6 +43,7 @@ def read_drafter_config(raw: dict, source: Path | str) -> tuple[PretrainedConfig
     missing = [f for f in GEOMETRY_FIELDS if f not in fields]
     if missing:
         raise CheckpointError(f"{source}: fields missing: {', '.join(missing)}")
+    fields = {"vocab_size": target_vocab} | fields
     model_type = fields.get("model_type", "qwen3")
     try:
         config = AutoConfig.for_model(model_type, **{k: v for k, v in fields.items() if k != "model_type"})
@@ -103,7 +105,7 @@ class MetaDrafter(NamedTuple):
 def build_drafter(raw: dict, tensors: dict[str, torch.Tensor], target: CausalLM, source: Path) -> MetaDrafter:
     """The drafter of config.json `raw` and checkpoint `tensors` (their names as stored) for
     `target`, on the meta device."""
-    config, dialect = read_drafter_config(raw, source / "config.json")
+    config, dialect = read_drafter_config(raw, source / "config.json", target.config.vocab_size)
     kind = validate(config, target, source)
     weights = {new: t for name, t in tensors.items() if (new := dialect.rename(name)) is not None}
     d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
