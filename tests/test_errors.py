@@ -43,7 +43,10 @@ def test_missing_directory_and_files(tmp_path, pair):
         LLM(str(broken), None, device="cpu")
     broken = copy(t, tmp_path / "noweights")
     (broken / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="no \\*.safetensors weights"):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors weights found$"):
+        LLM(str(broken), None, device="cpu")
+    (broken / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: pickled weights are not loaded, safetensors only"):
         LLM(str(broken), None, device="cpu")
 
 
@@ -52,6 +55,10 @@ def test_corrupt_weights_and_config(tmp_path, pair):
     broken = copy(t, tmp_path / "corrupt")
     (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
     with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+        LLM(str(broken), None, device="cpu")
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 4096\n"
+    (broken / "model.safetensors").write_bytes(pointer)
+    with pytest.raises(CheckpointError, match="model.safetensors: a Git LFS pointer, not the weights"):
         LLM(str(broken), None, device="cpu")
     broken = copy(t, tmp_path / "badjson")
     (broken / "config.json").write_text("{not json")

@@ -50,8 +50,19 @@ def weight_files(path: Path) -> list[Path]:
         return [path / f for f in files]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{path}: no *.safetensors weights found")
+        pickled = sorted(f.name for f in path.glob("*.bin")) + sorted(f.name for f in path.glob("*.pt"))
+        refused = f" ({', '.join(pickled[:3])}: pickled weights are not loaded, safetensors only)" if pickled else ""
+        raise CheckpointError(f"{path}: no *.safetensors weights found{refused}")
     return files
+
+
+LFS_POINTER = b"version https://git-lfs"  # how a Git LFS pointer file begins
+
+
+def lfs_pointer(file: Path) -> bool:
+    """Whether `file` is a Git LFS pointer left where the weights should be (a clone without `git lfs pull`)."""
+    with file.open("rb") as f:
+        return f.read(len(LFS_POINTER)) == LFS_POINTER
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -60,6 +71,8 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         try:
             shard = load_file(file)
         except (SafetensorError, OSError) as e:
+            if file.is_file() and lfs_pointer(file):
+                raise CheckpointError(f"{file}: a Git LFS pointer, not the weights (fetch them: git lfs pull)") from e
             raise CheckpointError(f"{file}: not a valid safetensors file ({e})") from e
         twice = sorted(set(shard) & set(weights))
         if twice:
