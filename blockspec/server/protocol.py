@@ -10,6 +10,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     ValidationInfo,
@@ -56,7 +57,8 @@ def integral_float_as_int(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-# A request's numbers are strict: a boolean or a numeric string is a 400 (StrictFloat takes JSON's 1 too)
+# A request's numbers and switches are strict: a boolean for a number, a number or string for a boolean,
+# a numeric string for either is a 400 (StrictFloat takes JSON's 1 too)
 Integer = Annotated[StrictInt, BeforeValidator(integral_float_as_int)]
 
 
@@ -114,7 +116,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     model_config = ConfigDict(extra="forbid")  # a field not named here is a 400
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JSONSchema(OpenAIModel):
@@ -122,7 +124,7 @@ class JSONSchema(OpenAIModel):
     name: str
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
-    strict: bool | None = None  # the schema binds whatever it says: xgrammar's strict mode always
+    strict: StrictBool | None = None  # the schema binds whatever it says: xgrammar's strict mode always
 
 
 class ResponseFormat(OpenAIModel):
@@ -154,7 +156,7 @@ class SamplingRequest(OpenAIModel):
     n: Integer = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     seed: Integer | None = Field(None, ge=-(2**63), lt=2**63)  # int64
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
@@ -162,11 +164,11 @@ class SamplingRequest(OpenAIModel):
     repetition_penalty: StrictFloat = 1.0
     top_k: Integer = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0, le=1)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=256)
     min_tokens: Integer = Field(0, ge=0)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     response_format: ResponseFormat | None = None
     # vLLM's guided decoding: one of these, or response_format
     guided_json: dict | str | None = None
@@ -209,7 +211,7 @@ class SamplingRequest(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     # one prompt, or a batch (each its own choices); strict: true is no token id
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    echo: bool = False  # the prompt's text before each choice's
+    echo: StrictBool = False  # the prompt's text before each choice's
     logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many top ones'
 
     @property
@@ -278,7 +280,7 @@ class ChatMessage(OpenAIModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Integer | None = Field(None, ge=1)  # the newer name of max_tokens
-    logprobs: bool = False  # each output token's log-probability
+    logprobs: StrictBool = False  # each output token's log-probability
     top_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many most likely tokens'
 
     def output_cap(self) -> tuple[str | None, int | None]:
