@@ -1,8 +1,30 @@
 """Engine configuration."""
 
-from dataclasses import dataclass, field, replace
+import numbers
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
 
 DRAFTER_METHODS = ("dflash", "dflash2", "dspark")  # speculative methods that run a drafter model
+
+
+def of_type(value, kind: type) -> bool:
+    """isinstance, but a bool is no number here (True for a count is a mistake) and an int is a float."""
+    if kind is int or kind is float:
+        number = numbers.Integral if kind is int else numbers.Real
+        return isinstance(value, number) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_types(config) -> None:
+    """TypeError naming a dataclass config's field whose value is not of its annotated type: a
+    string such as "off" for a switch would read as on."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        kinds = typing.get_args(f.type) if isinstance(f.type, types.UnionType) else (f.type,)
+        if not any(of_type(value, kind) for kind in kinds):
+            expected = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            raise TypeError(f"{type(config).__name__}.{f.name} must be {expected}, got {value!r}")
 
 
 @dataclass
@@ -41,6 +63,7 @@ class SpeculativeConfig:
     simulate_tau: float | None = None
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.method not in (*DRAFTER_METHODS, "ngram"):
             supported = ", ".join(repr(m) for m in (*DRAFTER_METHODS, "ngram"))
             raise ValueError(f"speculative method {self.method!r} is not supported (supported: {supported})")
@@ -90,6 +113,9 @@ class KernelConfig:
     # Every row's numbers independent of the rows beside it (`blockspec.layers.row_invariant`); the
     # engine sets it from EngineConfig.row_invariant.
     row_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        check_types(self)
 
 
 # The command lines' words for a switch (--row-invariant, --warm-up) -> EngineConfig's bool
@@ -160,9 +186,12 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("max_num_seqs", "page_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (or None: the model's), got {self.max_model_len}")
         if self.state_checkpoints is not None and self.state_checkpoints < 1:
             raise ValueError("state_checkpoints must be >= 1 (or prefix_caching off)")
         if self.num_pages is not None and self.num_pages < 2:

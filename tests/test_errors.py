@@ -289,6 +289,40 @@ def test_invalid_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"row_invariant": "off"}, "EngineConfig.row_invariant must be bool, got 'off'"),  # it would read as on
+        ({"prefix_caching": "no"}, "EngineConfig.prefix_caching must be bool or None, got 'no'"),
+        ({"max_num_seqs": "4"}, "EngineConfig.max_num_seqs must be int, got '4'"),
+        ({"kernels": {}}, "EngineConfig.kernels must be KernelConfig, got {}"),
+    ],
+)
+def test_engine_settings_of_another_type_are_refused(pair, kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        LLM(str(pair[0]), None, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"num_speculative_tokens": "3"}, "SpeculativeConfig.num_speculative_tokens must be int or None, got '3'"),
+        ({"num_speculative_tokens": 2.5}, "SpeculativeConfig.num_speculative_tokens must be int or None, got 2.5"),
+        ({"adaptive_width": 1}, "SpeculativeConfig.adaptive_width must be bool, got 1"),
+    ],
+)
+def test_speculative_settings_of_another_type_are_refused(pair, spec, message):
+    with pytest.raises(TypeError, match=message):
+        LLM(str(pair[0]), {"model": str(pair[1]), **spec}, device="cpu")
+
+
+def test_max_model_len_below_one_is_refused_and_above_the_models_is_said(pair, caplog):
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        LLM(str(pair[0]), None, device="cpu", max_model_len=-5)
+    llm = LLM(str(pair[0]), None, device="cpu", max_model_len=100_000)
+    assert llm.engine.max_model_len == 512 and "max_model_len 100000 is more than the model's context" in caplog.text
+
+
 def test_numpy_sampling_params_pass():  # numbers as numpy gives them are numbers, bools are not
     p = SamplingParams(temperature=np.float32(0.7), top_p=np.float64(0.9), top_k=np.int64(5), seed=np.int32(3))
     assert (p.temperature, p.top_k) == (np.float32(0.7), 5)

@@ -1,6 +1,7 @@
 """The engine: requests in, steps of batched speculative decoding, outputs out. The LLM
 facade and the HTTP server both drive it through add_request / step / abort."""
 
+import logging
 import secrets
 import threading
 import time
@@ -41,6 +42,7 @@ from blockspec.proposers.simulated import SimulatedProposer
 from blockspec.sampling import MAX_STOP_IDS, InvalidSamplingParam, SamplingParams
 from blockspec.structured_output import Grammars, StructuredOutput, xgrammar_installed
 
+log = logging.getLogger(__name__)
 CPU_KV_BUDGET = 2 * 2**30  # bytes of KV pools when num_pages is not given
 GPU_KV_FRACTION = 0.5  # of free device memory
 NGRAM_DRAFTS = 7  # default drafts per step of the n-gram proposer
@@ -89,6 +91,11 @@ class LLMEngine:
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
         self.max_model_len = min(config.max_model_len or 2**62, model.config.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > self.max_model_len:
+            log.warning(
+                "max_model_len %d is more than the model's context (max_position_embeddings): %d it is",
+                config.max_model_len, self.max_model_len,
+            )  # fmt: skip
         self.recurrent = any(layer.cache_kind == RECURRENT_STATE for layer in model.layers)
         if self.device.type == "cuda" and self.recurrent:
             fla_kernels()  # now, not at the first request: what to install, if they are missing
