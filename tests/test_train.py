@@ -635,6 +635,11 @@ def test_resume_refuses_another_drafter_or_a_broken_checkpoint(tmp_path) -> None
         ({"rows": "diagonal"}, "rows must be auto/shifted/filled, got 'diagonal'"),
         ({"method": "dflash2", "rows": "shifted"}, "rows shifted: dflash2 drafters fill their rows"),
         ({"prompt_source": "web"}, "prompt_source must be offline/target, got 'web'"),
+        ({"lr": 0.0}, "lr must be > 0, got 0.0"),
+        ({"min_lr_ratio": -2.0}, r"min_lr_ratio is a fraction of lr in \[0, 1\], got -2.0"),  # the loss would climb
+        ({"weight_decay": -1.0}, "weight_decay must be >= 0"),
+        ({"grad_clip": -1.0}, r"grad_clip must be >= 0 \(0: off\)"),
+        ({"num_heads": 0}, r"num_heads, num_kv_heads and head_dim must be >= 1 \(or unset: the target's\)"),
     ],
 )
 def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -> None:
@@ -781,7 +786,7 @@ def test_dflash2_training_lowers_its_loss_and_the_engine_runs_its_drafter(setup,
     assert_decodes_as_plain(target_dir, path, held_out[:8])
 
 
-def test_cli_generates_trains_and_resumes(tmp_path) -> None:
+def test_cli_generates_trains_and_resumes(tmp_path, capsys) -> None:
     target = make_target(tmp_path / "target", "llama", vocab=VOCAB, layers=2)
     out = tmp_path / "out"
     args = ["train", "--model", str(target), "--output", str(out), "--device", "cpu", "--layers", "1"]
@@ -799,6 +804,13 @@ def test_cli_generates_trains_and_resumes(tmp_path) -> None:
     assert indices == sorted(set(indices)) and indices[-1] <= 13
     assert all(e.index >= 10 for e in again[len(first) :])  # continued where it stopped, nothing redone
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 5
+    with pytest.raises(SystemExit):  # without --resume a run into it would replace the run it holds
+        cli_main(args + ["--num-prompts", "10", "--steps", "2"])
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 5
+    with pytest.raises(SystemExit):
+        cli_main(args[:4] + [str(out / "data.jsonl")] + args[5:] + ["--steps", "2"])  # a file as the output
+    assert "data.jsonl is a file, not a directory" in capsys.readouterr().err
 
 
 def train_as_rank(rank: int, size: int, port: int, cfg: TrainConfig) -> None:

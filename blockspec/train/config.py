@@ -144,6 +144,17 @@ class TrainConfig:
                 f"conv_kernel_size {self.conv_kernel_size} is wider than the block ({self.block_size} rows)",
             ),
             (self.selector_weight >= 0, f"selector_weight must be >= 0, got {self.selector_weight}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio is a fraction of lr in [0, 1], got {self.min_lr_ratio}"),
+            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
+            (self.grad_clip >= 0, f"grad_clip must be >= 0 (0: off), got {self.grad_clip}"),
+            (
+                all(
+                    v is None or v >= 1
+                    for v in (self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
+                ),
+                "intermediate_size, num_heads, num_kv_heads and head_dim must be >= 1 (or unset: the target's)",
+            ),
             (self.loss_chunk_gib >= 0, f"loss_chunk_gib must be >= 0, got {self.loss_chunk_gib}"),
         ]
         for ok, message in checks:

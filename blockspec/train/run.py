@@ -41,10 +41,23 @@ def prompts_from(cfg: TrainConfig) -> list[str]:
     return target_prompts(generator(cfg, resolve_device(cfg.device), MAX_TOKENS), cfg.num_prompts, cfg.seed)
 
 
+def output_dir(cfg: TrainConfig) -> Path:
+    """cfg.output, made; ValueError where it is no directory, or holds a run that only --resume may go on with."""
+    out = Path(cfg.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} is a file, not a directory")
+    earlier = [p for p in (out / "checkpoint" / "state.json", out / "drafter" / "config.json") if p.is_file()]
+    if earlier and not cfg.resume:
+        raise ValueError(
+            f"output {out} holds an earlier run ({earlier[0]}): pass --resume to go on with it, or another --output"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
     uses_flex(cfg, device)  # refused settings before hours of data generation
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(cfg)
     examples = read_examples(cfg.data) if cfg.data else generate_dataset(cfg, out / "data.jsonl", device, world)
     if not examples:
         raise ValueError("no training examples")
