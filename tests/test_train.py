@@ -650,6 +650,29 @@ def test_bad_training_settings_fail_before_any_work(tmp_path, change, message) -
     )  # as run.py reads it
 
 
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ('{"prompt": "hi", "response": "there"}', "line 2: not an example of index, prompt_ids and response_ids"),
+        ('{"index": 1, "prompt_ids": "12", "response_ids": [3]}', "line 2: index must be an integer, prompt_ids"),
+        ('{"index": 1, "prompt_ids": [1, -2], "response_ids": [3]}', "line 2: index must be an integer, prompt_ids"),
+        ("{index: 1}", "line 2: not an example"),  # not JSON
+        (
+            '{"index": 1, "prompt_ids": [1], "response_ids": [5000]}',
+            r"token 5000, outside the target's vocabulary \(64",
+        ),
+        ('{"index": 1, "prompt_ids": [1], "response_ids": []}', "no training example has a response"),
+    ],
+)
+def test_malformed_training_data_is_named(setup, tmp_path, row, message) -> None:
+    target, _, _ = setup
+    first = '{"index": 0, "prompt_ids": [1, 2], "response_ids": []}'
+    data = tmp_path / "data.jsonl"
+    data.write_text(f"{first}\n{row}\n")
+    with pytest.raises(ValueError, match=message):
+        train(config(target, data, tmp_path / "out", eval_prompts=0))
+
+
 def test_the_loss_chunks_come_from_the_config() -> None:
     """loss_chunk_gib in fp32 elements of each vocabulary-wide tensor, 0 for none (and only 0), to
     every method's loss."""

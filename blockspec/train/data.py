@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from blockspec.llm import LLM, free_device_memory
-from blockspec.sampling import SamplingParams
+from blockspec.sampling import SamplingParams, is_int
 from blockspec.train.checkpoint import mismatches
 from blockspec.train.config import TrainConfig
 from blockspec.train.distributed import SINGLE, World
@@ -35,7 +35,28 @@ class Example:
 def read_examples(path: str | Path) -> list[Example]:
     """A JSONL file of examples, gzipped when its name ends in .gz (to carry it around)."""
     with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
-        return [Example(**json.loads(line)) for line in f if line.strip()]
+        return [parse_example(line, f"{path} line {n}") for n, line in enumerate(f, 1) if line.strip()]
+
+
+def parse_example(line: str, where: str) -> Example:
+    """One line of an examples file; ValueError naming `where` if it is not one."""
+    try:
+        example = Example(**json.loads(line))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{where}: not an example of index, prompt_ids and response_ids ({e})") from None
+    ids = (example.prompt_ids, example.response_ids)
+    if not is_int(example.index) or not all(isinstance(x, list) and all(is_int(t) and t >= 0 for t in x) for x in ids):
+        raise ValueError(f"{where}: index must be an integer, prompt_ids and response_ids lists of token ids")
+    return example
+
+
+def check_examples(examples: list[Example], vocab: int) -> None:
+    """ValueError where no example has a response to learn from, or a token lies outside the vocabulary."""
+    if not any(e.response_ids for e in examples):
+        raise ValueError("no training example has a response (every response_ids is empty)")
+    top = max(max(e.prompt_ids + e.response_ids, default=0) for e in examples)
+    if top >= vocab:
+        raise ValueError(f"the examples hold token {top}, outside the target's vocabulary ({vocab} tokens)")
 
 
 def append_examples(path: Path, examples: list[Example]) -> None:

@@ -11,7 +11,7 @@ from blockspec.llm import resolve_device, resolve_dtype
 from blockspec.loading.drafters import save_drafter
 from blockspec.loading.hf import load_target
 from blockspec.train.config import TrainConfig, config_from_args
-from blockspec.train.data import generate_dataset, generator, read_examples
+from blockspec.train.data import check_examples, generate_dataset, generator, read_examples
 from blockspec.train.distributed import World, close_world, init_world
 from blockspec.train.evaluate import acceptance_lengths, describe
 from blockspec.train.model import build_drafter, default_mask_token_id
@@ -71,6 +71,7 @@ def train_on(cfg: TrainConfig, world: World, device: torch.device) -> Path:
     target = load_target(cfg.model, resolve_dtype(None, device), device)
     target.model.requires_grad_(False)
     vocab = target.model.config.vocab_size
+    check_examples(examples + held_out, vocab)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(target.tokenizer, vocab)
     drafter, init = build_drafter(target.model, cfg, mask_id)
     n_params = sum(p.numel() for p in drafter.parameters())
