@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import os
+import socket
 import sys
 import time
 
@@ -154,6 +155,20 @@ def chat(args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": printed})
 
 
+def check_address(host: str, port: int) -> None:
+    """ValueError where the server could not listen at host:port (a port out of range or in use, a
+    host that does not resolve), found by binding a socket there as uvicorn will."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's: a closed port's wait is no use
+            probe.bind(address)
+    except OSError as e:
+        raise ValueError(f"cannot listen at {host}:{port} ({e.strerror or e})") from None
+
+
 def serve(args: argparse.Namespace) -> None:
     """Load the engine, then serve it until interrupted."""
     try:
@@ -164,6 +179,9 @@ def serve(args: argparse.Namespace) -> None:
     api_key = args.api_key if args.api_key is not None else os.environ.get("BLOCKSPEC_API_KEY")  # out of `ps`
     if api_key is not None and not api_key.strip():
         raise ValueError("the API key is empty, which would let anyone in: give a key, or none to serve without")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    check_address(args.host, args.port)  # before the model loads
     llm = build_llm(args)
     name = args.served_model_name or args.model or llm.engine.target.name
     run_server(llm, name, args.host, args.port, api_key, args.max_request_bytes)

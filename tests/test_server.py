@@ -738,6 +738,25 @@ def test_newest_output_replaces_unread_ones() -> None:
     assert asyncio.run(run()) == ["2", None]
 
 
+def test_cli_serve_refuses_an_address_it_cannot_listen_at_before_loading(tmp_path, capsys) -> None:
+    """A port out of range or in use, a host that does not resolve, a byte limit below one: each one
+    line, before the model (here none: its error would come first otherwise) loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--port", "99999"], "--port must be in 0..65535, got 99999"),
+            (["--port", str(port)], f"cannot listen at 127.0.0.1:{port}"),
+            (["--host", "no-such-host.invalid"], "cannot listen at no-such-host.invalid:8000"),
+            (["--max-request-bytes", "-1"], "--max-request-bytes must be >= 1, got -1"),
+        ]
+        for flags, message in cases:
+            with pytest.raises(SystemExit):
+                main(["serve", "--model", str(tmp_path / "none"), "--device", "cpu", *flags])
+            assert message in capsys.readouterr().err
+
+
 def test_cli_serve_refuses_an_empty_api_key(checkpoints, capsys, monkeypatch) -> None:
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("served without a key"))
     with pytest.raises(SystemExit):
