@@ -145,14 +145,23 @@ def chat(args: argparse.Namespace) -> None:
             user = input("> ")
         except EOFError:
             return
-        history.append({"role": "user", "content": user})
-        printed = ""
-        for out in llm.stream(llm.chat_prompt(history), sampling_params(args)):
-            text = out.outputs[0].text
-            print(text[len(printed) :], end="", flush=True)
-            printed = text
-        print()
-        history.append({"role": "assistant", "content": printed})
+        try:
+            reply = chat_turn(llm, history + [{"role": "user", "content": user}], sampling_params(args))
+        except ValueError as e:  # a conversation grown past the context: this turn is dropped, not the session
+            print(f"blockspec: error: {e} (this message was not sent)", file=sys.stderr)
+            continue
+        history += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+
+
+def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams) -> str:
+    """The reply to `messages`, printed as it streams."""
+    printed = ""
+    for out in llm.stream(llm.chat_prompt(messages), params):
+        text = out.outputs[0].text
+        print(text[len(printed) :], end="", flush=True)
+        printed = text
+    print()
+    return printed
 
 
 def check_address(host: str, port: int) -> None:

@@ -757,6 +757,23 @@ def test_cli_serve_refuses_an_address_it_cannot_listen_at_before_loading(tmp_pat
             assert message in capsys.readouterr().err
 
 
+def test_cli_chat_drops_a_turn_past_the_context_and_goes_on(checkpoints, capsys, monkeypatch) -> None:
+    lines = iter(["w5 w6", " ".join(["w9"] * 60), "w7"])  # the second outgrows a 64-token context
+
+    def typed(_: str) -> str:
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    monkeypatch.setattr("builtins.input", typed)
+    flags = ["--device", "cpu", "--max-model-len", "64", "--max-tokens", "4", "--temperature", "0", "--draft", "none"]
+    main(["chat", "--model", str(checkpoints[0]), *flags])  # returns at the end of input
+    out = capsys.readouterr()
+    assert out.err.count("this message was not sent") == 1 and "the context holds 64" in out.err
+    assert len(out.out.strip().splitlines()) == 2  # the first and the third turn's replies
+
+
 def test_cli_serve_refuses_an_empty_api_key(checkpoints, capsys, monkeypatch) -> None:
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("served without a key"))
     with pytest.raises(SystemExit):
