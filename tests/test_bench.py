@@ -379,3 +379,33 @@ def test_run_meta_names_the_checkout_revision(tmp_path, monkeypatch):
         assert re.fullmatch(re.escape(head.stdout.strip()) + r"(\+changes)?", revision)
     monkeypatch.setattr(meta, "__file__", str(tmp_path / "site" / "blockspec" / "bench" / "meta.py"))
     assert "revision" not in meta.run_meta("blockspec.bench.bench", torch.device("cpu"), torch.float32)
+
+
+def acceptance_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    acceptance.add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_acceptance_bench_checks_its_files_and_flags_before_any_engine(tmp_path) -> None:
+    """Each a ValueError naming the problem, raised before an engine loads (an engine would fail
+    here: the model is a file that does not exist), not a traceback after the run."""
+    mtbench = tmp_path / "question.jsonl"
+    mtbench.write_text('{"turns": ["w5"]}\n')
+    humaneval = tmp_path / "HumanEval.jsonl.gz"
+    humaneval.write_bytes(gzip.compress(b'{"prompt": "def f():"}\n'))
+    files = ["--model", str(tmp_path / "none.gguf"), "--humaneval", str(humaneval), "--mtbench", str(mtbench)]
+    bad_rows = tmp_path / "rows.jsonl"
+    bad_rows.write_text('{"question": "w5"}\n')
+    cases = [
+        (["--out", str(tmp_path / "missing" / "a.json")], "its directory does not exist or is not writable"),
+        (["--limit", "0"], "--limit must be >= 1, got 0"),
+        (["--temperatures", "0,abc"], "--temperatures must be numbers separated by commas"),
+        (["--humaneval", str(mtbench)], "not a JSONL file of prompts"),  # not gzipped
+        (["--mtbench", str(bad_rows)], "every row needs a non-empty 'turns'"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(ValueError, match=message):
+            acceptance.run(acceptance_args(*files, *flags))
+    with pytest.raises(FileNotFoundError, match="none.gguf"):  # the checks pass: the engine is next
+        acceptance.run(acceptance_args(*files, "--out", str(tmp_path / "a.json")))

