@@ -409,3 +409,20 @@ def test_acceptance_bench_checks_its_files_and_flags_before_any_engine(tmp_path)
             acceptance.run(acceptance_args(*files, *flags))
     with pytest.raises(FileNotFoundError, match="none.gguf"):  # the checks pass: the engine is next
         acceptance.run(acceptance_args(*files, "--out", str(tmp_path / "a.json")))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "--steps must be >= 1 and --warmup >= 0"),
+        (["--block-size", "1"], "--block-size must be >= 2"),
+        (["--batch-sizes", "1,x"], "integers separated by commas"),
+        (["--prompt-len", "0"], "--prompt-len and --batch-sizes must be >= 1"),
+    ],
+)
+def test_engine_bench_checks_its_flags_before_loading(tmp_path, flags, message) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "none"), "--device", "cpu", *flags])
+    with pytest.raises(ValueError, match=message):
+        bench.run(args)

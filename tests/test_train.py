@@ -539,6 +539,10 @@ def test_resume_is_exact(setup, tmp_path) -> None:
         for d in (tmp_path / "a", tmp_path / "b")
     ]
     assert logs[0] == logs[1] and len(logs[0]) == 2
+    target = whole.target
+    fewer = dataclasses.replace(eight_step_config(setup, tmp_path / "a", True), steps=4)  # a checkpoint at step 8
+    with pytest.raises(ValueError, match=r"checkpoint is at step 8, past --steps 4"):
+        Trainer(fewer, target, build_drafter(target, fewer, VOCAB - 1)[0], read_examples(setup[1]), CPU)
 
 
 def test_sigterm_stops_at_a_logged_step_with_a_checkpoint_to_resume(setup, tmp_path, monkeypatch) -> None:

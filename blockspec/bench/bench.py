@@ -398,10 +398,25 @@ def add_cpu_bf16_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_run_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming a flag the run could not go on with, before anything loads."""
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2 (the anchor and a draft), got {args.block_size}")
+    try:
+        sizes = [int(n) for n in f"{args.prompt_len},{args.batch_sizes}".split(",")]
+    except ValueError:
+        raise ValueError("--prompt-len and --batch-sizes are integers separated by commas") from None
+    if min(sizes) < 1:
+        raise ValueError("--prompt-len and --batch-sizes must be >= 1")
+
+
 def run(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     args.draft = None if args.draft == "none" else args.draft
+    check_run_arguments(args)
     target, drafter = load(args, device, dtype)
     bandwidth = copy_bandwidth(device)
     meta = run_meta(

@@ -122,6 +122,8 @@ class Trainer:
         ckpt = self.out / "checkpoint"
         resume = cfg.resume and (ckpt / "state.json").is_file()  # so a repeated --resume command also starts
         self.step = load_checkpoint(ckpt, drafter, self.optimizer, self.identity()) if resume else 0
+        if self.step > cfg.steps:
+            raise ValueError(f"{ckpt} is at step {self.step}, past --steps {cfg.steps}: give at least that many")
         weights = row_weights(drafter.num_drafts, cfg.loss_gamma, device)
         self.objective = data_parallel(Objective(drafter, step_loss(cfg, weights, self.flex)), world)
 
