@@ -7,7 +7,7 @@ import socket
 import sys
 import time
 
-from blockspec.config import SWITCH_WORDS
+from blockspec.config import SWITCH_WORDS, SpeculativeConfig
 from blockspec.llm import AUTO, LLM, free_device_memory, resolve_speculative_config
 from blockspec.outputs import RequestOutput
 from blockspec.sampling import SamplingParams
@@ -57,14 +57,23 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def build_llm(args: argparse.Namespace) -> LLM:
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The drafter the flags ask for (None: plain decoding), its block as --num-speculative-tokens
+    or --block-size say; ValueError where they set a block and there is no drafter."""
     spec = resolve_speculative_config(None if args.draft == "none" else args.draft, args.model)
     n = args.num_speculative_tokens if args.block_size is None else args.block_size - 1
-    if spec is not None and n is not None:
-        spec = dataclasses.replace(spec, num_speculative_tokens=n)  # validated again
+    if spec is None and n is not None:
+        raise ValueError(
+            "--num-speculative-tokens and --block-size set a drafter's block, and there is no drafter (--draft "
+            "none, or auto with a --model other than the embedded one): give --draft"
+        )
+    return spec if n is None else dataclasses.replace(spec, num_speculative_tokens=n)  # validated again
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
     return LLM(
         args.model,
-        spec,
+        speculative_config(args),
         args.device,
         args.dtype,
         max_model_len=args.max_model_len,
@@ -116,6 +125,10 @@ def timed(llm: LLM, prompt: str, params: SamplingParams) -> tuple[RequestOutput,
 
 
 def generate(args: argparse.Namespace) -> None:
+    if (args.compare or args.show_drafts) and speculative_config(args) is None:
+        raise ValueError(
+            "--compare and --show-drafts are about a drafter's work, and there is no drafter: give --draft"
+        )
     start = time.perf_counter()
     llm = build_llm(args)
     loaded = time.perf_counter() - start
@@ -127,7 +140,7 @@ def generate(args: argparse.Namespace) -> None:
     summary = f"{n} tokens, {n / elapsed:.1f} tok/s decoding (load {loaded:.1f} s)"
     if llm.engine.proposer is not None:
         summary += f", mean acceptance length {out.metrics.mean_acceptance_length:.2f}"
-    if args.compare and llm.engine.proposer is not None:
+    if args.compare:
         del llm  # its weights and KV pages: a second engine must fit beside nothing
         free_device_memory()
         plain = LLM(args.model, None, args.device, args.dtype, max_model_len=args.max_model_len)

@@ -372,6 +372,8 @@ def test_request_ids(pair):
         (["--model", "/no/such/model"], "/no/such/model: no such model directory"),
         (["--device", "tpu"], "device 'tpu' is not supported"),
         (["--dtype", "int8"], "dtype 'int8' is not supported"),
+        (["--draft", "none", "--num-speculative-tokens", "3"], "set a drafter's block, and there is no drafter"),
+        (["--draft", "none", "--compare"], "--compare and --show-drafts are about a drafter's work"),
     ],
 )
 def test_cli_bad_input_is_one_line(pair, capsys, flags, message):
