@@ -888,10 +888,12 @@ def test_nulls_mean_defaults_and_deep_json_is_a_400(live: Live) -> None:
         f"{live.url}/v1/chat/completions", content=deep, headers=auth() | {"content-type": "application/json"}
     )
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
-    for ids in ([5] * 257, [5, 10**6]):  # too many; outside the vocabulary
+    for ids in ([5] * 257, [5, 10**6], [True]):  # too many; outside the vocabulary; no id
         body = {"model": NAME, "prompt": "w7", "max_tokens": 2, "stop_token_ids": ids}
         r = httpx.post(f"{live.url}/v1/completions", json=body, headers=auth())
         assert r.status_code == 400 and "stop_token_ids" in (r.json()["error"]["param"] or r.json()["error"]["message"])
+    body = {"model": NAME, "prompt": "w7", "max_tokens": 2, "stop_token_ids": [5.0]}  # JSON's 5.0 is 5, as elsewhere
+    assert httpx.post(f"{live.url}/v1/completions", json=body, headers=auth()).status_code == 200
 
 
 def test_n_choices_share_one_prefill(live: Live) -> None:

@@ -1,7 +1,8 @@
 """Incremental detokenization: each new token costs a decode of a few tokens, not of the
 whole output. The text of the tokens since `prefix_offset` is decoded with and without
 the newest ones; the difference is the new text (the prefix keeps a leading-space or
-byte-fallback token decoding as it does in context). A trailing U+FFFD means an
+byte-fallback token decoding as it does in context; the output's first tokens have the
+prompt's last ones as theirs, `sequence.PROMPT_CONTEXT`). A trailing U+FFFD means an
 incomplete UTF-8 sequence: wait for the next token, or, once the output is final, keep the
 text before it."""
 

@@ -165,7 +165,7 @@ class SamplingRequest(OpenAIModel):
     top_k: Integer = Field(0, ge=-1)
     min_p: StrictFloat = Field(0.0, ge=0, le=1)
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = Field(None, max_length=256)
+    stop_token_ids: list[Integer] | None = Field(None, max_length=256)
     min_tokens: Integer = Field(0, ge=0)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
