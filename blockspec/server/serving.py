@@ -3,6 +3,7 @@ or as server-sent events. A request's choices (`n`, and a batched completion's p
 engine request each, decoded in the same batch."""
 
 import asyncio
+import functools
 import itertools
 import json
 import re
@@ -337,8 +338,9 @@ class OpenAIServing:
     def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str) -> None:
         self.llm, self.engine, self.model_name = llm, engine, model_name
         self.max_model_len = llm.engine.max_model_len
-        self.token_texts: dict[int, str] = {}  # at most the vocabulary
-        self.token_raw_bytes: dict[int, bytes] = {}  # the same
+        # a token id's text and raw bytes as logprobs show them, each worked out once per id
+        self.token_text = functools.cache(self.own_text)
+        self.token_bytes = functools.cache(self.own_bytes)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check(req)
@@ -373,24 +375,15 @@ class OpenAIServing:
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.token_text, token_bytes=self.token_bytes)
         return await self.generate(req, raw, choices, fmt)
 
-    def token_text(self, token_id: int) -> str:
-        """A token's own text (as OpenAI's logprobs show it; decoded once per id); without a
-        tokenizer, its id."""
-        text = self.token_texts.get(token_id)
-        if text is None:
-            tokenizer = self.llm.tokenizer
-            text = tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
-            self.token_texts[token_id] = text
-        return text
+    def own_text(self, token_id: int) -> str:
+        """A token's own text, as OpenAI's logprobs show it; without a tokenizer, its id."""
+        tokenizer = self.llm.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """A token's raw bytes (looked up once per id); without a tokenizer, its text's."""
-        raw = self.token_raw_bytes.get(token_id)
-        if raw is None:
-            tokenizer = self.llm.tokenizer
-            raw = vocab_bytes(tokenizer, token_id) if tokenizer is not None else self.token_text(token_id).encode()
-            self.token_raw_bytes[token_id] = raw
-        return raw
+    def own_bytes(self, token_id: int) -> bytes:
+        """A token's raw bytes (`vocab_bytes`); without a tokenizer, its text's."""
+        tokenizer = self.llm.tokenizer
+        return vocab_bytes(tokenizer, token_id) if tokenizer is not None else self.token_text(token_id).encode()
 
     def check(self, req: SamplingRequest) -> None:
         """What pydantic cannot say: fields this server does not take, then the model name."""
