@@ -3,7 +3,7 @@ names to a model's (`WeightMapping`), filling a model built on the meta device, 
 of bounded size."""
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,14 +164,14 @@ def save_sharded(weights: dict[str, torch.Tensor], path: Path, max_shard_bytes: 
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def packed_of(name: str, packing: Packing) -> str | None:
-    """The packed projection a model parameter's name is of (None: no packed one)."""
-    return next((p for p in packing if f".{p}." in name), None)
+def module_in(name: str, modules: Iterable[str]) -> str | None:
+    """The first of `modules` that is a component of the dotted `name` (None: none is)."""
+    return next((m for m in modules if f".{m}." in name), None)
 
 
 def stored_names(name: str, packing: Packing) -> list[str]:
     """A model parameter's name as a checkpoint stores it: a packed projection's as its parts'."""
-    packed = packed_of(name, packing)
+    packed = module_in(name, packing)
     return [name] if packed is None else [name.replace(f".{packed}.", f".{part}.") for part, _ in packing[packed]]
 
 
@@ -179,7 +179,7 @@ def layer_parts(names: list[str], packed: str, parts: list[tuple[str, int]]) -> 
     """Each decoder layer's `packed` projection of which `names` hold any part -> all its parts' names."""
     found = {}
     for name in names:
-        part = next((p for p, _ in parts if f".{p}." in name), None)
+        part = module_in(name, [p for p, _ in parts])
         if part is not None and ".layers." in f".{name}":  # decoder layers' only
             found.setdefault(
                 name.replace(f".{part}.", f".{packed}."), [name.replace(f".{part}.", f".{p}.") for p, _ in parts]
@@ -214,7 +214,7 @@ def unpack(weights: dict[str, torch.Tensor], packing: Packing) -> dict[str, torc
     """The inverse of `pack`, for writing checkpoints."""
     out = {}
     for name, tensor in weights.items():
-        packed = packed_of(name, packing)
+        packed = module_in(name, packing)
         chunks = [tensor] if packed is None else tensor.split([rows for _, rows in packing[packed]])
         out.update(zip(stored_names(name, packing), chunks))
     return out

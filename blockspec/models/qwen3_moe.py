@@ -56,6 +56,8 @@ def stack_experts(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Pat
     `experts.down_proj` [E, H, I]; the per-expert tensors leave `weights` as they are stacked."""
     if spec.moe is None:  # no sparse layer: expert tensors are the checkpoint's mismatch (`check_tensors`)
         return weights
+    I, H = spec.moe.intermediate_size, spec.hidden_size  # an expert's width, the hidden size
+    shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}  # each expert's, as stored
     layers: dict[str, dict[tuple[str, int], str]] = {}
     for name in list(weights):
         if (m := EXPERT.fullmatch(name)) is not None:
@@ -69,8 +71,6 @@ def stack_experts(weights: dict[str, torch.Tensor], spec: LayerSpec, source: Pat
             missing, extra = sorted(expected - set(names)), sorted(set(names) - expected)
             raise CheckpointError(f"{source}: {prefix}: expert tensors missing {missing[:4]}, unexpected {extra[:4]}")
         part = {key: weights.pop(name) for key, name in names.items()}
-        I, H = spec.moe.intermediate_size, spec.hidden_size  # an expert's width, the hidden size
-        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
         for (kind, e), name in names.items():
             check_float(name, part[kind, e], source)
             if tuple(part[kind, e].shape) != shapes[kind]:
