@@ -70,10 +70,10 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return spec if n is None else dataclasses.replace(spec, num_speculative_tokens=n)  # validated again
 
 
-def build_llm(args: argparse.Namespace) -> LLM:
+def build_llm(args: argparse.Namespace, spec: SpeculativeConfig | None) -> LLM:
     return LLM(
         args.model,
-        speculative_config(args),
+        spec,
         args.device,
         args.dtype,
         max_model_len=args.max_model_len,
@@ -125,12 +125,13 @@ def timed(llm: LLM, prompt: str, params: SamplingParams) -> tuple[RequestOutput,
 
 
 def generate(args: argparse.Namespace) -> None:
-    if (args.compare or args.show_drafts) and speculative_config(args) is None:
+    spec = speculative_config(args)
+    if (args.compare or args.show_drafts) and spec is None:
         raise ValueError(
             "--compare and --show-drafts are about a drafter's work, and there is no drafter: give --draft"
         )
     start = time.perf_counter()
-    llm = build_llm(args)
+    llm = build_llm(args, spec)
     loaded = time.perf_counter() - start
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     params = sampling_params(args, return_drafts=args.show_drafts)
@@ -151,19 +152,20 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def chat(args: argparse.Namespace) -> None:
-    llm = build_llm(args)
+    llm = build_llm(args, speculative_config(args))
     history = []
     while True:
         try:
             user = input("> ")
         except EOFError:
             return
+        message = {"role": "user", "content": user}
         try:
-            reply = chat_turn(llm, history + [{"role": "user", "content": user}], sampling_params(args))
+            reply = chat_turn(llm, [*history, message], sampling_params(args))
         except ValueError as e:  # a conversation grown past the context: this turn is dropped, not the session
             print(f"blockspec: error: {e} (this message was not sent)", file=sys.stderr)
             continue
-        history += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        history += [message, {"role": "assistant", "content": reply}]
 
 
 def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams) -> str:
@@ -204,7 +206,7 @@ def serve(args: argparse.Namespace) -> None:
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     check_address(args.host, args.port)  # before the model loads
-    llm = build_llm(args)
+    llm = build_llm(args, speculative_config(args))
     name = args.served_model_name or args.model or llm.engine.target.name
     run_server(llm, name, args.host, args.port, api_key, args.max_request_bytes)
 

@@ -226,4 +226,4 @@ def test_the_command_line_switches_warm_up(tmp_path):
     add_engine_args(parser)
     for flags, expected in (([], True), (["--warm-up", "off"], False)):
         args = parser.parse_args(["--model", str(t), "--draft", "none", "--device", "cpu", *flags])
-        assert build_llm(args).engine.config.warm_up is expected
+        assert build_llm(args, None).engine.config.warm_up is expected  # --draft none: no drafter

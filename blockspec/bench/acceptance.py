@@ -50,9 +50,9 @@ def read_rows(path: Path, read: Callable[[Path], str], key: str) -> list[dict]:
     not such a file (FileNotFoundError where it is missing)."""
     try:
         rows = [json.loads(line) for line in read(path).splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise
     except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
         raise ValueError(f"{path}: not a JSONL file of prompts ({e})") from None
     if not rows or not all(isinstance(r, dict) and r.get(key) for r in rows):
         raise ValueError(f"{path}: every row needs a non-empty {key!r}")

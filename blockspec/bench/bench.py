@@ -398,25 +398,27 @@ def add_cpu_bf16_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def check_run_arguments(args: argparse.Namespace) -> None:
-    """ValueError naming a flag the run could not go on with, before anything loads."""
+def run_sizes(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The run's prompt lengths and batch sizes; ValueError naming a flag the run could not go on
+    with, before anything loads."""
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     if args.block_size < 2:
         raise ValueError(f"--block-size must be >= 2 (the anchor and a draft), got {args.block_size}")
     try:
-        sizes = [int(n) for n in f"{args.prompt_len},{args.batch_sizes}".split(",")]
+        prompt_lens, batches = ([int(n) for n in flag.split(",")] for flag in (args.prompt_len, args.batch_sizes))
     except ValueError:
         raise ValueError("--prompt-len and --batch-sizes are integers separated by commas") from None
-    if min(sizes) < 1:
+    if min(prompt_lens + batches) < 1:
         raise ValueError("--prompt-len and --batch-sizes must be >= 1")
+    return prompt_lens, batches
 
 
 def run(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     args.draft = None if args.draft == "none" else args.draft
-    check_run_arguments(args)
+    prompt_lens, batches = run_sizes(args)
     target, drafter = load(args, device, dtype)
     bandwidth = copy_bandwidth(device)
     meta = run_meta(
@@ -425,8 +427,8 @@ def run(args: argparse.Namespace) -> None:
         adaptive_width=args.adaptive_width, deferred_context=args.deferred_context,
     )  # fmt: skip
     results = []
-    for prompt_len in [int(n) for n in args.prompt_len.split(",")]:
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    for prompt_len in prompt_lens:
+        for batch in batches:
             for d in (None, drafter) if drafter is not None else (None,):
                 results.append(run_mode(target, d, args, batch, prompt_len, bandwidth, device.type == "cuda"))
                 with open(args.out, "w") as f:  # after each row: a failure later keeps the rows measured
