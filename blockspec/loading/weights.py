@@ -131,8 +131,7 @@ def check_tensors(
 
 
 def check_float(name: str, tensor: torch.Tensor, source: Path) -> None:
-    """Raise CheckpointError unless `tensor` may fill a float parameter: a 16, 32 or 64-bit float
-    (checked before packing or stacking, whose concatenation would convert another dtype)."""
+    """Raise CheckpointError unless `tensor` may fill a float parameter: a 16, 32 or 64-bit float."""
     if not tensor.dtype.is_floating_point or tensor.element_size() == 1:
         raise CheckpointError(
             f"{source}: {name} is {str(tensor.dtype).removeprefix('torch.')}: 16/32/64-bit float weights "
@@ -198,7 +197,6 @@ def pack(weights: dict[str, torch.Tensor], source: Path, packing: Packing) -> di
             if missing:
                 raise CheckpointError(f"{source}: tensors missing from the checkpoint: {missing}")
             for part, (_, rows) in zip(names, parts):
-                check_float(part, out[part], source)
                 if out[part].dim() == 0 or out[part].shape[0] != rows:
                     raise CheckpointError(f"{source}: {part} has shape {tuple(out[part].shape)}, expected {rows} rows")
             widths = {out[n].shape[1:] for n in names}
@@ -226,6 +224,8 @@ def stored_name(name: str) -> str | None:
     return None if "rotary_emb" in name else name
 
 
+# An MXFP4 weight's stored halves, uint8 (`layers.mxfp4`): the only checkpoint tensors that are no floats
+MXFP4_PARTS = ("_blocks", "_scales")
 Convert = Callable[[dict[str, torch.Tensor], LayerSpec, Path], dict[str, torch.Tensor]]
 
 
@@ -246,4 +246,7 @@ class WeightMapping:
 
     def to_model(self, weights: dict[str, torch.Tensor], spec: LayerSpec, source: Path) -> dict[str, torch.Tensor]:
         renamed = {new: t for name, t in weights.items() if (new := self.rename(name)) is not None}
+        for name, tensor in renamed.items():  # before `convert` and `pack` combine them (a cat converts)
+            if not name.endswith(MXFP4_PARTS):
+                check_float(name, tensor, source)
         return pack(self.convert(renamed, spec, source), source, self.packing(spec))
