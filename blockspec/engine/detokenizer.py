@@ -13,10 +13,10 @@ from blockspec.engine.sequence import Sequence
 
 def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool = False) -> str:
     """Extend seq.text with its undecoded output tokens; returns the text added."""
-    ids = seq.text_token_ids
+    ids, end = seq.token_ids, seq.text_end  # slices of the few tokens decoded, not copies of the output
     skip = seq.params.skip_special_tokens
     prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset : end], skip_special_tokens=skip)
     if full.endswith("\ufffd"):
         if not final:
             return ""
@@ -25,7 +25,7 @@ def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool =
         return ""
     added = full[len(prefix) :]
     seq.text += added
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.prefix_offset, seq.read_offset = seq.read_offset, end
     return added
 
 

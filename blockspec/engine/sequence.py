@@ -64,9 +64,9 @@ class Sequence:
         # by eos or a stop token id: its text is left out, as vLLM does (unless include_stop_str_in_output)
         self.stopped_on_token = False
         self.text = ""  # detokenized output
-        # incremental detokenization (detokenizer.py), in `text_token_ids`: the prompt's context decoded
-        self.text_start = self.num_prompt_tokens - min(PROMPT_CONTEXT, self.num_prompt_tokens)
-        self.prefix_offset, self.read_offset = 0, self.num_prompt_tokens - self.text_start
+        # incremental detokenization (detokenizer.py): positions in token_ids, from PROMPT_CONTEXT prompt tokens
+        self.prefix_offset = self.num_prompt_tokens - min(PROMPT_CONTEXT, self.num_prompt_tokens)
+        self.read_offset = self.num_prompt_tokens
         self.acceptance_lengths: list[int] = []
         self.draft_token_ids: list[list[int]] = []
         self.logprobs: list[TokenLogprob] = []  # of each output token, with SamplingParams(logprobs=k)
@@ -78,9 +78,9 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def text_token_ids(self) -> list[int]:
-        """The output tokens whose text is the output text, after PROMPT_CONTEXT prompt tokens."""
-        return self.token_ids[self.text_start : len(self.token_ids) - self.stopped_on_token]
+    def text_end(self) -> int:
+        """Where in token_ids the tokens whose text is the output text end (a stop token's is left out)."""
+        return len(self.token_ids) - self.stopped_on_token
 
     @property
     def num_generated(self) -> int:
