@@ -18,6 +18,7 @@ from conftest import add_word_tokenizer, make_drafter, make_dspark, make_target,
 
 from blockspec import LLM, SamplingParams
 from blockspec.bench import acceptance, arrival, bench, determinism, meta, report, width_trace
+from blockspec.bench import kernels as kernels_module
 from blockspec.config import EngineConfig
 from blockspec.engine.adaptive import AdaptiveWidth
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
@@ -74,6 +75,26 @@ def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, cap
         assert (phases["context"] > 0.01 * phases["verify"]) == drafted
         assert sum(r["tau_histogram"].values()) == 3 * r["batch_size"]  # every timed step of every sequence
     assert "acceptance SIMULATED" in capsys.readouterr().out
+
+
+def test_kernel_profile_splits_a_step_by_kernel(tmp_path, monkeypatch):
+    """--kernel-profile: each measurement's ops (on the CPU) by time per step, longest first, the
+    drafted mode's step holding more of the linear's time than plain decoding's, the rest summed;
+    without the flag none are recorded."""
+    _, profiled = run_bench(
+        tmp_path, monkeypatch, "random:small", "--batch-sizes", "1", "--steps", "2", "--kernel-profile"
+    )
+    for r in profiled["results"]:
+        kernels = r["kernels"]
+        named = [k for k in kernels if k != kernels_module.OTHER]
+        assert len(named) == kernels_module.TOP_KERNELS and kernels_module.OTHER in kernels
+        times = [kernels[k]["ms_per_step"] for k in named]
+        assert times == sorted(times, reverse=True) and times[-1] > 0
+        assert all(kernels[k]["calls_per_step"] > 0 for k in kernels)
+    total = [sum(k["ms_per_step"] for k in r["kernels"].values()) for r in profiled["results"]]
+    assert total[1] > total[0]  # the drafter's forward and a wider verify
+    _, plain = run_bench(tmp_path, monkeypatch, "random:small", "--batch-sizes", "1", "--steps", "2")
+    assert all(r["kernels"] == {} for r in plain["results"])
 
 
 def test_moe_floor_counts_the_experts_a_step_reads(tmp_path, monkeypatch):

@@ -22,7 +22,9 @@ BENCH = {
         {"mode": "dflash", "batch_size": 1, "tok_per_s": 1287.4, "step_ms": 5.0, "tau": 6.45, "floor_ms": 4.0,
          "phases_ms": {"context": 0.07, "accept": 0.01, "verify": 4.35, "drafter": 0.58},
          "tau_histogram": {"3": 4, "16": 16},
-         "rows": 16},
+         "rows": 16,
+         "kernels": {"_skinny_kernel": {"ms_per_step": 3.9, "calls_per_step": 145.0},
+                     "(other)": {"ms_per_step": 0.2, "calls_per_step": 9.5}}},
     ],
 }  # fmt: skip
 ACCEPTANCE = [
@@ -70,7 +72,7 @@ def test_bench_and_acceptance_sections(tmp_path):
     assert "drawn at mean tau 6.50\n" in real_text  # a real model's weights are not called random
     assert "- command: `blockspec bench --simulate-tau 6.5 --batch-sizes 1`" in bench_text
     assert "- copy bandwidth: 4.20 TB/s" in bench_text and "- gpu_clock: boost" in bench_text
-    acc_table, acc_hist, bench_table, bench_hist = tables(text)
+    acc_table, acc_hist, bench_table, bench_hist, kernel_table = tables(text)
     plain, dflash = bench_table
     columns = ("mode", "batch", "tok/s", "step ms", "floor ms", "x floor", "tau")
     assert [plain[c] for c in columns] == ["plain", "1", "246.9", "4.05", "3.60", "1.12", "1.00"]
@@ -82,6 +84,11 @@ def test_bench_and_acceptance_sections(tmp_path):
     assert phases == ["drafter ms", "verify ms", "accept ms", "context ms", "host ms"]  # the step's order, host last
     assert dflash["rows"] == "16" and plain["rows"] == ""  # an extra result key: its own column
     assert bench_hist[1] == {"mode": "dflash", "batch": "1", "histogram": "3:4 16:16"}
+    assert "kernels" not in dflash  # --kernel-profile's rows are a table of their own, in the order recorded
+    assert [(r["mode"], r["kernel"], r["ms per step"], r["calls per step"]) for r in kernel_table] == [
+        ("dflash", "_skinny_kernel", "3.900", "145.0"),
+        ("dflash", "(other)", "0.200", "9.5"),
+    ]
     (row,) = acc_table
     assert (row["set"], row["T"], row["prompts"], row["plain tok/s"]) == ("humaneval", "0.7", "20", "1,000.0")
     assert (row["ngram tau"], row["ngram tok/s"], row["ngram x plain"]) == ("2.12", "990.0", "0.99x")

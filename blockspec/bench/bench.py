@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from blockspec.bench.kernels import KernelTime, kernel_times
 from blockspec.bench.meta import run_meta
 from blockspec.bench.presets import is_preset, random_drafter, random_target
 from blockspec.config import SWITCH_WORDS, EngineConfig, KernelConfig, SpeculativeConfig
@@ -49,6 +50,7 @@ class Result:
     tau_histogram: dict[int, int] = field(default_factory=dict)
     experts_per_layer: float = 0.0  # MoE targets: experts a step reads per MoE layer, on average
     context: float = 0.0  # tokens of context a sequence holds, averaged over the timed steps
+    kernels: dict[str, KernelTime] = field(default_factory=dict)  # --kernel-profile: device time by kernel
 
 
 class PhaseMarks:
@@ -154,8 +156,9 @@ def touched_expert_bytes(target) -> tuple[int, int]:
 
 
 def total_steps(steps: int, warmup: int) -> int:
-    """Steps a measurement runs: warmup, the timed steps, then PHASE_STEPS read one by one."""
-    return warmup + steps + PHASE_STEPS
+    """Steps a measurement runs: warmup, the timed steps, then PHASE_STEPS read one by one and
+    PHASE_STEPS more profiled (--kernel-profile)."""
+    return warmup + steps + 2 * PHASE_STEPS
 
 
 def run_steps(engine: LLMEngine, steps: int) -> float:
@@ -202,12 +205,14 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, args, warmup: int, m
         if moe:  # one step's experts
             touched = [a + b for a, b in zip(touched, touched_expert_bytes(engine.target.model))]
     engine.run_ahead = run_ahead
+    kernels = kernel_times(engine.step, PHASE_STEPS, marks.cuda) if args.kernel_profile else {}
     phases = {k: v / PHASE_STEPS for k, v in totals.items()}
     phases["host"] = max(0.0, elapsed * 1e3 / args.steps - sum(phases.values()))
     for s in seqs:
         engine.abort(s.request_id)
     experts = {"expert_bytes": touched[0] / PHASE_STEPS, "experts": touched[1] / PHASE_STEPS}
-    return {"tokens": sum(taus), "elapsed": elapsed, "taus": taus, "phases": phases, "context": context} | experts
+    timed = {"tokens": sum(taus), "elapsed": elapsed, "taus": taus, "phases": phases, "context": context}
+    return timed | experts | {"kernels": kernels}
 
 
 def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: float, cuda: bool) -> Result:
@@ -270,6 +275,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
         dict(sorted(hist.items())),
         m["experts"] / len(layers) if layers else 0.0,
         m["context"],
+        m["kernels"],
     )
 
 
@@ -363,6 +369,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="off",
         help="EngineConfig.row_invariant",
     )
+    p.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="also record each kernel's device time per step (CPU: each op's), over a few steps under torch.profiler",
+    )
     add_load_arguments(p)
     p.add_argument("--out", default="bench.json")
 
@@ -424,7 +435,7 @@ def run(args: argparse.Namespace) -> None:
     meta = run_meta(
         "blockspec.bench.bench", device, dtype, model=args.model, draft=args.draft, bandwidth_Bps=bandwidth,
         simulated_tau=args.simulate_tau, cpu_packed=args.cpu_packed, cpu_bf16=args.cpu_bf16,
-        adaptive_width=args.adaptive_width, deferred_context=args.deferred_context,
+        adaptive_width=args.adaptive_width, deferred_context=args.deferred_context, row_invariant=args.row_invariant,
     )  # fmt: skip
     results = []
     for prompt_len in prompt_lens:

@@ -44,6 +44,8 @@ over steps), and simulated drafts are varied tokens, so a verify routes as a rea
 hybrid (linear-attention) target the floor adds each sequence's recurrent states, read and written
 once a step, and *rollback* is the replay of a verify's accepted rows through the linear-attention
 layers. At batch 64 a 16-row verify of a dense 27B is 1,024 rows of GEMMs: past the weight-read regime.
+With `--kernel-profile`, a table gives each measurement's device time per step by kernel (on the
+CPU by op, its own time), from torch.profiler over a few more steps.
 
 **Arrival** (`python -m blockspec.bench.arrival`, in the engine bench's shape). A long prompt
 arrives while a batch decodes: *ttft ms*, its time to first token; *itl p50 / max ms*, the batch's
@@ -86,11 +88,13 @@ drafter's tau. The engine bench's `--row-invariant` sections time what it costs.
 # Bench result columns the renderer lays out itself; any other key becomes an extra column.
 BENCH_KNOWN = (
     "mode", "batch_size", "temperature", "tok_per_s", "step_ms", "floor_ms", "tau", "phases_ms", "tau_histogram",
+    "kernels",
 )  # fmt: skip
 BENCH_REQUIRED = ("mode", "batch_size", "tok_per_s")
 PHASE_ORDER = ("drafter", "verify", "accept", "rollback", "context", "host")  # as the bench marks them
 ACCEPTANCE_KNOWN = ("set", "temperature", "prompts")
 ENGINE_ORDER = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_fp8", "dspark", "dspark_adaptive", "dspark_fp8")
+KERNEL_NAME_CHARS = 80  # of a kernel's name in the table (C++ template names run to hundreds)
 META_ORDER = ("label", "command", "device", "dtype", "model", "draft", "bandwidth_Bps", "simulated_tau")
 
 
@@ -298,6 +302,19 @@ def histograms(keys: list[str], rows: list[list[str]]) -> list[str]:
     return ["", "Tokens committed per step (tau: number of steps):", ""] + table(keys + ["histogram"], rows)
 
 
+def kernel_table(rows: list[dict]) -> list[str]:
+    """The bench's --kernel-profile: each measurement's kernels, longest first."""
+    body = [
+        [fmt(r["mode"]), fmt(r["batch_size"]), cell(name[:KERNEL_NAME_CHARS]), fmt(k["ms_per_step"], 3),
+         fmt(k["calls_per_step"], 1)]
+        for r in rows for name, k in (r.get("kernels") or {}).items()
+    ]  # fmt: skip
+    if not body:
+        return []
+    header = ["mode", "batch", "kernel", "ms per step", "calls per step"]
+    return ["", "Device time per step by kernel (CPU: by op), under torch.profiler:", ""] + table(header, body)
+
+
 def section(path: Path) -> list[str]:
     kind, meta, rows = load(path)
     title = meta.get("label") or path.stem
@@ -311,6 +328,7 @@ def section(path: Path) -> list[str]:
             [fmt(r["mode"]), fmt(r["batch_size"]), fmt(r["tau_histogram"])] for r in rows if r.get("tau_histogram")
         ]
         lines += histograms(["mode", "batch"], hists)
+        lines += kernel_table(rows)
     return lines + [""]
 
 
