@@ -1,6 +1,9 @@
 """Where a step's device time goes, kernel by kernel: `torch.profiler` over a few engine steps, each
 kernel's (CUDA) or op's (CPU, self time) total divided by the steps. Kernels inside CUDA graph
-replays are recorded as the graph runs them; launches are not (a replay launches them all)."""
+replays are recorded as the graph runs them; launches are not (a replay launches them all). A
+kernel launched with programmatic dependent launch (Hopper+, `KernelConfig.pdl`) starts before the
+kernel ahead of it ends and waits for it, its time counting the wait: there the column sums past the
+step time (the one-row GEMV most), and `BLOCKSPEC_PDL=0` gives kernels' own times."""
 
 from collections.abc import Callable
 from dataclasses import dataclass

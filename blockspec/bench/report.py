@@ -45,7 +45,9 @@ hybrid (linear-attention) target the floor adds each sequence's recurrent states
 once a step, and *rollback* is the replay of a verify's accepted rows through the linear-attention
 layers. At batch 64 a 16-row verify of a dense 27B is 1,024 rows of GEMMs: past the weight-read regime.
 With `--kernel-profile`, a table gives each measurement's device time per step by kernel (on the
-CPU by op, its own time), from torch.profiler over a few more steps.
+CPU by op, its own time), from torch.profiler over a few more steps; a kernel launched with
+programmatic dependent launch (Hopper) counts its wait for the kernel ahead of it, so the times can
+sum past the step (`BLOCKSPEC_PDL=0`: kernels' own times).
 
 **Arrival** (`python -m blockspec.bench.arrival`, in the engine bench's shape). A long prompt
 arrives while a batch decodes: *ttft ms*, its time to first token; *itl p50 / max ms*, the batch's
