@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from blockspec.layers.cpu_gemm import packed_linear, usable
+from blockspec.layers.cpu_gemm import onednn_gemm, usable
 from blockspec.layers.fast_path import active_kernels
 
 ROW_TILE = 16  # rows per GEMM: a verify block of up to 16 tokens is one tile
@@ -57,20 +57,27 @@ def tiled_linear(
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), ROW_TILE rows of x a GEMM (the last tile padded with zero rows),
     on the weight's packed copy where it is usable (`cpu_gemm.usable`; a row's bits then must not
-    depend on the other rows of the tile, which the tests check), the bias added after it."""
+    depend on the other rows of the tile, which the tests check), the bias added after it. Each
+    tile's product is its own tensor (one tile: the result): a decode step makes a hundred such
+    calls, where writing tiles into slices of one output cost about what the GEMMs did."""
     x2 = x.reshape(-1, x.shape[-1])
     M, N = x2.shape[0], weight.shape[0]
-    padded = F.pad(x2, (0, 0, 0, -M % ROW_TILE))
     copy = packed if usable(x, packed) else None
-    y = torch.empty((padded.shape[0], N), dtype=x.dtype, device=x.device)
-    for start in range(0, padded.shape[0], ROW_TILE):
-        tile = padded[start : start + ROW_TILE]
-        if copy is None:
-            torch.mm(tile, weight.t(), out=y[start : start + ROW_TILE])
-        else:
-            y[start : start + ROW_TILE] = packed_linear(tile, copy, None)
-    y = y[:M] if bias is None else y[:M] + bias
+    padded = F.pad(x2, (0, 0, 0, -M % ROW_TILE))
+    if padded.shape[0] == ROW_TILE:  # a decode or verify step's rows
+        y = tile_gemm(padded, weight, copy)[:M]
+    else:
+        y = torch.cat([tile_gemm(tile, weight, copy) for tile in padded.split(ROW_TILE)])[:M]
+    y = y if bias is None else y + bias
     return y.view(*x.shape[:-1], N)
+
+
+def tile_gemm(tile: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """One ROW_TILE tile of rows times the weight: on its packed copy in the copy's dtype (one oneDNN
+    call, the result in the tile's dtype), or by torch.mm."""
+    if packed is None:
+        return torch.mm(tile, weight.t())
+    return onednn_gemm(tile.to(packed.dtype), packed).to(tile.dtype)
 
 
 def silu_from_exp(x: torch.Tensor) -> torch.Tensor:
@@ -246,9 +253,9 @@ def _attend_rows(
     B, R, Hq, D = q.shape
     Hkv, n = k.shape[2], k.shape[1] // chunk
     G, M = Hq // Hkv, call.gemm_rows
-    qt = torch.zeros(Hkv, B, n, M, D, device=q.device)  # the rows of every chunk's GEMM, zeros past R * G
-    qt[:, :, :, : R * G] = (q.float() * scale).view(B, R, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, 1, -1, D)
-    qt = qt.view(Hkv, B * n, M, D)
+    # the rows of every chunk's GEMM, zeros past R * G (padded, then repeated for each chunk in one copy)
+    qt = (q.float() * scale).view(B, R, Hkv, G, D).permute(2, 0, 1, 3, 4).reshape(Hkv, B, 1, R * G, D)
+    qt = F.pad(qt, (0, 0, 0, M - R * G)).expand(Hkv, B, n, M, D).reshape(Hkv, B * n, M, D)
     p = torch.empty(Hkv, B * n, M, chunk, device=q.device)  # the scores, then in place their weights
     for q_h, k_h, p_h in zip(qt.unbind(), k.unbind(2), p.unbind()):
         attention_scores(q_h, k_h.reshape(B * n, chunk, D), out=p_h)
