@@ -74,13 +74,13 @@ def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, cap
         assert (phases["drafter"] > 0.1 * phases["verify"]) == drafted
         assert (phases["context"] > 0.01 * phases["verify"]) == drafted
         assert sum(r["tau_histogram"].values()) == 3 * r["batch_size"]  # every timed step of every sequence
+        assert r["kernels"] == {}  # without --kernel-profile
     assert "acceptance SIMULATED" in capsys.readouterr().out
 
 
 def test_kernel_profile_splits_a_step_by_kernel(tmp_path, monkeypatch):
     """--kernel-profile: each measurement's ops (on the CPU) by time per step, longest first, the
-    drafted mode's step holding more of the linear's time than plain decoding's, the rest summed;
-    without the flag none are recorded."""
+    rest summed; a drafted step runs more ops than a plain one (the drafter's forward)."""
     _, profiled = run_bench(
         tmp_path, monkeypatch, "random:small", "--batch-sizes", "1", "--steps", "2", "--kernel-profile"
     )
@@ -91,10 +91,8 @@ def test_kernel_profile_splits_a_step_by_kernel(tmp_path, monkeypatch):
         times = [kernels[k]["ms_per_step"] for k in named]
         assert times == sorted(times, reverse=True) and times[-1] > 0
         assert all(kernels[k]["calls_per_step"] > 0 for k in kernels)
-    total = [sum(k["ms_per_step"] for k in r["kernels"].values()) for r in profiled["results"]]
-    assert total[1] > total[0]  # the drafter's forward and a wider verify
-    _, plain = run_bench(tmp_path, monkeypatch, "random:small", "--batch-sizes", "1", "--steps", "2")
-    assert all(r["kernels"] == {} for r in plain["results"])
+    calls = {r["mode"]: sum(k["calls_per_step"] for k in r["kernels"].values()) for r in profiled["results"]}
+    assert calls["dflash"] > calls["plain"]
 
 
 def test_moe_floor_counts_the_experts_a_step_reads(tmp_path, monkeypatch):

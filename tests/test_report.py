@@ -143,3 +143,12 @@ def test_what_engines_built_while_serving_is_summed_over_the_rows(tmp_path):
     unrecorded = [r | {e: {k: v for k, v in r[e].items() if k != "built"} for e in ("plain", "dflash")} for r in rows]
     older = "\n".join(report.section(write(tmp_path, "old.json", unrecorded)))
     assert "First pass over second pass" in older and "Built while serving" not in older
+
+
+def test_long_kernel_names_are_cut_in_the_middle_and_stay_apart():
+    """Two C++ kernel names that share their first hundred characters stay apart in the table."""
+    stem = "void at::native::vectorized_elementwise_kernel<2, at::native::AUnaryFunctor<long, long, long, "
+    a, b = (report.kernel_name(stem + op + ">(int, Functor, Array)") for op in ("BitwiseAnd", "BitwiseOr"))
+    assert a != b and len(a) == len(b) == report.KERNEL_NAME_CHARS
+    assert a.startswith("void at::native::") and "…" in a and a.endswith("BitwiseAnd>(int, Functor, Array)")
+    assert report.kernel_name("_skinny_kernel") == "_skinny_kernel"

@@ -204,8 +204,9 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, args, warmup: int, m
             totals[name] += ms
         if moe:  # one step's experts
             touched = [a + b for a, b in zip(touched, touched_expert_bytes(engine.target.model))]
-    engine.run_ahead = run_ahead
+    # in lock step too: no step is left in flight when the sequences are aborted
     kernels = kernel_times(engine.step, PHASE_STEPS, marks.cuda) if args.kernel_profile else {}
+    engine.run_ahead = run_ahead
     phases = {k: v / PHASE_STEPS for k, v in totals.items()}
     phases["host"] = max(0.0, elapsed * 1e3 / args.steps - sum(phases.values()))
     for s in seqs:

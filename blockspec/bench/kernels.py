@@ -2,13 +2,14 @@
 kernel's (CUDA) or op's (CPU, self time) total divided by the steps. Kernels inside CUDA graph
 replays are recorded as the graph runs them; launches are not (a replay launches them all). A
 kernel launched with programmatic dependent launch (Hopper+, `KernelConfig.pdl`) starts before the
-kernel ahead of it ends and waits for it, its time counting the wait: there the column sums past the
-step time (the one-row GEMV most), and `BLOCKSPEC_PDL=0` gives kernels' own times."""
+kernel ahead of it ends and waits for it, its time counting the wait: there the kernels' times sum
+past the step time, and `BLOCKSPEC_PDL=0` gives kernels' own times."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.profiler_util import FunctionEventAvg
 from torch.profiler import ProfilerActivity, profile
 
 TOP_KERNELS = 12  # rows kept per measurement; the rest is summed as OTHER
@@ -21,7 +22,7 @@ class KernelTime:
     calls_per_step: float
 
 
-def device_time_us(event, cuda: bool) -> float:
+def device_time_us(event: FunctionEventAvg, cuda: bool) -> float:
     """An averaged profiler event's own time on the device the bench runs on (µs over all steps)."""
     if cuda:
         return event.device_time_total if event.device_type.name == "CUDA" else 0.0

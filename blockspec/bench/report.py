@@ -96,7 +96,7 @@ BENCH_REQUIRED = ("mode", "batch_size", "tok_per_s")
 PHASE_ORDER = ("drafter", "verify", "accept", "rollback", "context", "host")  # as the bench marks them
 ACCEPTANCE_KNOWN = ("set", "temperature", "prompts")
 ENGINE_ORDER = ("plain", "ngram", "dflash", "dflash_adaptive", "dflash_fp8", "dspark", "dspark_adaptive", "dspark_fp8")
-KERNEL_NAME_CHARS = 80  # of a kernel's name in the table (C++ template names run to hundreds)
+KERNEL_NAME_CHARS = 80  # of a kernel's name in the table
 META_ORDER = ("label", "command", "device", "dtype", "model", "draft", "bandwidth_Bps", "simulated_tau")
 
 
@@ -304,10 +304,19 @@ def histograms(keys: list[str], rows: list[list[str]]) -> list[str]:
     return ["", "Tokens committed per step (tau: number of steps):", ""] + table(keys + ["histogram"], rows)
 
 
+def kernel_name(name: str) -> str:
+    """A kernel's name cut to KERNEL_NAME_CHARS by its middle: C++ templates' names share long
+    beginnings and differ at their ends."""
+    if len(name) <= KERNEL_NAME_CHARS:
+        return name
+    tail = (KERNEL_NAME_CHARS - 1) // 2
+    return name[: KERNEL_NAME_CHARS - 1 - tail] + "…" + name[-tail:]
+
+
 def kernel_table(rows: list[dict]) -> list[str]:
     """The bench's --kernel-profile: each measurement's kernels, longest first."""
     body = [
-        [fmt(r["mode"]), fmt(r["batch_size"]), cell(name[:KERNEL_NAME_CHARS]), fmt(k["ms_per_step"], 3),
+        [fmt(r["mode"]), fmt(r["batch_size"]), kernel_name(name), fmt(k["ms_per_step"], 3),
          fmt(k["calls_per_step"], 1)]
         for r in rows for name, k in (r.get("kernels") or {}).items()
     ]  # fmt: skip

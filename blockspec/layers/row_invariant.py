@@ -58,23 +58,24 @@ def tiled_linear(
     """F.linear(x, weight, bias), ROW_TILE rows of x a GEMM (the last tile padded with zero rows),
     on the weight's packed copy where it is usable (`cpu_gemm.usable`; a row's bits then must not
     depend on the other rows of the tile, which the tests check), the bias added after it. Each
-    tile's product is its own tensor (one tile: the result): a decode step makes a hundred such
-    calls, where writing tiles into slices of one output cost about what the GEMMs did."""
+    tile's product is a tensor of its own, concatenated (one tile: the result), not written into a
+    slice of one output: a step makes a hundred such calls, and each op of one counts."""
     x2 = x.reshape(-1, x.shape[-1])
     M, N = x2.shape[0], weight.shape[0]
     copy = packed if usable(x, packed) else None
     padded = F.pad(x2, (0, 0, 0, -M % ROW_TILE))
     if padded.shape[0] == ROW_TILE:  # a decode or verify step's rows
-        y = tile_gemm(padded, weight, copy)[:M]
+        y = _tile_gemm(padded, weight, copy)[:M]
     else:
-        y = torch.cat([tile_gemm(tile, weight, copy) for tile in padded.split(ROW_TILE)])[:M]
+        y = torch.cat([_tile_gemm(tile, weight, copy) for tile in padded.split(ROW_TILE)])[:M]
     y = y if bias is None else y + bias
     return y.view(*x.shape[:-1], N)
 
 
-def tile_gemm(tile: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """One ROW_TILE tile of rows times the weight: on its packed copy in the copy's dtype (one oneDNN
-    call, the result in the tile's dtype), or by torch.mm."""
+def _tile_gemm(tile: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """A tile of exactly ROW_TILE rows times the weight (so never a lone row, which `cpu_gemm` pads):
+    on its packed copy in the copy's dtype (one oneDNN call, the result in the tile's dtype), or by
+    torch.mm."""
     if packed is None:
         return torch.mm(tile, weight.t())
     return onednn_gemm(tile.to(packed.dtype), packed).to(tile.dtype)
