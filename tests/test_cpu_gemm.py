@@ -2,6 +2,8 @@
 where they pay, made at load for every linear of a target and its drafter, none with the switch
 off; under row invariance float32 copies that give a row the same bits at any row count."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 from blockspec import LLM, SamplingParams
 from blockspec.config import KernelConfig, SpeculativeConfig
 from blockspec.layers import cpu_gemm, linear, row_invariant
-from blockspec.layers.cpu_gemm import MIN_ROWS, invariant_rows, pack, packed_linear, takes_packed
+from blockspec.layers.cpu_gemm import MIN_ROWS, invariant_rows, onednn_gemm, pack, packed_linear, takes_packed
 from blockspec.layers.fast_path import use_kernels
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
@@ -223,16 +225,23 @@ def test_under_row_invariance_a_copy_that_fails_the_check_serves_fixed_tiles(mon
     monkeypatch.setattr(cpu_gemm, "invariant_rows", lambda packed: False)
     tiles = []
 
-    def counted(x, packed, bias):
-        tiles.append(x.shape[0])
-        return packed_linear(x, packed, bias)
-
-    monkeypatch.setattr(row_invariant, "packed_linear", counted)
+    monkeypatch.setattr(row_invariant, "onednn_gemm", spying(lambda x, packed: tiles.append(x.shape[0]), onednn_gemm))
     weight = torch.randn(576, 1536, generator=torch.Generator().manual_seed(5)) / 8
     packed = pack(weight)
     assert not takes_packed(torch.randn(3, 1536), packed)
     same_bits_at_any_row_count(weight, packed)
     assert tiles and set(tiles) == {16}  # every GEMM a 16-row tile on the copy
+
+
+def spying(record: Callable, gemm: Callable) -> Callable:
+    """`gemm` (rows, packed copy[, bias]) with `record(rows, packed)` called first: a linear's copies
+    and rows seen where they are served."""
+
+    def spy(x, packed, bias=None):
+        record(x, packed)
+        return gemm(x, packed, bias)
+
+    return spy
 
 
 def linears(llm: LLM) -> list[Linear]:
@@ -252,11 +261,10 @@ def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair, m
     copies = {id(m.packed) for m in linears(llm)} | {id(llm.engine.drafter.fused_kv_packed)}
     served = set()
 
-    def counted(x, packed, bias):
+    def record(x, packed):
         served.add(id(packed))
-        return packed_linear(x, packed, bias)
 
-    monkeypatch.setattr(linear, "packed_linear", counted)
+    monkeypatch.setattr(linear, "packed_linear", spying(record, packed_linear))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     tokens = llm.generate([[1, 5, 9, 2]], params)[0].outputs[0].token_ids
     assert served == copies  # the prompt's prefill, the verify's and the drafter's rows
@@ -267,7 +275,7 @@ def test_loading_packs_every_linear_on_the_cpu_unless_switched_off(llama_pair, m
     for dtype in DTYPES:  # under row invariance the copies serve too: in one call or in fixed tiles
         invariant = LLM(str(target), spec, device="cpu", dtype=dtype, row_invariant=True)
         copies = {id(m.packed) for m in linears(invariant)} | {id(invariant.engine.drafter.fused_kv_packed)}
-        monkeypatch.setattr(row_invariant, "packed_linear", counted)
+        monkeypatch.setattr(row_invariant, "onednn_gemm", spying(record, onednn_gemm))
         served.clear()
         out = invariant.generate([[1, 5, 9, 2]], params)[0].outputs[0].token_ids
         assert served == copies
@@ -320,13 +328,12 @@ def test_a_float32_engines_drafter_reads_bf16_copies_and_stays_lossless(llama_pa
     target, drafter = llama_pair
     head_rows, head = [], {}
 
-    def counted(x, packed, bias):
+    def record(x, packed):
         if packed is head.get("copy"):
             head_rows.append(x.shape[:-1].numel())
-        return packed_linear(x, packed, bias)
 
-    monkeypatch.setattr(linear, "packed_linear", counted)
-    monkeypatch.setattr(row_invariant, "packed_linear", counted)
+    monkeypatch.setattr(linear, "packed_linear", spying(record, packed_linear))
+    monkeypatch.setattr(row_invariant, "onednn_gemm", spying(record, onednn_gemm))
     monkeypatch.setattr(finish, "native_cpu_bf16", lambda: True)  # auto: as on a CPU with AVX512-BF16
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 1]]
