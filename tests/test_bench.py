@@ -95,6 +95,25 @@ def test_kernel_profile_splits_a_step_by_kernel(tmp_path, monkeypatch):
     assert calls["dflash"] > calls["plain"]
 
 
+def test_kernel_times_are_per_step_and_keep_the_longest(monkeypatch):
+    """A step of known ops: each op's calls divided by the steps exactly; past TOP_KERNELS the
+    rest summed under OTHER, no call lost."""
+    a = torch.randn(64, 64)
+
+    def step():
+        for _ in range(3):
+            a @ a
+        a.add(1).sub(1)
+
+    times = kernels_module.kernel_times(step, 4, cuda=False)
+    assert times["aten::mm"].calls_per_step == 3 and times["aten::add"].calls_per_step == 1
+    assert times["aten::mm"].ms_per_step > 0
+    monkeypatch.setattr(kernels_module, "TOP_KERNELS", 1)
+    kept = kernels_module.kernel_times(step, 4, cuda=False)
+    assert len(kept) == 2 and kernels_module.OTHER in kept
+    assert sum(k.calls_per_step for k in kept.values()) == sum(k.calls_per_step for k in times.values())
+
+
 def test_moe_floor_counts_the_experts_a_step_reads(tmp_path, monkeypatch):
     """An MoE target: a decode row reads its top 4 of 16 experts a layer, a block of varied drafts
     many more, and the floor counts only those (below that of every expert read)."""
