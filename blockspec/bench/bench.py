@@ -155,10 +155,10 @@ def touched_expert_bytes(target) -> tuple[int, int]:
     return sum(n * expert_bytes(moe) for n, moe in zip(counts, layers)), sum(counts)
 
 
-def total_steps(steps: int, warmup: int) -> int:
-    """Steps a measurement runs: warmup, the timed steps, then PHASE_STEPS read one by one and
-    PHASE_STEPS more profiled (--kernel-profile)."""
-    return warmup + steps + 2 * PHASE_STEPS
+def total_steps(steps: int, warmup: int, profiled: bool) -> int:
+    """Steps a measurement runs: warmup, the timed steps, then PHASE_STEPS read one by one and,
+    `profiled` (--kernel-profile), PHASE_STEPS more."""
+    return warmup + steps + (2 if profiled else 1) * PHASE_STEPS
 
 
 def run_steps(engine: LLMEngine, steps: int) -> float:
@@ -234,7 +234,7 @@ def run_mode(target, drafter, args, batch: int, prompt_len: int, bandwidth: floa
     warmup = args.warmup + (first_runs if args.adaptive_width and drafter else 0)
     # Admission takes max_num_batched_tokens of prompts a step: the first admitted decode meanwhile
     admission = -(-batch * prompt_len // EngineConfig.max_num_batched_tokens)
-    max_len = prompt_len + (total_steps(args.steps, warmup + admission) + 8) * args.block_size
+    max_len = prompt_len + (total_steps(args.steps, warmup + admission, args.kernel_profile) + 8) * args.block_size
     config = EngineConfig(
         max_num_seqs=batch,
         max_model_len=max_len,
