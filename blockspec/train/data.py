@@ -54,7 +54,7 @@ def check_examples(examples: list[Example], vocab: int) -> None:
     """ValueError where no example has a response to learn from, or a token lies outside the vocabulary."""
     if not any(e.response_ids for e in examples):
         raise ValueError("no training example has a response (every response_ids is empty)")
-    top = max(max(e.prompt_ids + e.response_ids, default=0) for e in examples)
+    top = max(max(ids, default=0) for e in examples for ids in (e.prompt_ids, e.response_ids))  # no list copies
     if top >= vocab:
         raise ValueError(f"the examples hold token {top}, outside the target's vocabulary ({vocab} tokens)")
 
