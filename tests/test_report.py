@@ -23,6 +23,7 @@ BENCH = {
          "phases_ms": {"context": 0.07, "accept": 0.01, "verify": 4.35, "drafter": 0.58},
          "tau_histogram": {"3": 4, "16": 16},
          "rows": 16,
+         "context": 545.5,
          "kernels": {"_skinny_kernel": {"ms_per_step": 3.9, "calls_per_step": 145.0},
                      "(other)": {"ms_per_step": 0.2, "calls_per_step": 9.5}}},
     ],
@@ -85,9 +86,10 @@ def test_bench_and_acceptance_sections(tmp_path):
     assert dflash["rows"] == "16" and plain["rows"] == ""  # an extra result key: its own column
     assert bench_hist[1] == {"mode": "dflash", "batch": "1", "histogram": "3:4 16:16"}
     assert "kernels" not in dflash  # --kernel-profile's rows are a table of their own, in the order recorded
-    assert [(r["mode"], r["kernel"], r["ms per step"], r["calls per step"]) for r in kernel_table] == [
-        ("dflash", "_skinny_kernel", "3.900", "145.0"),
-        ("dflash", "(other)", "0.200", "9.5"),
+    rendered = [(r["mode"], r["context"], r["kernel"], r["ms per step"], r["calls per step"]) for r in kernel_table]
+    assert rendered == [
+        ("dflash", "546", "_skinny_kernel", "3.900", "145.0"),
+        ("dflash", "546", "(other)", "0.200", "9.5"),
     ]
     (row,) = acc_table
     assert (row["set"], row["T"], row["prompts"], row["plain tok/s"]) == ("humaneval", "0.7", "20", "1,000.0")

@@ -316,13 +316,14 @@ def kernel_name(name: str) -> str:
 def kernel_table(rows: list[dict]) -> list[str]:
     """The bench's --kernel-profile: each measurement's kernels, longest first."""
     body = [
-        [fmt(r["mode"]), fmt(r["batch_size"]), kernel_name(name), fmt(k["ms_per_step"], 3),
-         fmt(k["calls_per_step"], 1)]
+        [fmt(r["mode"]), fmt(r["batch_size"]), fmt(r.get("context"), 0), kernel_name(name),
+         fmt(k["ms_per_step"], 3), fmt(k["calls_per_step"], 1)]
         for r in rows for name, k in (r.get("kernels") or {}).items()
     ]  # fmt: skip
     if not body:
         return []
-    header = ["mode", "batch", "kernel", "ms per step", "calls per step"]
+    # context (a sequence's mean tokens): a run of several prompt lengths has rows of each
+    header = ["mode", "batch", "context", "kernel", "ms per step", "calls per step"]
     return ["", "Device time per step by kernel (CPU: by op), under torch.profiler:", ""] + table(header, body)
 
 
