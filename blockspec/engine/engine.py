@@ -59,6 +59,17 @@ class Flight:
     before: int | None = None  # launched ahead: the width class of the step committed in its time
 
 
+@dataclass
+class StepRecord:
+    """A committed step, as `LLMEngine.step_log` keeps it for benchmarks: when the host had its
+    results (wall clock), the widest block it ran, its sequences and the tokens they committed."""
+
+    completed: float
+    width: int
+    batch: int
+    tokens: int
+
+
 def check_row_invariance(model: torch.nn.Module) -> None:
     """EngineConfig.row_invariant's targets: not those with linear-attention layers, nor those with
     MoE layers on CUDA (the expert kernel's tiles follow each expert's rows); on CUDA, with triton
@@ -147,6 +158,7 @@ class LLMEngine:
         self.grammars: Grammars | None = None  # made at the first structured request
         self.grammars_made = threading.Lock()  # `structured_outputs` runs on any thread
         self.last_completion = 0.0
+        self.step_log: list[StepRecord] | None = None  # a list: every committed step is appended
         if graphs is not None and config.warm_up:
             grammar = self.tokenizer is not None and self.structured_proposer and xgrammar_installed()
             warm_up(
@@ -476,6 +488,9 @@ class LLMEngine:
         self.last_completion = now
         for seq, out in live:
             self.commit(seq, out)
+        if self.step_log is not None and live:
+            tokens = sum(len(out.new_token_ids) for _, out in live)
+            self.step_log.append(StepRecord(now, max(flight.step.widths), len(live), tokens))
         return [s for s, _ in live]
 
     def step_class(self, flight: Flight) -> int | None:
