@@ -78,7 +78,10 @@ machine whose speed wandered slowed them alike; before, each ran its pass whole,
 another. Where it says `first_pass: in batches`, the first pass ran the same batches, engine after
 engine, so that both passes were the same work; before, each engine's first pass took all the
 prompts at once (newcomers admitted as others finished, a prefill step each), at batch sizes
-above one not the second pass's work.
+above one not the second pass's work. Where recorded, *realized step ms* is each engine's median
+wall time of a step that followed one of its own width class and batch bucket (the engine's step
+log, second pass), beside the adaptive policy's own estimates, and *steps* the steps one
+`generate` call took (a batch ends with its slowest request).
 
 **Determinism** (`python -m blockspec.bench.determinism`, in the acceptance shape). Real prompts at
 T=0, per *row invariant* setting (`EngineConfig.row_invariant`): *spec equals plain*, the prompts
