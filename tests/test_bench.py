@@ -21,6 +21,7 @@ from blockspec.bench import acceptance, arrival, bench, determinism, meta, repor
 from blockspec.bench import kernels as kernels_module
 from blockspec.config import EngineConfig
 from blockspec.engine.adaptive import AdaptiveWidth
+from blockspec.engine.engine import StepRecord
 from blockspec.engine.kv_cache import kv_token_bytes, state_bytes
 from blockspec.layers.linear import Linear
 from blockspec.loading.hf import load_target
@@ -207,7 +208,9 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     assert not any("width_steps" in r[e] for r in rows for e in engines if "_adaptive" not in e)
     # every engine's realized steps: a call of one prompt steps once per committed run of tokens
     assert all(r[e]["steps_per_call"] == sum(r[e]["histogram"].values()) / r["prompts"] for r in rows for e in engines)
-    assert all(set(r["plain"]["step_ms"]["1"]) == {"1"} and r["plain"]["step_pairs"]["1"]["1"] > 0 for r in rows)
+    # plain decoding at batch 1: a pair of each step and the one before it in its call
+    pairs = [r["plain"]["step_pairs"]["1"]["1"] == sum(r["plain"]["histogram"].values()) - r["prompts"] for r in rows]
+    assert all(set(r["plain"]["step_ms"]["1"]) == {"1"} for r in rows) and all(pairs)
     rendered = "\n".join(report.section(out))
     assert "First pass over second pass" in rendered and "Steps at each block width" in rendered
     assert "Built while serving" in rendered and "dspark_w3 0/0" in rendered
@@ -215,17 +218,30 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
 
 
 def test_realized_steps_time_steps_beside_their_own_width_class() -> None:
-    """Only a step that follows one of its own width class at its own batch bucket times that pair:
-    the first step of each call, and a step after another class or bucket, time nothing; a width
-    counts at its class (3 rows of a 16-row engine at class 4)."""
-    s = acceptance.StepRecord
-    first = [s(0.0, 1, 16, 16), s(0.001, 1, 16, 16), s(0.003, 1, 15, 15), s(0.007, 4, 12, 30), s(0.009, 3, 9, 20)]
-    second = [s(5.0, 4, 4, 9), s(5.004, 4, 3, 7)]
+    """Only a timed step that follows one of its own width class at its own batch bucket, in the same
+    `generate` call, times that pair, by the median of its pairs: the first step of each call, a
+    step after another class or bucket, and an untimed step (a prefill or capture in it) time
+    nothing; a width counts at its class (3 rows of a 16-row engine at class 4)."""
+    first = [
+        StepRecord(0.0, 1, 16, True), StepRecord(0.001, 1, 16, True), StepRecord(0.003, 1, 15, True),
+        StepRecord(0.013, 1, 16, True), StepRecord(0.015, 1, 8, True), StepRecord(0.016, 1, 8, False),
+        StepRecord(0.017, 4, 12, True), StepRecord(0.019, 3, 9, True),
+    ]  # fmt: skip
+    second = [StepRecord(5.0, 4, 16, True), StepRecord(5.004, 4, 3, True), StepRecord(5.006, 4, 4, True)]
     realized = acceptance.realized_steps([first, second], 16)
-    assert realized["step_ms"] == {16: {1: 1.5, 4: 2.0}, 4: {4: 4.0}}
-    assert realized["step_pairs"] == {16: {1: 2, 4: 1}, 4: {4: 1}}
-    assert realized["steps_per_call"] == 3.5
+    assert realized["step_ms"] == {16: {1: 2.0, 4: 2.0}, 4: {4: 2.0}}  # (1, 2, 10) ms: median 2
+    assert realized["step_pairs"] == {16: {1: 3, 4: 1}, 4: {4: 1}}
+    assert realized["steps_per_call"] == 5.5
     assert acceptance.realized_steps([], 1) == {"step_ms": {}, "step_pairs": {}, "steps_per_call": 0}
+
+
+def test_realized_steps_table_shows_the_largest_bucket_by_width() -> None:
+    """The largest bucket and widths by number, from a file's string keys ("16" after "4"), each
+    median with its pairs; an engine without step times shows its steps per call alone."""
+    v = {"step_ms": {"4": {"4": 2.0}, "16": {"16": 1.46, "2": 1.0}}, "step_pairs": {"16": {"16": 9, "2": 3}}}
+    rows = [{"set": "mtbench", "temperature": 0.0, "a": v | {"steps_per_call": 90.0}, "b": {"steps_per_call": 12.0}}]
+    lines = report.realized_steps_table(rows, ["a", "b"])
+    assert lines[-1] == "| mtbench | 0 | b16: w2 1.00 (3), w16 1.46 (9); 90.0 steps | 12.0 steps |"
 
 
 def test_acceptance_second_pass_takes_turns(monkeypatch):
@@ -239,7 +255,7 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
         calls.append((llm.name, prompts))
         first_pass = len(calls) <= 9  # 3 engines x 3 batches
         built = {"cuda_graphs": int(llm.name == "c" and first_pass), "compiled": int(llm.name == "b")}
-        return acceptance.Served([llm.name] * len(prompts), 1.0 if llm.name == "a" else 2.0, built, [])
+        return acceptance.Served([llm.name] * len(prompts), 1.0 if llm.name == "a" else 2.0, built, [[]])
 
     monkeypatch.setattr(acceptance, "timed_generate", timed)
     monkeypatch.setattr(acceptance, "summarize", lambda outs, s: {"outs": outs, "tok_per_s": len(outs) / s})
@@ -253,7 +269,7 @@ def test_acceptance_second_pass_takes_turns(monkeypatch):
     assert rows["a"] == {
         "outs": ["a"] * 5, "tok_per_s": 5 / 3, "first_pass_tok_per_s": 5 / 3,
         "built": {"first_pass": none, "second_pass": none},
-        "step_ms": {}, "step_pairs": {}, "steps_per_call": 0,
+        "step_ms": {}, "step_pairs": {}, "steps_per_call": 0.0,
     }  # fmt: skip
     assert rows["b"]["tok_per_s"] == 5 / 6 and rows["c"]["first_pass_tok_per_s"] == 5 / 6
     assert rows["b"]["built"] == {
@@ -271,7 +287,7 @@ def test_acceptance_rounds_are_timed_apart(monkeypatch):
     def timed(llm, prompts, params):
         seen[llm.name] = seen.get(llm.name, 0) + 1
         second_round = seen[llm.name] > 4  # 2 batches in the first pass, 2 in the first round
-        return acceptance.Served([llm.name] * len(prompts), 2.0 if second_round and llm.name == "a" else 1.0, {}, [])
+        return acceptance.Served([llm.name] * len(prompts), 2.0 if second_round and llm.name == "a" else 1.0, {}, [[]])
 
     monkeypatch.setattr(acceptance, "timed_generate", timed)
     monkeypatch.setattr(acceptance, "summarize", lambda outs, s: {"tok_per_s": len(outs) / s})

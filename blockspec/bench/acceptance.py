@@ -86,8 +86,10 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
         torch.cuda.synchronize()
     start = time.perf_counter()
     llm.engine.step_log = steps = []
-    outs = llm.generate(prompts, params)
-    llm.engine.step_log = None
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.engine.step_log = None
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -107,9 +109,9 @@ def served_together(runs: list[Served]) -> Served:
 def realized_steps(groups: list[list[StepRecord]], max_width: int) -> dict:
     """The steps of `generate` calls as the host saw them: by batch bucket and width class, the
     median milliseconds from a step's completion to the next one's where both ran that class at
-    that bucket (with steps launched ahead, a step's wall time with its neighbours' host work in
-    it) and how many such pairs there were; and the steps a call took on average (a call ends
-    with its slowest request)."""
+    that bucket and the later one is timed (`StepRecord.timed`; with steps launched ahead, a
+    step's wall time with its neighbours' host work in it) and how many such pairs there were;
+    and the steps a call took on average (a call ends with its slowest request)."""
     classes, gaps = width_classes(max_width), {}
 
     def key(step: StepRecord) -> tuple[int, int]:
@@ -117,7 +119,7 @@ def realized_steps(groups: list[list[StepRecord]], max_width: int) -> dict:
 
     for steps in groups:
         for before, step in itertools.pairwise(steps):
-            if key(before) == key(step):
+            if step.timed and key(before) == key(step):
                 gaps.setdefault(key(step), []).append(step.completed - before.completed)
     step_ms, step_pairs = {}, {}
     for (bucket, width), seconds in sorted(gaps.items()):

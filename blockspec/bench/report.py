@@ -288,20 +288,27 @@ def rounds_table(rows: list[dict], engines: list[str]) -> list[str]:
 
 def realized_steps_table(rows: list[dict], engines: list[str]) -> list[str]:
     """Where the rows record them: each engine's realized step milliseconds at its largest batch
-    bucket, by width class, and the steps a `generate` call took on average (its slowest request's)."""
-
-    def largest_bucket(v: dict) -> str:
-        if not v.get("step_ms"):
-            return ""
-        bucket = max(v["step_ms"], key=int)
-        widths = ", ".join(f"w{w} {fmt(ms)}" for w, ms in sorted(v["step_ms"][bucket].items(), key=lambda x: int(x[0])))
-        return f"b{bucket}: {widths}; {fmt(v['steps_per_call'], 1)} steps"
-
+    bucket, by width class (the pairs of steps each median is of), and the steps a `generate`
+    call took on average (its slowest request's)."""
     title = (
         "Realized step ms (second pass; median wall time of a step after one of its own width and batch "
-        "bucket, at the largest bucket) and steps per generate call:"
+        "bucket, at the largest bucket; pairs of steps) and steps per generate call:"
     )
-    return engine_table(rows, engines, "step_ms", title, largest_bucket)
+    return engine_table(rows, engines, "step_ms", title, realized_at_largest_bucket)
+
+
+def realized_at_largest_bucket(v: dict) -> str:
+    """An engine's cell of `realized_steps_table` (JSON keys are strings, numbers before they are
+    written: either sorts as numbers)."""
+    if "steps_per_call" not in v:
+        return ""
+    steps = f"{fmt(v['steps_per_call'], 1)} steps"
+    if not v.get("step_ms"):
+        return steps
+    bucket = max(v["step_ms"], key=int)
+    pairs = v.get("step_pairs", {}).get(bucket, {})
+    times = sorted(v["step_ms"][bucket].items(), key=lambda item: int(item[0]))
+    return f"b{bucket}: " + ", ".join(f"w{w} {fmt(ms)} ({fmt(pairs.get(w))})" for w, ms in times) + f"; {steps}"
 
 
 def built_while_serving(rows: list[dict], engines: list[str]) -> list[str]:

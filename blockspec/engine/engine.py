@@ -62,12 +62,14 @@ class Flight:
 @dataclass
 class StepRecord:
     """A committed step, as `LLMEngine.step_log` keeps it for benchmarks: when the host had its
-    results (wall clock), the widest block it ran, its sequences and the tokens they committed."""
+    results (wall clock), the widest block it ran, the sequences it ran, and whether its time is a
+    measure of its width (as the adaptive policy's timings: no prefill or capture fell in it, and
+    none of its sequences had finished before it was read)."""
 
     completed: float
     width: int
     batch: int
-    tokens: int
+    timed: bool
 
 
 def check_row_invariance(model: torch.nn.Module) -> None:
@@ -489,8 +491,8 @@ class LLMEngine:
         for seq, out in live:
             self.commit(seq, out)
         if self.step_log is not None and live:
-            tokens = sum(len(out.new_token_ids) for _, out in live)
-            self.step_log.append(StepRecord(now, max(flight.step.widths), len(live), tokens))
+            timed = flight.timed and len(live) == len(seqs)
+            self.step_log.append(StepRecord(now, max(flight.step.widths), len(seqs), timed))
         return [s for s, _ in live]
 
     def step_class(self, flight: Flight) -> int | None:
