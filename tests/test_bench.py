@@ -217,6 +217,27 @@ def test_acceptance_compares_drafters_of_different_kinds(tmp_path):
     assert "Estimated step ms" in rendered and "Realized step ms" in rendered
 
 
+def test_the_step_log_marks_the_steps_whose_time_measures_their_width(tmp_path, monkeypatch):
+    """A call's first step holds its prompts' prefill: not timed; every later one is, each at the
+    rows it ran and its widest block, in order of completion. The bench keeps the log for its call
+    only, an error in it included."""
+    t = make_target(tmp_path / "t", "qwen3")
+    spec = {"model": str(make_drafter(tmp_path / "d", t, block_size=8)), "adaptive_width": False}
+    llm = LLM(str(t), spec, "cpu", "float32", max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    served = acceptance.timed_generate(llm, [[5, 9], [7, 3, 1]], params)
+    (log,) = served.steps
+    lengths = [o.metrics.acceptance_lengths for o in served.outs]
+    assert len(log) == max(map(len, lengths)) and [s.timed for s in log] == [False] + [True] * (len(log) - 1)
+    assert [s.batch for s in log] == [sum(len(a) > i for a in lengths) for i in range(len(log))]
+    assert all(s.width <= 8 for s in log) and log[0].width == 8
+    assert [s.completed for s in log] == sorted(s.completed for s in log) and llm.engine.step_log is None
+    monkeypatch.setattr(llm, "generate", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        acceptance.timed_generate(llm, [[5, 9]], params)
+    assert llm.engine.step_log is None
+
+
 def test_realized_steps_time_steps_beside_their_own_width_class() -> None:
     """Only a timed step that follows one of its own width class at its own batch bucket, in the same
     `generate` call, times that pair, by the median of its pairs: the first step of each call, a

@@ -471,12 +471,13 @@ class LLMEngine:
         now = time.perf_counter()
         seqs = flight.step.seqs
         live = [(s, o) for s, o in zip(seqs, outputs) if not s.finished]
+        # Its time measures its width unless a prefill or capture fell in it, or it was left in flight
+        # by sequences that finished (the engine may have idled since).
+        timed = flight.timed and len(live) == len(seqs)
         if self.adaptive and live:
             # A step launched ahead starts on the device when the step before it ends.
             started = max(flight.launched, self.last_completion)
-            # The time counts for the width class the step ran, and not for a step left in flight
-            # by sequences that finished (the engine may have idled since).
-            ran = flight.timed and len(live) == len(seqs) and flight.chosen is not None
+            ran = timed and flight.chosen is not None  # the time counts for the width class the step ran
             offered = [len(o.draft_token_ids) for _, o in live]
             accepted = [len(o.new_token_ids) - 1 for _, o in live]
             # In its time the host committed the step before it (if launched ahead) and launched the next
@@ -491,7 +492,6 @@ class LLMEngine:
         for seq, out in live:
             self.commit(seq, out)
         if self.step_log is not None and live:
-            timed = flight.timed and len(live) == len(seqs)
             self.step_log.append(StepRecord(now, max(flight.step.widths), len(seqs), timed))
         return [s for s, _ in live]
 
