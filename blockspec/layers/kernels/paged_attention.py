@@ -255,7 +255,9 @@ def _attention_kernel(
     HAS_SINKS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
     FOLD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     tile, bh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
     b, kv_head = bh // Hkv, bh % Hkv
@@ -304,6 +306,7 @@ def _attention_kernel(
             )  # fmt: skip
             lse, part = _split_partial(m_i, l_i, acc_i)
             m, den, acc = _fold(m, den, acc, lse, part)
+        let_next_kernel_in(PDL)
         out = _folded(m, den, acc, sink, HAS_SINKS)
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=q_mask)
     else:
@@ -311,6 +314,7 @@ def _attention_kernel(
             q, k_ptr, v_ptr, table, kv_head, start, end, k_start, k_end,
             stride_kn, stride_kh, stride_vn, stride_vh, stride_tm, qk_scale, d, d_ok, PAGE, BLOCK_N, PRECISION,
         )  # fmt: skip
+        let_next_kernel_in(PDL)
         split_rows = B * S * Hkv * G
         flat = split * split_rows + (b * S + s) * (Hkv * G) + h
         group = bh * tl.num_programs(0) + tile
@@ -702,6 +706,7 @@ def paged_attention_triton(
         k_end.stride(0), k_end.stride(1), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E,
         G=Hq // Hkv, D=D, D_PAD=d_pad, PAGE=page_size, BLOCK_M=block_m, **flags, **has_sinks,
         SPLIT_KEYS=INVARIANT_SPLIT_KEYS if invariant else 0, FOLD=fold, **_key_tile(q.dtype, d_pad),
+        **pdl_launch(q.device),
     )  # fmt: skip
     _combine(outputs, flags, sinks, has_sinks)
     return out

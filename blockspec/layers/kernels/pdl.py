@@ -6,11 +6,11 @@ overwrites memory the previous kernel still reads; what it hides is part of the 
 boundary.
 
 Two forms. The one-row GEMV lets the next kernel in at its top (`await_previous_kernel`). The
-kernels of a step above one row (the 16-row MMA GEMM, its split-K reduce, the fused attention and
-its combine, quantize_rows) wait at their top (`wait_previous_kernel`) and let the next kernel in
-after their main loop (`let_next_kernel_in`), so that its launch overlaps their last loads and
-epilogue (letting it in at their top, as the GEMV does, is slower for the MMA GEMM); the small
-reduce, combine and quantize kernels let it in at their top.
+kernels of a step above one row (the 16-row MMA GEMM, its split-K reduce, the fused and the paged
+attention and its combine, quantize_rows) wait at their top (`wait_previous_kernel`) and let the
+next kernel in after their main loop (`let_next_kernel_in`), so that its launch overlaps their
+last loads and epilogue (letting it in at their top, as the GEMV does, is slower for the MMA GEMM);
+the small reduce, combine, quantize, RMSNorm and q/k norm + rope kernels let it in at their top.
 `KernelConfig.pdl` off launches plainly (for A/B runs)."""
 
 import functools

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
+
 
 @triton.jit
 def rms_norm_halves(x1, x2, w1, w2, eps, dtype, D: tl.constexpr):
@@ -63,7 +65,9 @@ def _qk_norm_rope_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HAS_WEIGHT: tl.constexpr, WRITE: tl.constexpr,
     HALF: tl.constexpr,  # head_dim // 2
     BLOCK: tl.constexpr,  # HALF padded to a power of two
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    await_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)  # t * stride_t may pass 2**31 in long prefills
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -121,7 +125,7 @@ def qk_norm_rope_triton(
             rows, q_weight if has_weight else cos2, k_weight if has_weight else cos2, cos2, sin2,
             k_cache, v_cache, slots, rows.stride(0), rows.stride(1), cos2.stride(0), eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_WEIGHT=has_weight, WRITE=kv_write is not None,
-            HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2),
+            HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), **pdl_launch(qkv.device),
         )  # fmt: skip
     return qkv
 

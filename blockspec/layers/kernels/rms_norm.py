@@ -10,11 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.layers.kernels.pdl import await_previous_kernel, pdl_launch
+
 NUM_WARPS = 8  # fixed: the threads that share a row's sum, and so its order, never change
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -39,5 +42,6 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2 if weight is None else weight, y, H, eps,
             HAS_WEIGHT=weight is not None, BLOCK=triton.next_power_of_2(H), num_warps=NUM_WARPS,
+            **pdl_launch(x.device),
         )  # fmt: skip
     return y.view(x.shape)
