@@ -285,6 +285,17 @@ def draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (chunk * DRAW_CHUNK + token)[..., 0]
 
 
+def sample_rows(logits: torch.Tensor, sampling: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [B, V] from softmax(logits / T), drawn at the uniforms u [B]: `draw`
+    of `probs` without filters (a row's parameters in `sampling` [B, 4], its temperature read alone).
+    On CUDA by a Triton kernel (`blockspec.layers.kernels.sample`): the reference is a softmax that
+    gives a row one program and a dozen small kernels."""
+    kernels = fast_kernels(logits, "sample")
+    if kernels is not None:
+        return kernels.sample_triton(logits, sampling[:, 0], u)
+    return draw(probs(logits, sampling, filters=False), u)
+
+
 def last_positive(x: torch.Tensor) -> torch.Tensor:
     """[..., 1] the index of the last positive entry of each row of x [..., n] (0 if none)."""
     index = torch.arange(x.shape[-1], device=x.device)

@@ -29,6 +29,7 @@ from blockspec.sampling import (
     point_mass_or,
     probs,
     residual_tokens,
+    sample_rows,
     sampled_accept,
     token_logprobs,
     uniform,
@@ -245,9 +246,12 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tupl
     greedy_bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
     if inputs.sampling is None:
         return accepted, greedy_bonus
+    greedy, seeds = inputs.greedy, inputs.seeds
+    if not drafts.shape[1] and not inputs.filters:  # a plain step: each row's token from its one row of logits
+        u = uniform(seeds, inputs.starts + 1, Stream.RESIDUAL)
+        return accepted, torch.where(greedy, greedy_bonus, sample_rows(logits[:, 0], inputs.sampling_params, u))
     p = probs(logits, inputs.sampling_params[:, None], inputs.filters)
     q = point_mass_or(proposal.q, drafts, p.shape[-1])
-    greedy, seeds = inputs.greedy, inputs.seeds
     if proposal.accepted is None:
         u = uniform(seeds[:, None], inputs.draft_positions, Stream.ACCEPT)
         sampled = sampled_accept(drafts, p, q, num_drafts, u)

@@ -6,9 +6,9 @@ program takes a chunk of the draft vocabulary for one or more sequences (`ChainT
 maximum, its first index and, when sampling, the chunk's sum of exp((x - max) / T) and its logits.
 The launch of row j+1 first reduces row j's chunks to row j's draft (every program alike; the
 first writes it): the argmax, or for a sampled sequence the token at u times the total mass, found
-chunk by chunk and then inside the chunk, as `sampling.draw` finds it. It maps the draft to its
-target id and reads its Markov embedding: no host sync and no grid barrier, so the chain runs
-inside the step's CUDA graph. The logits left behind become q, softmax(x / T), after the chain."""
+chunk by chunk and then inside the chunk, as `sampling.draw` finds it (`sample.draw_in_chunks`).
+It maps the draft to its target id and reads its Markov embedding: no host sync and no grid
+barrier, so the chain runs inside the step's CUDA graph. The logits left behind become q, softmax(x / T), after the chain."""
 
 import dataclasses
 from typing import NamedTuple
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
+from blockspec.layers.kernels.sample import draw_in_chunks
 
 NO_INDEX = tl.constexpr(2**31 - 1)  # a Triton global must be a constexpr
 
@@ -37,28 +38,6 @@ def _as_weight_dtype(x, dtype: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
     return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _draw(x_row, mass, target, m, t, live, Vd, CHUNK: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr):
-    """Per sequence, the draft index whose cumulative mass first exceeds `target` (u times the
-    total): the chunk first, from the chunks' masses [SEQS, CHUNKS_PAD], then the token inside it,
-    from the row's logits (`x_row`, [SEQS] pointers). Where rounding puts the target past the mass:
-    the last chunk, and token, with any."""
-    k = tl.arange(0, mass.shape[1])[None, :]
-    chunk = tl.sum((tl.cumsum(mass, 1) <= target[:, None]).to(tl.int32), 1)
-    chunk = tl.minimum(chunk, tl.max(tl.where(mass > 0, k, 0), 1))
-    rest = target - tl.sum(tl.where(k < chunk[:, None], mass, 0.0), 1)
-    start = chunk * CHUNK
-    running, below, last = tl.zeros_like(target), tl.zeros_like(chunk), start
-    for i in range(CHUNK_ITERS):
-        v = (start + i * BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :]
-        inside = live[:, None] & (v < Vd) & (v < (start + CHUNK)[:, None])
-        p = tl.exp((tl.load(x_row[:, None] + v, mask=inside, other=float("-inf")) - m[:, None]) / t[:, None])
-        below += tl.sum((running[:, None] + tl.cumsum(p, 1) <= rest[:, None]).to(tl.int32), 1)
-        last = tl.maximum(last, tl.max(tl.where(p > 0, v, 0), 1))
-        running += tl.sum(p, 1)
-    return tl.minimum(start + below, last)
 
 
 @triton.jit
@@ -93,7 +72,9 @@ def _markov_row_kernel(
             mass = tl.where(ok, sums * tl.exp((val - m[:, None]) / t[:, None]), 0.0)
             u = tl.load(u_ptr + seq * n + j - 1, mask=live, other=0.0)
             x_row = x_ptr + (seq.to(tl.int64) * n + j - 1) * Vd
-            drawn = _draw(x_row, mass, u * tl.sum(mass, 1), m, t, live, Vd, CHUNK_ITERS * BLOCK, CHUNK_ITERS, BLOCK)
+            drawn = draw_in_chunks(
+                x_row, mass, u * tl.sum(mass, 1), m, t, live, Vd, CHUNK_ITERS * BLOCK, CHUNK_ITERS, BLOCK
+            )
             prev = tl.where(greedy, prev, drawn.to(tl.int64))
         prev = tl.where(live, prev, 0)
         if HAS_D2T:

@@ -1,0 +1,108 @@
+"""Drawing a token per row from softmax(logits / T) in Triton: the CUDA implementation of
+`blockspec.sampling.sample_rows` (the reference: `sampling.draw` of `sampling.probs` without
+filters), a plain step's sampled token. torch's softmax gives a row one program, and the draw's
+two-level CDF is a dozen small kernels; here each row is cut into chunks, one program each, that
+write their maximum and their sum of exp((x - max) / T) (an online softmax per lane), and a second
+launch takes the token at u times the row's mass, chunk by chunk and then inside the chunk, as
+`sampling.draw` finds it (`draw_in_chunks`, which DSpark's Markov chain shares). The masses are
+float32 sums of their own order, so a token may differ from the reference's only where u falls
+within a float32 rounding of a boundary between two tokens' masses."""
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.kernels import num_sms
+
+BLOCK = 1024
+PROGRAMS_PER_SM = 16
+MAX_CHUNKS = 64
+
+
+@triton.jit
+def draw_in_chunks(
+    x_row, mass, target, m, t, live, V, CHUNK: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Per sequence, the index whose cumulative mass first exceeds `target` (u times the total):
+    the chunk first, from the chunks' masses [SEQS, CHUNKS_PAD], then the token inside it, from the
+    row's logits (`x_row`, [SEQS] pointers) as exp((x - m) / t). Where rounding puts the target past
+    the mass: the last chunk, and token, with any."""
+    k = tl.arange(0, mass.shape[1])[None, :]
+    chunk = tl.sum((tl.cumsum(mass, 1) <= target[:, None]).to(tl.int32), 1)
+    chunk = tl.minimum(chunk, tl.max(tl.where(mass > 0, k, 0), 1))
+    rest = target - tl.sum(tl.where(k < chunk[:, None], mass, 0.0), 1)
+    start = chunk * CHUNK
+    running, below, last = tl.zeros_like(target), tl.zeros_like(chunk), start
+    for i in range(CHUNK_ITERS):
+        v = (start + i * BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :]
+        inside = live[:, None] & (v < V) & (v < (start + CHUNK)[:, None])
+        p = tl.exp(
+            (tl.load(x_row[:, None] + v, mask=inside, other=float("-inf")).to(tl.float32) - m[:, None]) / t[:, None]
+        )
+        below += tl.sum((running[:, None] + tl.cumsum(p, 1) <= rest[:, None]).to(tl.int32), 1)
+        last = tl.maximum(last, tl.max(tl.where(p > 0, v, 0), 1))
+        running += tl.sum(p, 1)
+    return tl.minimum(start + below, last)
+
+
+@triton.jit(do_not_specialize=["V", "stride_row"])
+def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, CHUNK_ITERS: tl.constexpr,
+                       CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row, c = tl.program_id(0), tl.program_id(1)
+    t = tl.load(temp_ptr + row)
+    t = tl.where(t > 0, t, 1.0)  # greedy rows (T = 0) take T = 1, as `sampling.probs` does
+    offs = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK], tl.float32)  # of exp((x - best) / t): each lane's online softmax
+    x_row = x_ptr + row.to(tl.int64) * stride_row
+    for i in range(CHUNK_ITERS):
+        v = offs + i * BLOCK
+        x = tl.load(x_row + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(best, x)
+        scale = tl.where(top == float("-inf"), 0.0, tl.exp((best - top) / t))
+        lane_sum = lane_sum * scale + tl.where(top == float("-inf"), 0.0, tl.exp((x - top) / t))
+        best = top
+    m = tl.max(best, 0)
+    lanes = tl.where(best == float("-inf"), 0.0, lane_sum * tl.exp((best - m) / t))
+    tl.store(val_ptr + row * CHUNKS_PAD + c, m)
+    tl.store(sum_ptr + row * CHUNKS_PAD + c, tl.sum(lanes, 0))
+
+
+@triton.jit(do_not_specialize=["V", "stride_row"])
+def _row_draw_kernel(x_ptr, temp_ptr, u_ptr, val_ptr, sum_ptr, out_ptr, V, stride_row, CHUNKS: tl.constexpr,
+                     CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0) + tl.zeros([1], tl.int32)  # one sequence: [1] vectors for `draw_in_chunks`
+    t = tl.load(temp_ptr + row)
+    t = tl.where(t > 0, t, 1.0)
+    k = tl.arange(0, CHUNKS_PAD)[None, :]
+    ok = k < CHUNKS
+    val = tl.load(val_ptr + row[:, None] * CHUNKS_PAD + k, mask=ok, other=float("-inf"))
+    sums = tl.load(sum_ptr + row[:, None] * CHUNKS_PAD + k, mask=ok, other=0.0)
+    m = tl.max(val, 1)
+    mass = tl.where(val == float("-inf"), 0.0, sums * tl.exp((val - m[:, None]) / t[:, None]))
+    target = tl.load(u_ptr + row) * tl.sum(mass, 1).to(tl.float64)
+    x_row = x_ptr + row.to(tl.int64) * stride_row
+    live = row >= 0
+    token = draw_in_chunks(x_row, mass, target, m, t, live, V, CHUNK_ITERS * BLOCK, CHUNK_ITERS, BLOCK)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (any float dtype, rows contiguous), temperature [B] (0: T = 1), u [B] float64
+    uniforms -> int64 [B]: each row's token at u times its mass under softmax(logits / T)."""
+    rows, V = logits.shape
+    assert V > 0 and logits.stride(-1) == 1, f"logits {tuple(logits.shape)}: rows of a vocabulary, contiguous"
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    chunks = max(1, min(triton.cdiv(PROGRAMS_PER_SM * num_sms(logits.device, interpreted=4), rows),
+                        triton.cdiv(V, BLOCK), MAX_CHUNKS))  # fmt: skip
+    iters = triton.cdiv(triton.cdiv(V, chunks), BLOCK)
+    chunks = triton.cdiv(V, iters * BLOCK)
+    pad = max(2, triton.next_power_of_2(chunks))  # a scan over one chunk fails to compile for sm_90
+    val = torch.empty((rows, pad), dtype=torch.float32, device=logits.device)
+    sums = torch.empty_like(val)
+    temperature, u = temperature.float().contiguous(), u.double().contiguous()
+    _chunk_mass_kernel[(rows, chunks)](logits, temperature, val, sums, V, logits.stride(0), iters, pad, BLOCK)
+    _row_draw_kernel[(rows,)](logits, temperature, u, val, sums, out, V, logits.stride(0), chunks, pad, iters, BLOCK)
+    return out

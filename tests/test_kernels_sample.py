@@ -1,0 +1,79 @@
+"""The Triton draw of a plain step's sampled token (`blockspec.sampling.sample_rows` on CUDA) against
+its reference, `draw` of `probs` without filters: the same token for every row, over chunk
+boundaries, temperatures (0 taking 1), masked tokens and uniforms at the ends of [0, 1). On the CPU
+it runs in Triton's interpreter (test_kernels_in_interpreter, as in test_kernels_attention)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import CUDA, interpreter_test, runs_kernel
+
+from blockspec.layers.kernels.sample import BLOCK, sample_triton
+from blockspec.sampling import SAMPLING_COLUMNS, draw, probs, sample_rows
+
+test_kernels_in_interpreter = interpreter_test(__file__)
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
+
+
+def reference(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    sampling = torch.zeros(len(temperature), len(SAMPLING_COLUMNS), device=logits.device)
+    sampling[:, 0] = temperature
+    return draw(probs(logits, sampling, filters=False), u)
+
+
+def case(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(DEVICE, dtype)
+    temperature = torch.tensor([0.0, 0.05, 0.7, 1.0, 1.5])[torch.arange(rows) % 5].to(DEVICE)
+    u = torch.rand(rows, generator=gen, dtype=torch.float64).to(DEVICE)
+    return logits, temperature, u
+
+
+@runs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (7, BLOCK + 1), (16, 3 * BLOCK - 5), (2, 49152)])
+def test_sample_matches_the_reference_draw(shape, dtype):
+    logits, temperature, u = case(*shape, dtype, seed=shape[-1])
+    tokens = sample_triton(logits, temperature, u)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, reference(logits, temperature, u))
+
+
+@runs_kernel
+def test_masked_tokens_are_never_drawn_even_at_the_ends_of_the_uniforms():
+    """Tokens at -inf (a grammar's or a ban's) have no mass: u near 0 draws the first allowed token,
+    u near 1 the last, whichever chunk they sit in."""
+    V = 5 * BLOCK + 3
+    logits = torch.full((4, V), float("-inf"), device=DEVICE)
+    allowed = [[7, 2 * BLOCK + 1], [V - 1], [0, BLOCK, 4 * BLOCK], [3 * BLOCK - 1, 3 * BLOCK]]
+    for row, tokens in enumerate(allowed):
+        logits[row, tokens] = torch.arange(len(tokens), dtype=torch.float32, device=DEVICE)
+    temperature = torch.ones(4, device=DEVICE)
+    for u_value, pick in ((0.0, 0), (1 - 2**-53, -1)):
+        u = torch.full((4,), u_value, dtype=torch.float64, device=DEVICE)
+        expected = [tokens[pick] for tokens in allowed]
+        assert sample_triton(logits, temperature, u).tolist() == expected
+        assert reference(logits, temperature, u).tolist() == expected
+
+
+@runs_kernel
+def test_a_wrong_temperature_draws_other_tokens():
+    """The comparison can fail: the same uniforms at another temperature give other tokens."""
+    logits, temperature, u = case(64, 2 * BLOCK, torch.float32, seed=1)
+    tokens = sample_triton(logits, temperature, u)
+    assert not torch.equal(tokens, reference(logits, temperature + 0.5, u))
+    assert sample_triton(logits[:0], temperature[:0], u[:0]).shape == (0,)
+
+
+@pytest.mark.skipif(not CUDA, reason="the dispatch to the kernel is CUDA's")
+def test_sample_rows_dispatches_to_the_kernel(monkeypatch):
+    from blockspec.layers.kernels import sample as kernel
+
+    calls = []
+    monkeypatch.setattr(kernel, "sample_triton", lambda *args: calls.append(args) or torch.zeros(2))
+    sampling = torch.ones(2, len(SAMPLING_COLUMNS), device=DEVICE)
+    with torch.inference_mode():
+        sample_rows(torch.randn(2, 10, device=DEVICE), sampling, torch.rand(2, dtype=torch.float64, device=DEVICE))
+    assert len(calls) == 1
