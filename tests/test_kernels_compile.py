@@ -28,6 +28,7 @@ from blockspec.layers.kernels import (
     qk_norm_rope,
     quantize_rows,
     rms_norm,
+    sample,
     swiglu,
 )
 from blockspec.layers.kernels import skinny_linear as kernel
@@ -157,6 +158,25 @@ def test_markov_chain_compiles_for_any_draft_vocabulary(vocab, seqs):
     compile_for_hopper(markov_chain._markov_row_kernel, flags, aligned, **MARKOV_POINTERS)
 
 
+SAMPLE_POINTERS = {"temp_ptr": "*fp32", "u_ptr": "*fp64", "val_ptr": "*fp32", "sum_ptr": "*fp32", "out_ptr": "*i64"}
+
+
+@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("aligned", [("V", "stride_row"), ()])
+@pytest.mark.parametrize("vocab,rows", [(2048, 64), (49152, 1), (151936, 16)])
+def test_sample_compiles_at_the_chunk_counts_it_launches(vocab, rows, aligned, logits):
+    """The draw of a plain step's token at the chunks `sample_triton` cuts a row into: two of a
+    small vocabulary too, whose scan needs MIN_PAD where the JIT specializes the rows as aligned."""
+    chunks = min(triton.cdiv(sample.PROGRAMS_PER_SM * 132, rows), triton.cdiv(vocab, sample.BLOCK), sample.MAX_CHUNKS)
+    iters = triton.cdiv(triton.cdiv(vocab, chunks), sample.BLOCK)
+    chunks = triton.cdiv(vocab, iters * sample.BLOCK)
+    pad = max(sample.MIN_PAD, triton.next_power_of_2(chunks))
+    pointers = SAMPLE_POINTERS | {"x_ptr": logits}
+    flags = {"CHUNK_ITERS": iters, "CHUNKS_PAD": pad, "BLOCK": sample.BLOCK}
+    compile_for_hopper(sample._chunk_mass_kernel, flags, aligned, **pointers)
+    compile_for_hopper(sample._row_draw_kernel, flags | {"CHUNKS": chunks}, aligned, **pointers)
+
+
 def test_dequantize_compiles():
     flags = {"BLOCK": kernel.DEQUANT_BLOCK}
     compile_for_hopper(kernel._dequant_kernel, flags, q_ptr="*fp8e4nv", scale_ptr="*fp32")
@@ -176,7 +196,7 @@ INVARIANT_KEYS = paged_attention.INVARIANT_SPLIT_KEYS
 def test_paged_attention_compiles(split, arrive, fp32, sinks, split_keys, fold):
     flags = {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 32 if fp32 else 64, "SPLIT": split}
     flags |= {"ARRIVE": arrive, "UNROLL": 1, "PRECISION": "ieee" if fp32 else "tf32", "HAS_SINKS": sinks}
-    flags |= {"SPLIT_KEYS": split_keys, "FOLD": fold}
+    flags |= {"SPLIT_KEYS": split_keys, "FOLD": fold, "PDL": True}
     pointers = dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS
     if fp32:
         pointers |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*fp32")
@@ -186,7 +206,9 @@ def test_paged_attention_compiles(split, arrive, fp32, sinks, split_keys, fold):
 @pytest.mark.parametrize("weight", [False, True])
 def test_rms_norm_compiles(weight):
     compile_for_hopper(
-        rms_norm._rms_norm_kernel, {"HAS_WEIGHT": weight, "BLOCK": 4096}, options={"num_warps": rms_norm.NUM_WARPS}
+        rms_norm._rms_norm_kernel,
+        {"HAS_WEIGHT": weight, "BLOCK": 4096, "PDL": True},
+        options={"num_warps": rms_norm.NUM_WARPS},
     )
 
 
@@ -203,6 +225,7 @@ def test_attention_combine_compiles(sinks):
 @pytest.mark.parametrize("weight,write", [(True, True), (False, False)])
 def test_qk_norm_rope_compiles(weight, write):
     flags = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HAS_WEIGHT": weight, "WRITE": write, "HALF": 64, "BLOCK": 64}
+    flags |= {"PDL": True}
     compile_for_hopper(qk_norm_rope._qk_norm_rope_kernel, flags, slot_ptr="*i64")
 
 
@@ -297,10 +320,21 @@ PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programm
                   | SPLIT_POINTERS),
     "combine": (paged_attention._combine_kernel, lambda pdl: {"SPLITS_PAD": 32, "D": 128,
                 "D_PAD": 128, "PDL": pdl, "HAS_SINKS": False}, {"part_ptr": "*fp32", "lse_ptr": "*fp32"}),
+    "paged_attention": (paged_attention._attention_kernel, lambda pdl: {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16,
+                        "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT": True, "ARRIVE": True, "UNROLL": 1, "PRECISION": "tf32",
+                        "HAS_SINKS": False, "SPLIT_KEYS": INVARIANT_KEYS, "FOLD": False, "PDL": pdl},
+                        dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS),
+    "rms_norm": (rms_norm._rms_norm_kernel, lambda pdl: {"HAS_WEIGHT": True, "BLOCK": 4096, "PDL": pdl}, {}),
+    "qk_norm_rope": (qk_norm_rope._qk_norm_rope_kernel, lambda pdl: {"NUM_HEADS": 32, "NUM_KV_HEADS": 8,
+                     "HAS_WEIGHT": True, "WRITE": True, "HALF": 64, "BLOCK": 64, "PDL": pdl}, {"slot_ptr": "*i64"}),
     "quantize": (quantize_rows._quantize_rows_kernel, lambda pdl: {"K": 4096, "NORM": True, "NORM_WEIGHT": False,
                  "BLOCK": quantize_rows.MAX_BLOCK, "PDL": pdl}, {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
 }  # fmt: skip
-LET_IN_AFTER_MAIN_LOOP = ("mma", "attention")  # at their top they lost (pdl.py): DFlash B=1 5.06 -> 6.17 ms
+LET_IN_AFTER_MAIN_LOOP = (
+    "mma",
+    "attention",
+    "paged_attention",
+)  # at their top they lost (pdl.py): DFlash B=1 5.06 -> 6.17 ms
 # A PTX line that touches global memory (predicated or not): loads, stores, async and TMA copies, atomics.
 GLOBAL_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.|red\.)")
 

@@ -27,7 +27,7 @@ def reference(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) 
 def case(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(rows, vocab, generator=gen)).to(DEVICE, dtype)
-    temperature = torch.tensor([0.0, 0.05, 0.7, 1.0, 1.5])[torch.arange(rows) % 5].to(DEVICE)
+    temperature = torch.tensor([0.0, 1e-4, 0.05, 0.7, 1.0, 1.5])[torch.arange(rows) % 6].to(DEVICE)
     u = torch.rand(rows, generator=gen, dtype=torch.float64).to(DEVICE)
     return logits, temperature, u
 
@@ -39,6 +39,15 @@ def test_sample_matches_the_reference_draw(shape, dtype):
     logits, temperature, u = case(*shape, dtype, seed=shape[-1])
     tokens = sample_triton(logits, temperature, u)
     assert tokens.dtype == torch.int64 and torch.equal(tokens, reference(logits, temperature, u))
+
+
+@runs_kernel
+def test_rows_of_a_wider_tensor():
+    """A plain step's rows: logits[:, 0] of [B, S, V], its rows S * V apart."""
+    logits, temperature, u = case(6, 3 * BLOCK + 1, torch.float32, seed=2)
+    wide = torch.stack([logits, logits.flip(-1)], 1)[:, 0]
+    assert wide.stride(0) == 2 * logits.shape[1]
+    assert torch.equal(sample_triton(wide, temperature, u), reference(logits, temperature, u))
 
 
 @runs_kernel

@@ -19,8 +19,9 @@ know which partials exist); with up to ARRIVE_MAX_SPLITS splits the last split o
 its arrival on a per-tile counter, which the last resets for the next launch), else a second
 kernel does. The chunk boundaries are computed inside the kernel from the actual key range,
 so the launch grid depends only on shapes (B, S, M, Hkv): the call has no host sync and can be
-captured in a CUDA graph. The one-launch step kernel (`qkv_attention_triton`) and the combine
-launch with programmatic dependent launch (`blockspec.layers.kernels.pdl`).
+captured in a CUDA graph. Every kernel here (the one-launch step kernel `qkv_attention_triton`,
+the attention of `paged_attention_triton` and the combine) launches with programmatic dependent
+launch (`blockspec.layers.kernels.pdl`).
 
 Attention sinks (gpt-oss, HAS_SINKS): a logit per query head that joins each row's softmax as one
 more column of value zero, so out = acc / (l + 2^(sink - m)) in the log2 domain (sink * log2 e),

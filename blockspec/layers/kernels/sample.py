@@ -17,35 +17,42 @@ from blockspec.layers.kernels import num_sms
 BLOCK = 1024
 PROGRAMS_PER_SM = 16
 MAX_CHUNKS = 64
+# The chunks' scan at least this wide: narrower, triton 3.6 fails to lower it for sm_90 where the
+# logits' rows are 16-byte aligned (tests/test_kernels_compile.py)
+MIN_PAD = 8
+NONE = tl.constexpr(2**31 - 1)  # no index found (a Triton global must be a constexpr)
 
 
 @triton.jit
 def draw_in_chunks(
     x_row, mass, target, m, t, live, V, CHUNK: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
-    """Per sequence, the index whose cumulative mass first exceeds `target` (u times the total):
-    the chunk first, from the chunks' masses [SEQS, CHUNKS_PAD], then the token inside it, from the
-    row's logits (`x_row`, [SEQS] pointers) as exp((x - m) / t). Where rounding puts the target past
-    the mass: the last chunk, and token, with any."""
+    """Per sequence, the first index of positive mass whose cumulative mass exceeds `target` (u times
+    the total): the chunk first, from the chunks' masses [SEQS, CHUNKS_PAD], then the token inside
+    it, from the row's logits (`x_row`, [SEQS] pointers) as exp((x - m) / t). A scan's sums may
+    round a little apart from one place to the next, so neither is found by counting the sums
+    below the target: a token of no mass (a grammar's, a ban's) is never drawn. Where rounding puts
+    the target past the mass: the last chunk, and token, with any."""
     k = tl.arange(0, mass.shape[1])[None, :]
-    chunk = tl.sum((tl.cumsum(mass, 1) <= target[:, None]).to(tl.int32), 1)
-    chunk = tl.minimum(chunk, tl.max(tl.where(mass > 0, k, 0), 1))
-    rest = target - tl.sum(tl.where(k < chunk[:, None], mass, 0.0), 1)
+    cdf = tl.cumsum(mass, 1)
+    first = tl.min(tl.where((cdf > target[:, None]) & (mass > 0), k, NONE), 1)
+    chunk = tl.where(first < NONE, first, tl.max(tl.where(mass > 0, k, 0), 1))
+    rest = tl.maximum(target - tl.sum(tl.where(k == chunk[:, None] - 1, cdf, 0.0), 1), 0.0)
     start = chunk * CHUNK
-    running, below, last = tl.zeros_like(target), tl.zeros_like(chunk), start
+    running, token, last = tl.zeros_like(target), tl.full(chunk.shape, NONE, tl.int32), start
     for i in range(CHUNK_ITERS):
         v = (start + i * BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :]
         inside = live[:, None] & (v < V) & (v < (start + CHUNK)[:, None])
-        p = tl.exp(
-            (tl.load(x_row[:, None] + v, mask=inside, other=float("-inf")).to(tl.float32) - m[:, None]) / t[:, None]
-        )
-        below += tl.sum((running[:, None] + tl.cumsum(p, 1) <= rest[:, None]).to(tl.int32), 1)
+        x = tl.load(x_row[:, None] + v, mask=inside, other=float("-inf")).to(tl.float32)
+        p = tl.exp((x - m[:, None]) / t[:, None])
+        sums = running[:, None] + tl.cumsum(p, 1)
+        token = tl.minimum(token, tl.min(tl.where((sums > rest[:, None]) & (p > 0), v, NONE), 1))
         last = tl.maximum(last, tl.max(tl.where(p > 0, v, 0), 1))
-        running += tl.sum(p, 1)
-    return tl.minimum(start + below, last)
+        running = tl.max(sums, 1)  # the next block's sums go on from this one's largest
+    return tl.where(token < NONE, token, last)
 
 
-@triton.jit(do_not_specialize=["V", "stride_row"])
+@triton.jit
 def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, CHUNK_ITERS: tl.constexpr,
                        CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row, c = tl.program_id(0), tl.program_id(1)
@@ -68,7 +75,7 @@ def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, CHUNK_I
     tl.store(sum_ptr + row * CHUNKS_PAD + c, tl.sum(lanes, 0))
 
 
-@triton.jit(do_not_specialize=["V", "stride_row"])
+@triton.jit
 def _row_draw_kernel(x_ptr, temp_ptr, u_ptr, val_ptr, sum_ptr, out_ptr, V, stride_row, CHUNKS: tl.constexpr,
                      CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0) + tl.zeros([1], tl.int32)  # one sequence: [1] vectors for `draw_in_chunks`
@@ -99,7 +106,7 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tens
                         triton.cdiv(V, BLOCK), MAX_CHUNKS))  # fmt: skip
     iters = triton.cdiv(triton.cdiv(V, chunks), BLOCK)
     chunks = triton.cdiv(V, iters * BLOCK)
-    pad = max(2, triton.next_power_of_2(chunks))  # a scan over one chunk fails to compile for sm_90
+    pad = max(MIN_PAD, triton.next_power_of_2(chunks))
     val = torch.empty((rows, pad), dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(val)
     temperature, u = temperature.float().contiguous(), u.double().contiguous()
