@@ -163,18 +163,15 @@ SAMPLE_POINTERS = {"temp_ptr": "*fp32", "u_ptr": "*fp64", "val_ptr": "*fp32", "s
 
 @pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
 @pytest.mark.parametrize("aligned", [("V", "stride_row"), ()])
-@pytest.mark.parametrize("vocab,rows", [(2048, 64), (49152, 1), (151936, 16)])
-def test_sample_compiles_at_the_chunk_counts_it_launches(vocab, rows, aligned, logits):
-    """The draw of a plain step's token at the chunks `sample_triton` cuts a row into: two of a
-    small vocabulary too, whose scan needs MIN_PAD where the JIT specializes the rows as aligned."""
-    chunks = min(triton.cdiv(sample.PROGRAMS_PER_SM * 132, rows), triton.cdiv(vocab, sample.BLOCK), sample.MAX_CHUNKS)
-    iters = triton.cdiv(triton.cdiv(vocab, chunks), sample.BLOCK)
-    chunks = triton.cdiv(vocab, iters * sample.BLOCK)
-    pad = max(sample.MIN_PAD, triton.next_power_of_2(chunks))
+@pytest.mark.parametrize("vocab", [2048, 49152, 151936])
+def test_sample_compiles_at_the_chunks_it_cuts_a_row_into(vocab, aligned, logits):
+    """The draw of a plain step's token at `chunk_layout`'s chunks: two of a small vocabulary too,
+    whose scan needs MIN_PAD where the JIT specializes the rows as aligned."""
+    layout = sample.chunk_layout(vocab)
     pointers = SAMPLE_POINTERS | {"x_ptr": logits}
-    flags = {"CHUNK_ITERS": iters, "CHUNKS_PAD": pad, "BLOCK": sample.BLOCK}
+    flags = {"CHUNK_ITERS": layout.iters, "CHUNKS_PAD": layout.pad, "BLOCK": sample.BLOCK}
     compile_for_hopper(sample._chunk_mass_kernel, flags, aligned, **pointers)
-    compile_for_hopper(sample._row_draw_kernel, flags | {"CHUNKS": chunks}, aligned, **pointers)
+    compile_for_hopper(sample._row_draw_kernel, flags | {"CHUNKS": layout.chunks}, aligned, **pointers)
 
 
 def test_dequantize_compiles():

@@ -42,6 +42,17 @@ def test_sample_matches_the_reference_draw(shape, dtype):
 
 
 @runs_kernel
+def test_a_row_draws_alone_as_beside_any_rows():
+    """Row invariance: a row is cut into the same chunks whatever the batch (`chunk_layout` reads the
+    vocabulary alone), and its programs read only its own logits and sums: alone or in any slice of
+    a batch, the same token."""
+    logits, temperature, u = case(33, 5 * BLOCK + 3, torch.float32, seed=3)
+    together = sample_triton(logits, temperature, u)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(32, 33)):
+        assert torch.equal(sample_triton(logits[rows], temperature[rows], u[rows]), together[rows])
+
+
+@runs_kernel
 def test_rows_of_a_wider_tensor():
     """A plain step's rows: logits[:, 0] of [B, S, V], its rows S * V apart."""
     logits, temperature, u = case(6, 3 * BLOCK + 1, torch.float32, seed=2)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
-from blockspec.layers.kernels.sample import draw_in_chunks
+from blockspec.layers.kernels.sample import ChunkLayout, draw_in_chunks
 
 NO_INDEX = tl.constexpr(2**31 - 1)  # a Triton global must be a constexpr
 
@@ -149,16 +149,6 @@ def chain_tiles(B: int, w2: torch.Tensor) -> ChainTiles:
         return ChainTiles(seqs=1, block=64, rank_block=256, programs_per_sm=64, max_chunks=2048)
     mma = w2.is_cuda and w2.dtype in (torch.bfloat16, torch.float16)
     return ChainTiles(seqs=16, block=256, rank_block=32, programs_per_sm=64, max_chunks=256, mma=mma)
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkLayout:
-    """How a row's draft vocabulary is cut among a launch's programs (`chunk_layout`)."""
-
-    chunks: int  # programs along the row
-    iters: int  # BLOCKs each reads
-    pad: int  # the chunks' reduction width: a power of two, at least 2 (a scan over one chunk fails
-    # to compile for sm_90 with triton 3.6)
 
 
 def chunk_layout(groups: int, Vd: int, sms: int, tiles: ChainTiles) -> ChunkLayout:

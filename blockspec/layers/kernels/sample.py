@@ -8,14 +8,13 @@ launch takes the token at u times the row's mass, chunk by chunk and then inside
 float32 sums of their own order, so a token may differ from the reference's only where u falls
 within a float32 rounding of a boundary between two tokens' masses."""
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.kernels import num_sms
-
 BLOCK = 1024
-PROGRAMS_PER_SM = 16
 MAX_CHUNKS = 64
 # The chunks' scan at least this wide: narrower, triton 3.6 fails to lower it for sm_90 where the
 # logits' rows are 16-byte aligned (tests/test_kernels_compile.py)
@@ -94,6 +93,25 @@ def _row_draw_kernel(x_ptr, temp_ptr, u_ptr, val_ptr, sum_ptr, out_ptr, V, strid
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How a row is cut among a launch's programs (`chunk_layout`; the Markov chain's its own)."""
+
+    chunks: int  # programs along the row
+    iters: int  # BLOCKs each reads
+    pad: int  # the chunks' scan width: a power of two, at least 2 (one chunk's scan fails to compile
+    # for sm_90 with triton 3.6), at least MIN_PAD where the rows are logits the JIT may see aligned
+
+
+def chunk_layout(V: int) -> ChunkLayout:
+    """A row of V logits in up to MAX_CHUNKS chunks of whole BLOCKs, whatever the batch: a row's sums
+    are then the same bits alone or beside any rows (row invariance), and one variant of each kernel
+    serves every batch."""
+    iters = triton.cdiv(triton.cdiv(V, min(triton.cdiv(V, BLOCK), MAX_CHUNKS)), BLOCK)
+    chunks = triton.cdiv(V, iters * BLOCK)
+    return ChunkLayout(chunks, iters, max(MIN_PAD, triton.next_power_of_2(chunks)))
+
+
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """logits [B, V] (any float dtype, rows contiguous), temperature [B] (0: T = 1), u [B] float64
     uniforms -> int64 [B]: each row's token at u times its mass under softmax(logits / T)."""
@@ -102,14 +120,14 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tens
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    chunks = max(1, min(triton.cdiv(PROGRAMS_PER_SM * num_sms(logits.device, interpreted=4), rows),
-                        triton.cdiv(V, BLOCK), MAX_CHUNKS))  # fmt: skip
-    iters = triton.cdiv(triton.cdiv(V, chunks), BLOCK)
-    chunks = triton.cdiv(V, iters * BLOCK)
-    pad = max(MIN_PAD, triton.next_power_of_2(chunks))
-    val = torch.empty((rows, pad), dtype=torch.float32, device=logits.device)
+    layout = chunk_layout(V)
+    val = torch.empty((rows, layout.pad), dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(val)
     temperature, u = temperature.float().contiguous(), u.double().contiguous()
-    _chunk_mass_kernel[(rows, chunks)](logits, temperature, val, sums, V, logits.stride(0), iters, pad, BLOCK)
-    _row_draw_kernel[(rows,)](logits, temperature, u, val, sums, out, V, logits.stride(0), chunks, pad, iters, BLOCK)
+    _chunk_mass_kernel[(rows, layout.chunks)](
+        logits, temperature, val, sums, V, logits.stride(0), layout.iters, layout.pad, BLOCK
+    )  # fmt: skip
+    _row_draw_kernel[(rows,)](
+        logits, temperature, u, val, sums, out, V, logits.stride(0), layout.chunks, layout.pad, layout.iters, BLOCK
+    )  # fmt: skip
     return out
