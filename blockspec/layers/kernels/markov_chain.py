@@ -8,7 +8,8 @@ The launch of row j+1 first reduces row j's chunks to row j's draft (every progr
 first writes it): the argmax, or for a sampled sequence the token at u times the total mass, found
 chunk by chunk and then inside the chunk, as `sampling.draw` finds it (`sample.draw_in_chunks`).
 It maps the draft to its target id and reads its Markov embedding: no host sync and no grid
-barrier, so the chain runs inside the step's CUDA graph. The logits left behind become q, softmax(x / T), after the chain."""
+barrier, so the chain runs inside the step's CUDA graph. The logits left behind become q,
+softmax(x / T), after the chain."""
 
 import dataclasses
 from typing import NamedTuple
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.kernels import num_sms
-from blockspec.layers.kernels.sample import ChunkLayout, draw_in_chunks
+from blockspec.layers.kernels.sample import ChunkLayout, draw_in_chunks, online_sum, rescaled
 
 NO_INDEX = tl.constexpr(2**31 - 1)  # a Triton global must be a constexpr
 
@@ -69,7 +70,7 @@ def _markov_row_kernel(
         prev = tl.min(tl.where(first, idx, NO_INDEX), 1).to(tl.int64)
         if SAMPLED:
             sums = tl.load(sum_ptr + partial, mask=ok, other=0.0)
-            mass = tl.where(ok, sums * tl.exp((val - m[:, None]) / t[:, None]), 0.0)
+            mass = rescaled(val, sums, m[:, None], t[:, None])  # padding chunks (val -inf): 0
             u = tl.load(u_ptr + seq * n + j - 1, mask=live, other=0.0)
             x_row = x_ptr + (seq.to(tl.int64) * n + j - 1) * Vd
             drawn = draw_in_chunks(
@@ -113,9 +114,7 @@ def _markov_row_kernel(
             take = x > best  # strictly: a lane keeps the first index of its maximum
             if SAMPLED:
                 tl.store(x_ptr + (seq.to(tl.int64) * n + j)[:, None] * Vd + v[None, :], x, mask=x_mask)
-                top = tl.maximum(best, x)
-                scale = tl.where(top == float("-inf"), 0.0, tl.exp((best - top) / t[:, None]))
-                lane_sum = lane_sum * scale + tl.where(top == float("-inf"), 0.0, tl.exp((x - top) / t[:, None]))
+                lane_sum = online_sum(best, lane_sum, x, t[:, None])
             best = tl.where(take, x, best)
             best_idx = tl.where(take, v[None, :], best_idx)
         m = tl.max(best, 1)
@@ -123,8 +122,7 @@ def _markov_row_kernel(
         tl.store(val_ptr + out, m, mask=live)
         tl.store(idx_ptr + out, tl.min(tl.where(best == m[:, None], best_idx, NO_INDEX), 1), mask=live)
         if SAMPLED:
-            lanes = tl.where(best == float("-inf"), 0.0, lane_sum * tl.exp((best - m[:, None]) / t[:, None]))
-            tl.store(sum_ptr + out, tl.sum(lanes, 1), mask=live)
+            tl.store(sum_ptr + out, tl.sum(rescaled(best, lane_sum, m[:, None], t[:, None]), 1), mask=live)
 
 
 @dataclasses.dataclass(frozen=True)

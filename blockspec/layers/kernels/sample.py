@@ -23,6 +23,22 @@ NONE = tl.constexpr(2**31 - 1)  # no index found (a Triton global must be a cons
 
 
 @triton.jit
+def online_sum(best, lane_sum, x, t):
+    """Each lane's sum of exp((x - max) / t) with the logits x added, from its running max `best`
+    (before x) and sum `lane_sum`: an online softmax's sum (0 while a lane has seen only -inf)."""
+    top = tl.maximum(best, x)
+    scale = tl.where(top == float("-inf"), 0.0, tl.exp((best - top) / t))
+    return lane_sum * scale + tl.where(top == float("-inf"), 0.0, tl.exp((x - top) / t))
+
+
+@triton.jit
+def rescaled(best, sums, m, t):
+    """Sums of exp((x - best) / t) (of lanes, or of chunks) as sums of exp((x - m) / t), m their
+    common max: 0 where `best` is -inf (nothing but -inf seen, or a padding chunk)."""
+    return tl.where(best == float("-inf"), 0.0, sums * tl.exp((best - m) / t))
+
+
+@triton.jit
 def draw_in_chunks(
     x_row, mass, target, m, t, live, V, CHUNK: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
@@ -64,14 +80,11 @@ def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, CHUNK_I
     for i in range(CHUNK_ITERS):
         v = offs + i * BLOCK
         x = tl.load(x_row + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        top = tl.maximum(best, x)
-        scale = tl.where(top == float("-inf"), 0.0, tl.exp((best - top) / t))
-        lane_sum = lane_sum * scale + tl.where(top == float("-inf"), 0.0, tl.exp((x - top) / t))
-        best = top
+        lane_sum = online_sum(best, lane_sum, x, t)
+        best = tl.maximum(best, x)
     m = tl.max(best, 0)
-    lanes = tl.where(best == float("-inf"), 0.0, lane_sum * tl.exp((best - m) / t))
     tl.store(val_ptr + row * CHUNKS_PAD + c, m)
-    tl.store(sum_ptr + row * CHUNKS_PAD + c, tl.sum(lanes, 0))
+    tl.store(sum_ptr + row * CHUNKS_PAD + c, tl.sum(rescaled(best, lane_sum, m, t), 0))
 
 
 @triton.jit
@@ -85,7 +98,7 @@ def _row_draw_kernel(x_ptr, temp_ptr, u_ptr, val_ptr, sum_ptr, out_ptr, V, strid
     val = tl.load(val_ptr + row[:, None] * CHUNKS_PAD + k, mask=ok, other=float("-inf"))
     sums = tl.load(sum_ptr + row[:, None] * CHUNKS_PAD + k, mask=ok, other=0.0)
     m = tl.max(val, 1)
-    mass = tl.where(val == float("-inf"), 0.0, sums * tl.exp((val - m[:, None]) / t[:, None]))
+    mass = rescaled(val, sums, m[:, None], t[:, None])
     target = tl.load(u_ptr + row) * tl.sum(mass, 1).to(tl.float64)
     x_row = x_ptr + row.to(tl.int64) * stride_row
     live = row >= 0
