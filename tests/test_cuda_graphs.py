@@ -203,22 +203,19 @@ def test_prefill_variants_reach_every_attention_variant(kv_heads, group, fused, 
 
 
 @pytest.mark.parametrize("kv_heads,group,sms", [(3, 3, 132), (8, 4, 132), (2, 8, 16), (2, 2, 132)])
-def test_invariant_prefill_variants_are_the_least_prefills_of_each(kv_heads, group, sms):
+def test_invariant_fold_prefill_is_the_least_prefill_that_folds(kv_heads, group, sms):
     """Row invariance's attention has two variants: a launch whose tiles fill the SMs folds each
-    tile's splits in its one program, others do not. The warm-up's prefill for each launches the
-    variant it stands for; the folded one is the least (fewest sequences, then rows) within the
-    bounds, and bounds that no folded prefill fits leave it out."""
-    from blockspec.layers.kernels.paged_attention import AttentionHeads, invariant_folds, invariant_prefill_variants
+    tile's splits in its one program, others (the warm-up grid's small prefills) do not. The
+    warm-up's prefill for the folded one folds, and is the least (fewest sequences, then rows)
+    within the bounds; bounds that no folded prefill fits give none."""
+    from blockspec.layers.kernels.paged_attention import AttentionHeads, invariant_fold_prefill, invariant_folds
 
     heads, max_batch, max_rows = AttentionHeads(kv_heads, group, True, sms), 4, 2048
-    variants = invariant_prefill_variants(heads, max_batch, max_rows)
-    assert set(variants) == {False, True}
-    for fold, (b, rows) in variants.items():
-        assert invariant_folds(rows * group, b * kv_heads, sms) is fold and b <= max_batch and rows <= max_rows
-    b, rows = variants[True]
+    b, rows = invariant_fold_prefill(heads, max_batch, max_rows)
+    assert invariant_folds(rows * group, b * kv_heads, sms) and b <= max_batch and rows <= max_rows
     assert not invariant_folds((rows - 1) * group, b * kv_heads, sms)
     assert not any(invariant_folds(max_rows * group, fewer * kv_heads, sms) for fewer in range(1, b))
-    assert invariant_prefill_variants(heads, 1, rows - 1 if b == 1 else max_rows) == {False: (1, 1)}
+    assert invariant_fold_prefill(heads, 1, rows - 1 if b == 1 else max_rows) is None
 
 
 def test_warm_up_sees_which_targets_take_the_fused_step_kernel(tmp_path):

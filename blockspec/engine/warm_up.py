@@ -5,8 +5,8 @@ width-1 steps defer the drafter's context, the flush of each bucket), and the
 prefill's kernels: over a grid of chunk shapes (the kernels' variants follow the rows and their
 alignment), then one prefill for each attention kernel variant the grid missed
 (`paged_attention.prefill_variants`: they follow the rows, the sequences and the context, as a
-chunk after a cached prefix splits its keys; under row invariance `invariant_prefill_variants`:
-a launch's tiles fold their own key splits or not).
+chunk after a cached prefix splits its keys; under row invariance, the least prefill whose tiles
+fold their own key splits, `invariant_fold_prefill`, where the grid has none).
 A capture or a compile in the middle of serving stalls every running request (it synchronizes the
 device, and a compile takes seconds), so the first requests would run slower than the same
 requests later. Warm-up sequences hold only the trash page and the trash state slot: everything
@@ -65,12 +65,15 @@ def prefill_shapes(runner: "ModelRunner", max_num_seqs: int, max_rows: int, step
     if kernels is None:
         return shapes
     heads = attention_heads(runner, kernels)
-    if row_invariant():  # two variants: a launch's tiles fold their own splits, or not
-        folds = {kernels.invariant_folds(rows * heads.group, b * heads.kv_heads, heads.sms) for b, _, rows, _ in shapes}
-        variants = kernels.invariant_prefill_variants(heads, max_num_seqs, max_rows)
-        missed = [(b, rows) for fold, (b, rows) in variants.items() if fold not in folds]
-        return shapes + [(b, 0, rows, -(-(rows + step_rows) // page)) for b, rows in missed
-                         if rows + step_rows <= runner.max_model_len]  # fmt: skip
+    if row_invariant():  # two variants: a launch's tiles fold their own key splits (a long prefill), or not
+        folded = any(
+            kernels.invariant_folds(rows * heads.group, b * heads.kv_heads, heads.sms) for b, _, rows, _ in shapes
+        )
+        least = None if folded else kernels.invariant_fold_prefill(heads, max_num_seqs, max_rows)
+        if least is None or least[1] + step_rows > runner.max_model_len:
+            return shapes
+        batch, rows = least
+        return shapes + [(batch, 0, rows, -(-(rows + step_rows) // page))]
     covered = {kernels.launch_variant(b, rows, cols * page, heads) for b, _, rows, cols in shapes}
     max_pages = -(-runner.max_model_len // page)
     variants = kernels.prefill_variants(heads, page, max_num_seqs, max_rows, max_pages)

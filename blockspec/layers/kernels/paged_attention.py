@@ -613,18 +613,16 @@ def invariant_folds(rows: int, programs: int, sms: int) -> bool:
     return triton.cdiv(rows, MAX_ROWS) * programs >= FOLD_PROGRAMS_PER_SM * sms
 
 
-def invariant_prefill_variants(heads: AttentionHeads, max_batch: int, max_rows: int) -> dict[bool, tuple[int, int]]:
-    """(sequences, rows) of the least prefill, within max_batch sequences of max_rows rows, that
-    launches each variant of the row-invariant attention: unfolded and, where one reaches it, folded
-    (`invariant_folds`: enough tiles to fill the SMs)."""
-    variants = {False: (1, 1)}
+def invariant_fold_prefill(heads: AttentionHeads, max_batch: int, max_rows: int) -> tuple[int, int] | None:
+    """(sequences, rows) of the least prefill, within max_batch sequences of max_rows rows, whose
+    row-invariant attention folds each tile's splits in its one program (`invariant_folds`: its
+    tiles fill the SMs); None where none does."""
     for batch in range(1, max_batch + 1):
         tiles = triton.cdiv(FOLD_PROGRAMS_PER_SM * heads.sms, batch * heads.kv_heads)
         rows = triton.cdiv((tiles - 1) * MAX_ROWS + 1, heads.group)
         if rows <= max_rows:
-            variants[True] = (batch, rows)
-            break
-    return variants
+            return batch, rows
+    return None
 
 
 def invariant_launch(rows: int, max_keys: int, fold: bool) -> tuple[int, int, int, dict]:
