@@ -288,6 +288,33 @@ def test_accept_mixes_greedy_and_sampled_rows():
     assert 0 <= accepted[1] <= 3
 
 
+@pytest.mark.parametrize("filters", [False, True])
+def test_a_plain_steps_token_is_the_residual_draw_after_no_drafts(filters):
+    """A width-1 step (no drafts) draws each sampled row's token as a step with drafts would after
+    accepting none of them: from the row's distribution at its uniform of position start + 1 in the
+    RESIDUAL stream; greedy rows take the argmax. With filters (top-k), the general rule runs."""
+    logits = torch.randn(64, 1, 50) * 2
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7)]
+    if filters:
+        params.append(SamplingParams(temperature=1.0, top_k=5))
+    rows = torch.tensor([sampling_row(params[i % len(params)]) for i in range(64)])
+    starts, seeds = torch.randint(0, 1000, (64,)), torch.randint(0, 2**62, (64,))
+    inputs = step.StepInputs(
+        torch.zeros(64, 1, dtype=torch.long), starts, torch.ones(64, dtype=torch.long),
+        torch.zeros(64, 1, dtype=torch.long), seeds, torch.zeros(64, dtype=torch.long),
+        torch.from_numpy(rows.float().numpy().view("int64")), filters=filters,
+    )  # fmt: skip
+    accepted, tokens = accept(Proposal(torch.zeros(64, 0, dtype=torch.long), None), logits, inputs)
+    u = uniform(seeds, starts + 1, Stream.RESIDUAL)
+    expected = draw(probs(logits, rows[:, None], filters)[:, 0], u)
+    greedy = rows[:, 0] == 0
+    expected[greedy] = logits[greedy, 0].argmax(-1)
+    assert accepted.tolist() == [0] * 64 and torch.equal(tokens, expected)
+    assert not torch.equal(
+        draw(probs(logits, rows[:, None], filters)[:, 0], uniform(seeds, starts, Stream.RESIDUAL)), expected
+    )
+
+
 def test_accept_keeps_nothing_past_a_cut():
     """A proposer's cut (`Proposal.num_drafts`) bounds what is accepted, by the rule and by a
     simulated proposal's imposed counts alike; the token after a cut block is the target's own."""
