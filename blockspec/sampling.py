@@ -296,6 +296,21 @@ def sample_rows(logits: torch.Tensor, sampling: torch.Tensor, u: torch.Tensor) -
     return draw(probs(logits, sampling, filters=False), u)
 
 
+def sample_drafts(
+    logits: torch.Tensor, sampling: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(drafts [B, n] drawn from softmax(logits / T) of a drafter's logits [B, n, V] at the uniforms
+    u [B, n], the distributions where the draw wrote them out): `draw` of `probs` without filters
+    (a row's parameters in `sampling` [B, 4], its temperature read alone), q [B, n, V] kept for the
+    acceptance test; on CUDA `sample_rows`' kernel, which writes none (`sample_block` reads the
+    logits instead)."""
+    B, n, V = logits.shape
+    if fast_kernels(logits, "sample") is None:
+        q = probs(logits, sampling[:, None], filters=False)
+        return draw(q, u), q
+    return sample_rows(logits.reshape(B * n, V), sampling.repeat_interleave(n, 0), u.reshape(-1)).view(B, n), None
+
+
 def last_positive(x: torch.Tensor) -> torch.Tensor:
     """[..., 1] the index of the last positive entry of each row of x [..., n] (0 if none)."""
     index = torch.arange(x.shape[-1], device=x.device)
@@ -361,6 +376,34 @@ def sampled_accept(
     cols = torch.arange(drafts.shape[1], device=drafts.device)
     ok = (u * q_d < p_d) & (cols < num_drafts[:, None])
     return ok.int().cumprod(dim=1).sum(dim=1)
+
+
+def sample_block(
+    logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    q: torch.Tensor | None,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    sampling: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts [B], the token after them [B]) under speculative sampling, for drafts drawn
+    from q = softmax(draft_logits / T) [B, S-1, V] (written out where the draw did: `sample_drafts`)
+    and the target's softmax(logits / T) [B, S, V], no filters (a row's parameters in `sampling`
+    [B, 4], its temperature read alone): `sampled_accept` at u_accept [B, S-1], then
+    `residual_tokens` after j accepted drafts at u_residual[:, j] [B, S]. On CUDA by Triton kernels
+    (`blockspec.layers.kernels.speculative_sample`), which never write the two distributions out."""
+    kernels = fast_kernels(logits, "speculative_sample")
+    if kernels is not None:
+        return kernels.speculative_sample_triton(
+            logits, draft_logits, drafts, num_drafts, sampling[:, 0], u_accept, u_residual
+        )
+    p = probs(logits, sampling[:, None], filters=False)
+    q = q if q is not None else probs(draft_logits, sampling[:, None], filters=False)
+    accepted = sampled_accept(drafts, p, q, num_drafts, u_accept)
+    u = u_residual.gather(1, accepted[:, None])[:, 0]
+    return accepted, residual_tokens(accepted, p, q, num_drafts, u)
 
 
 def residual_tokens(

@@ -29,6 +29,7 @@ from blockspec.layers.kernels import (
     quantize_rows,
     rms_norm,
     sample,
+    speculative_sample,
     swiglu,
 )
 from blockspec.layers.kernels import skinny_linear as kernel
@@ -172,6 +173,26 @@ def test_sample_compiles_at_the_chunks_it_cuts_a_row_into(vocab, aligned, logits
     flags = {"CHUNK_ITERS": layout.iters, "CHUNKS_PAD": layout.pad, "BLOCK": sample.BLOCK}
     compile_for_hopper(sample._chunk_mass_kernel, flags, aligned, **pointers)
     compile_for_hopper(sample._row_draw_kernel, flags | {"CHUNKS": layout.chunks}, aligned, **pointers)
+
+
+SPECULATIVE_POINTERS = {
+    "drafts_ptr": "*i64", "num_ptr": "*i64", "temp_ptr": "*fp32", "u_ptr": "*fp64", "accepted_ptr": "*i64",
+    "token_ptr": "*i64", "r_ptr": "*fp32", "rsum_ptr": "*fp32",
+} | {f"{row}_{stat}_ptr": "*fp32" for row in "pq" for stat in ("val", "sum")}  # fmt: skip
+
+
+@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("aligned", [("V",), ()])
+@pytest.mark.parametrize("vocab", [2048, 49152, 151936])
+def test_speculative_sample_compiles(vocab, aligned, logits):
+    """Speculative sampling's acceptance test and residual draw at `chunk_layout`'s chunks."""
+    layout = sample.chunk_layout(vocab)
+    pointers = SPECULATIVE_POINTERS | {"x_ptr": logits, "y_ptr": logits}
+    shape = {"CHUNKS": layout.chunks, "CHUNKS_PAD": layout.pad}
+    compile_for_hopper(speculative_sample._accept_kernel, shape | {"S_PAD": 16}, aligned, **pointers)
+    steps = shape | {"CHUNK_ITERS": layout.iters, "BLOCK": sample.BLOCK}
+    compile_for_hopper(speculative_sample._residual_mass_kernel, steps, aligned, **pointers)
+    compile_for_hopper(speculative_sample._residual_draw_kernel, steps, aligned, **pointers)
 
 
 def test_dequantize_compiles():

@@ -5,16 +5,17 @@ a deliberately wrong acceptance rule."""
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import make_drafter, make_target
 from transformers import AutoModelForCausalLM
 
-from blockspec import LLM, SamplingParams
+from blockspec import LLM, SamplingParams, sampling
 from blockspec.engine import step
 from blockspec.engine.step import accept
-from blockspec.proposers.base import Proposal
+from blockspec.proposers.base import Proposal, draft_from_logits, proposal_q
 from blockspec.proposers.simulated import geometric_counts
 from blockspec.sampling import (
     DRAW_CHUNK,
@@ -119,6 +120,7 @@ def wrong_residual_tokens(accepted, p, q, num_drafts, u):
 
 
 def test_wrong_acceptance_rule_is_detected(pair, monkeypatch):
+    monkeypatch.setattr(sampling, "residual_tokens", wrong_residual_tokens)  # unfiltered rows' (`sample_block`)
     monkeypatch.setattr(step, "residual_tokens", wrong_residual_tokens)
     t, d = pair
     llm = LLM(
@@ -313,6 +315,38 @@ def test_a_plain_steps_token_is_the_residual_draw_after_no_drafts(filters):
     assert not torch.equal(
         draw(probs(logits, rows[:, None], filters)[:, 0], uniform(seeds, starts, Stream.RESIDUAL)), expected
     )
+
+
+@pytest.mark.parametrize("filters", [False, True])
+def test_drafts_and_their_q_written_out_or_left_to_the_step(filters):
+    """A drafter's sampled drafts are draws from its distribution q at their DRAFT uniforms (greedy
+    rows the argmax); unfiltered, the proposal keeps the drafter's logits too (`draft_logits`, what
+    CUDA's kernels read, never writing q out). The step accepts and draws alike from q written out,
+    from the logits alone, or from both; `proposal_q` writes q out where the proposal holds none."""
+    B, w, V = 48, 4, 40
+    draft_logits, logits = torch.randn(B, w - 1, V) * 2, torch.randn(B, w, V) * 2
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0)]
+    if filters:
+        params.append(SamplingParams(temperature=1.0, top_k=5))
+    rows = torch.tensor([sampling_row(params[i % len(params)]) for i in range(B)])
+    starts, seeds = torch.randint(0, 1000, (B,)), torch.randint(0, 2**62, (B,))
+    inputs = step.StepInputs(
+        torch.zeros(B, w, dtype=torch.long), starts, torch.full((B,), w), torch.zeros(B, 1, dtype=torch.long), seeds,
+        torch.zeros(B, dtype=torch.long), torch.from_numpy(rows.float().numpy().view("int64")), filters=filters,
+    )  # fmt: skip
+    proposal = draft_from_logits(draft_logits, inputs)
+    q = probs(draft_logits, rows[:, None], filters)
+    expected = draw(q, uniform(seeds[:, None], inputs.draft_positions, Stream.DRAFT))
+    greedy = rows[:, 0] == 0
+    expected[greedy] = draft_logits[greedy].argmax(-1)
+    assert torch.equal(proposal.drafts, expected)
+    assert torch.equal(proposal.q, q) and (proposal.draft_logits is draft_logits) == (not filters)
+    accepted, tokens = accept(proposal, logits, inputs)
+    forms = [replace(proposal, draft_logits=None)] + [replace(proposal, q=None)] * (not filters)
+    for form in forms:
+        assert all(torch.equal(a, b) for a, b in zip(accept(form, logits, inputs), (accepted, tokens)))
+        assert torch.equal(proposal_q(form, inputs.sampling_params), q)
+    assert 0 < accepted[~greedy].float().mean() < w - 1  # drafts accepted and rejected
 
 
 def test_accept_keeps_nothing_past_a_cut():

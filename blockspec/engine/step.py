@@ -19,7 +19,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.layers.recurrent_state import RecurrentStates
 from blockspec.outputs import TokenLogprob
 from blockspec.penalties import penalize_rows
-from blockspec.proposers.base import Proposal
+from blockspec.proposers.base import Proposal, proposal_q
 from blockspec.sampling import (
     MAX_LOGPROBS,
     Stream,
@@ -29,6 +29,7 @@ from blockspec.sampling import (
     point_mass_or,
     probs,
     residual_tokens,
+    sample_block,
     sample_rows,
     sampled_accept,
     token_logprobs,
@@ -210,7 +211,8 @@ def propose_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Te
     num_drafts = inputs.lengths - 1
     if proposal.num_drafts is not None:
         num_drafts = torch.minimum(num_drafts, proposal.num_drafts)
-    return torch.cat([num_drafts[:, None].long(), proposal.drafts.long()], 1), proposal.q
+    q = proposal_q(proposal, inputs.sampling_params) if inputs.sampling is not None else proposal.q
+    return torch.cat([num_drafts[:, None].long(), proposal.drafts.long()], 1), q
 
 
 def flush_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[None, None]:
@@ -250,6 +252,15 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tupl
     if not drafts.shape[1] and not inputs.filters:  # a plain step: each row's token from its one row of logits
         u = uniform(seeds, inputs.starts + 1, Stream.RESIDUAL)
         return accepted, torch.where(greedy, greedy_bonus, sample_rows(logits[:, 0], inputs.sampling_params, u))
+    if proposal.draft_logits is not None:  # q: the drafter's softmax, unfiltered
+        u = uniform(seeds[:, None], inputs.draft_positions, Stream.ACCEPT)
+        u_residual = uniform(seeds[:, None], inputs.decided_positions, Stream.RESIDUAL)
+        sampled, token = sample_block(
+            logits, proposal.draft_logits, proposal.q, drafts, num_drafts, inputs.sampling_params, u, u_residual
+        )
+        if proposal.accepted is None:  # else a simulated proposal's counts stand (its tokens are not the target's)
+            accepted = torch.where(greedy, accepted, sampled)
+        return accepted, torch.where(greedy, greedy_bonus, token)
     p = probs(logits, inputs.sampling_params[:, None], inputs.filters)
     q = point_mass_or(proposal.q, drafts, p.shape[-1])
     if proposal.accepted is None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from blockspec.sampling import Stream, argmax, draw, probs, uniform
+from blockspec.sampling import Stream, argmax, draw, probs, sample_drafts, uniform
 
 if TYPE_CHECKING:
     from blockspec.engine.runner import ModelRunner
@@ -20,8 +20,12 @@ if TYPE_CHECKING:
 class Proposal:
     drafts: torch.Tensor  # [B, w-1]
     # [B, w-1, V] the distributions the sampled rows' drafts were drawn from; None: the drafts are
-    # certain (point masses), or every row is greedy
+    # certain (point masses), or every row is greedy, or q is `draft_logits`' softmax, unwritten
     q: torch.Tensor | None = None
+    # [B, w-1, V] the drafter's logits, where the sampled rows' drafts were drawn from their softmax
+    # at the rows' temperatures, unfiltered (`sampling.sample_block` reads them; on CUDA q is
+    # never written out)
+    draft_logits: torch.Tensor | None = None
     # [B] accepted drafts imposed instead of the acceptance rule (`SimulatedProposer` only)
     accepted: torch.Tensor | None = None
     # [B] drafts to verify, where the proposer cuts them below the step's (a confident prefix)
@@ -68,6 +72,17 @@ def draft_from_logits(logits: torch.Tensor, inputs: "StepInputs") -> Proposal:
     drafts = argmax(logits)
     if inputs.sampling is None:
         return Proposal(drafts)
-    q = probs(logits, inputs.sampling_params[:, None], inputs.filters)
-    sampled = draw(q, uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT))
-    return Proposal(torch.where(inputs.greedy[:, None], drafts, sampled), q)
+    u = uniform(inputs.seeds[:, None], inputs.draft_positions, Stream.DRAFT)
+    if inputs.filters:
+        q = probs(logits, inputs.sampling_params[:, None], filters=True)
+        return Proposal(torch.where(inputs.greedy[:, None], drafts, draw(q, u)), q)
+    sampled, q = sample_drafts(logits, inputs.sampling_params, u)
+    return Proposal(torch.where(inputs.greedy[:, None], drafts, sampled), q, draft_logits=logits)
+
+
+def proposal_q(proposal: Proposal, sampling: torch.Tensor) -> torch.Tensor | None:
+    """The proposal's q written out (from its `draft_logits` where it holds none): for a step that
+    takes its drafts from before it (structured output)."""
+    if proposal.q is not None or proposal.draft_logits is None:
+        return proposal.q
+    return probs(proposal.draft_logits, sampling[:, None], filters=False)

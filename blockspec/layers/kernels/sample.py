@@ -1,12 +1,13 @@
 """Drawing a token per row from softmax(logits / T) in Triton: the CUDA implementation of
 `blockspec.sampling.sample_rows` (the reference: `sampling.draw` of `sampling.probs` without
-filters), a plain step's sampled token. torch's softmax gives a row one program, and the draw's
-two-level CDF is a dozen small kernels; here each row is cut into chunks, one program each, that
-write their maximum and their sum of exp((x - max) / T) (an online softmax per lane), and a second
-launch takes the token at u times the row's mass, chunk by chunk and then inside the chunk, as
-`sampling.draw` finds it (`draw_in_chunks`, which DSpark's Markov chain shares). The masses are
-float32 sums of their own order, so a token may differ from the reference's only where u falls
-within a float32 rounding of a boundary between two tokens' masses."""
+filters), a plain step's sampled token and a drafter's unfiltered drafts. torch's softmax gives a
+row one program, and the draw's two-level CDF is a dozen small kernels; here each row is cut into
+chunks, one program each, that write their maximum and their sum of exp((x - max) / T) (an online
+softmax per lane; `chunk_stats`), and a second launch takes the token at u times the row's mass,
+chunk by chunk and then inside the chunk, as `sampling.draw` finds it (`draw_in_chunks`, which
+DSpark's Markov chain and speculative sampling's residual draw share). The masses are float32
+sums of their own order, so a token may differ from the reference's only where u falls within a
+float32 rounding of a boundary between two tokens' masses."""
 
 from dataclasses import dataclass
 
@@ -40,11 +41,13 @@ def rescaled(best, sums, m, t):
 
 @triton.jit
 def draw_in_chunks(
-    x_row, mass, target, m, t, live, V, CHUNK: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr
+    x_row, mass, target, m, t, live, V, CHUNK: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr,
+    PROBS: tl.constexpr = False,
 ):  # fmt: skip
     """Per sequence, the first index of positive mass whose cumulative mass exceeds `target` (u times
     the total): the chunk first, from the chunks' masses [SEQS, CHUNKS_PAD], then the token inside
-    it, from the row's logits (`x_row`, [SEQS] pointers) as exp((x - m) / t). A scan's sums may
+    it, from the row's logits (`x_row`, [SEQS] pointers) as exp((x - m) / t), or with PROBS from
+    the row's masses themselves (float32; m and t unread). A scan's sums may
     round a little apart from one place to the next, so neither is found by counting the sums
     below the target: a token of no mass (a grammar's, a ban's) is never drawn. Where rounding puts
     the target past the mass: the last chunk, and token, with any."""
@@ -58,8 +61,11 @@ def draw_in_chunks(
     for i in range(CHUNK_ITERS):
         v = (start + i * BLOCK)[:, None] + tl.arange(0, BLOCK)[None, :]
         inside = live[:, None] & (v < V) & (v < (start + CHUNK)[:, None])
-        x = tl.load(x_row[:, None] + v, mask=inside, other=float("-inf")).to(tl.float32)
-        p = tl.exp((x - m[:, None]) / t[:, None])
+        if PROBS:
+            p = tl.load(x_row[:, None] + v, mask=inside, other=0.0)
+        else:
+            x = tl.load(x_row[:, None] + v, mask=inside, other=float("-inf")).to(tl.float32)
+            p = tl.exp((x - m[:, None]) / t[:, None])
         sums = running[:, None] + tl.cumsum(p, 1)
         token = tl.minimum(token, tl.min(tl.where((sums > rest[:, None]) & (p > 0), v, NONE), 1))
         last = tl.maximum(last, tl.max(tl.where(p > 0, v, 0), 1))
@@ -68,10 +74,23 @@ def draw_in_chunks(
 
 
 @triton.jit
-def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, CHUNK_ITERS: tl.constexpr,
+def row_masses(val_ptr, sum_ptr, rows, live, t, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """(max [R], chunk masses [R, CHUNKS_PAD]) of rows [R] from their chunks' maxima and sums
+    (`_chunk_mass_kernel`): each chunk's sum as a sum of exp((x - max) / t) at the row's max; rows
+    not `live` read nothing (-inf, no mass)."""
+    k = tl.arange(0, CHUNKS_PAD)[None, :]
+    ok = (k < CHUNKS) & live[:, None]
+    val = tl.load(val_ptr + rows[:, None] * CHUNKS_PAD + k, mask=ok, other=float("-inf"))
+    sums = tl.load(sum_ptr + rows[:, None] * CHUNKS_PAD + k, mask=ok, other=0.0)
+    m = tl.max(val, 1)
+    return m, rescaled(val, sums, m[:, None], t[:, None])
+
+
+@triton.jit(do_not_specialize=["rows_per_t"])  # one variant for every block width
+def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, rows_per_t, CHUNK_ITERS: tl.constexpr,
                        CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row, c = tl.program_id(0), tl.program_id(1)
-    t = tl.load(temp_ptr + row)
+    t = tl.load(temp_ptr + row // rows_per_t)
     t = tl.where(t > 0, t, 1.0)  # greedy rows (T = 0) take T = 1, as `sampling.probs` does
     offs = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -93,12 +112,7 @@ def _row_draw_kernel(x_ptr, temp_ptr, u_ptr, val_ptr, sum_ptr, out_ptr, V, strid
     row = tl.program_id(0) + tl.zeros([1], tl.int32)  # one sequence: [1] vectors for `draw_in_chunks`
     t = tl.load(temp_ptr + row)
     t = tl.where(t > 0, t, 1.0)
-    k = tl.arange(0, CHUNKS_PAD)[None, :]
-    ok = k < CHUNKS
-    val = tl.load(val_ptr + row[:, None] * CHUNKS_PAD + k, mask=ok, other=float("-inf"))
-    sums = tl.load(sum_ptr + row[:, None] * CHUNKS_PAD + k, mask=ok, other=0.0)
-    m = tl.max(val, 1)
-    mass = rescaled(val, sums, m[:, None], t[:, None])
+    m, mass = row_masses(val_ptr, sum_ptr, row, row >= 0, t, CHUNKS, CHUNKS_PAD)
     target = tl.load(u_ptr + row) * tl.sum(mass, 1).to(tl.float64)
     x_row = x_ptr + row.to(tl.int64) * stride_row
     live = row >= 0
@@ -125,22 +139,33 @@ def chunk_layout(V: int) -> ChunkLayout:
     return ChunkLayout(chunks, iters, max(MIN_PAD, triton.next_power_of_2(chunks)))
 
 
+def chunk_stats(
+    logits: torch.Tensor, temperature: torch.Tensor, rows_per_t: int = 1
+) -> tuple[ChunkLayout, torch.Tensor, torch.Tensor]:
+    """(layout, maxima, sums) of the `chunk_layout` chunks of each row of logits [R, V] (rows
+    contiguous), row r at temperature[r // rows_per_t] (0: T = 1): [R, layout.pad] float32 each,
+    the chunk's largest logit and its sum of exp((x - max) / T); padding chunks unwritten."""
+    rows, V = logits.shape
+    assert V > 0 and logits.stride(-1) == 1, f"logits {tuple(logits.shape)}: rows of a vocabulary, contiguous"
+    layout = chunk_layout(V)
+    val = torch.empty((rows, layout.pad), dtype=torch.float32, device=logits.device)
+    sums = torch.empty_like(val)
+    if rows:
+        _chunk_mass_kernel[(rows, layout.chunks)](
+            logits, temperature, val, sums, V, logits.stride(0), rows_per_t, layout.iters, layout.pad, BLOCK
+        )  # fmt: skip
+    return layout, val, sums
+
+
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """logits [B, V] (any float dtype, rows contiguous), temperature [B] (0: T = 1), u [B] float64
     uniforms -> int64 [B]: each row's token at u times its mass under softmax(logits / T)."""
     rows, V = logits.shape
-    assert V > 0 and logits.stride(-1) == 1, f"logits {tuple(logits.shape)}: rows of a vocabulary, contiguous"
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0:
-        return out
-    layout = chunk_layout(V)
-    val = torch.empty((rows, layout.pad), dtype=torch.float32, device=logits.device)
-    sums = torch.empty_like(val)
     temperature, u = temperature.float().contiguous(), u.double().contiguous()
-    _chunk_mass_kernel[(rows, layout.chunks)](
-        logits, temperature, val, sums, V, logits.stride(0), layout.iters, layout.pad, BLOCK
-    )  # fmt: skip
-    _row_draw_kernel[(rows,)](
-        logits, temperature, u, val, sums, out, V, logits.stride(0), layout.chunks, layout.pad, layout.iters, BLOCK
-    )  # fmt: skip
+    layout, val, sums = chunk_stats(logits, temperature)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _row_draw_kernel[(rows,)](
+            logits, temperature, u, val, sums, out, V, logits.stride(0), layout.chunks, layout.pad, layout.iters, BLOCK
+        )  # fmt: skip
     return out

@@ -1,0 +1,166 @@
+"""Speculative sampling's acceptance test and residual draw in Triton (`blockspec.sampling.sample_block`
+on CUDA) against a reference made of the engine's own primitives (`probs` of both logits,
+`sampled_accept`, `residual_tokens`): the same accepted drafts and the same token for every
+sequence, over chunk boundaries, temperatures (0 taking 1), drafts cut short, every draft
+accepted, masked tokens and uniforms at the ends of [0, 1). On the CPU it runs in Triton's
+interpreter (test_kernels_in_interpreter, as in test_kernels_sample)."""
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import CUDA, interpreter_test, runs_kernel
+
+from blockspec.layers.kernels.sample import BLOCK
+from blockspec.layers.kernels.speculative_sample import speculative_sample_triton
+from blockspec.sampling import SAMPLING_COLUMNS, draw, probs, residual_tokens, sample_block, sampled_accept
+
+test_kernels_in_interpreter = interpreter_test(__file__)
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
+
+
+@dataclass
+class Block:
+    logits: torch.Tensor  # [B, S, V] the target's
+    draft_logits: torch.Tensor  # [B, S-1, V] the drafter's
+    drafts: torch.Tensor  # [B, S-1] drawn from softmax(draft_logits / T)
+    num_drafts: torch.Tensor  # [B]
+    temperature: torch.Tensor  # [B]
+    u_accept: torch.Tensor  # [B, S-1]
+    u_residual: torch.Tensor  # [B, S]
+
+    def sampling(self) -> torch.Tensor:
+        rows = torch.zeros(len(self.temperature), len(SAMPLING_COLUMNS), device=DEVICE)
+        rows[:, 0] = self.temperature
+        return rows
+
+    def kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return speculative_sample_triton(
+            self.logits, self.draft_logits, self.drafts, self.num_drafts, self.temperature, self.u_accept,
+            self.u_residual,
+        )  # fmt: skip
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        p = probs(self.logits, self.sampling()[:, None], filters=False)
+        q = probs(self.draft_logits, self.sampling()[:, None], filters=False)
+        accepted = sampled_accept(self.drafts, p, q, self.num_drafts, self.u_accept)
+        u = self.u_residual.gather(1, accepted[:, None])[:, 0]
+        return accepted, residual_tokens(accepted, p, q, self.num_drafts, u)
+
+    def rows(self, seqs: slice) -> "Block":
+        return Block(*(getattr(self, f)[seqs] for f in self.__dataclass_fields__))
+
+
+def case(B: int, S: int, V: int, dtype: torch.dtype, seed: int, noise: float = 1.5) -> Block:
+    """B sequences of S rows: the drafter's logits the target's plus `noise`, drafts drawn from them."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(B, S, V, generator=gen)
+    draft_logits = logits[:, :-1] + noise * torch.randn(B, S - 1, V, generator=gen)
+    temperature = torch.tensor([0.7, 1.0, 0.0, 1.5, 0.05, 0.3])[torch.arange(B) % 6]
+    logits, draft_logits, temperature = logits.to(DEVICE, dtype), draft_logits.to(DEVICE, dtype), temperature.to(DEVICE)
+    block = Block(logits, draft_logits, None, None, temperature, None, None)
+    q = probs(draft_logits, block.sampling()[:, None], filters=False)
+    block.drafts = draw(q, torch.rand(B, S - 1, generator=gen, dtype=torch.float64).to(DEVICE))
+    block.num_drafts = torch.randint(0, S, (B,), generator=gen).to(DEVICE)
+    block.u_accept = torch.rand(B, S - 1, generator=gen, dtype=torch.float64).to(DEVICE)
+    block.u_residual = torch.rand(B, S, generator=gen, dtype=torch.float64).to(DEVICE)
+    return block
+
+
+def assert_matches(block: Block) -> None:
+    accepted, token = block.kernel()
+    expected_accepted, expected_token = block.reference()
+    assert accepted.dtype == token.dtype == torch.int64
+    assert torch.equal(accepted, expected_accepted)
+    assert torch.equal(token, expected_token)
+
+
+@runs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2, 1), (3, 2, 17), (6, 5, BLOCK + 1), (5, 16, 3 * BLOCK - 5), (2, 4, 49152)])
+def test_accepts_and_draws_as_the_reference(shape, dtype):
+    block = case(*shape, dtype, seed=shape[-1])
+    assert_matches(block)
+    accepted, _ = block.kernel()
+    assert (accepted <= block.num_drafts).all()
+
+
+@runs_kernel
+def test_drafts_are_rejected_and_accepted_across_the_batch():
+    """A batch where drafts are rejected at once, later, and never: every path of the kernels runs."""
+    block = case(48, 5, 2 * BLOCK + 7, torch.float32, seed=1, noise=0.6)
+    block.num_drafts.fill_(4)
+    accepted, _ = block.kernel()
+    assert {0, 1, 4} <= set(accepted.tolist())
+    assert_matches(block)
+
+
+@runs_kernel
+def test_the_drafters_own_distribution_is_always_accepted():
+    """q == p: every draft up to the cut is accepted, and the token is drawn from p's next row."""
+    block = case(12, 6, BLOCK + 9, torch.float32, seed=2, noise=0.0)
+    accepted, _ = block.kernel()
+    assert torch.equal(accepted, block.num_drafts)
+    assert_matches(block)
+
+
+@runs_kernel
+def test_a_sequence_alone_as_beside_any_others():
+    """Each sequence reads only its own rows and their sums: alone or in any slice of a batch, the
+    same drafts accepted and the same token."""
+    block = case(11, 4, 3 * BLOCK + 2, torch.float32, seed=4)
+    together = block.kernel()
+    for seqs in (slice(0, 1), slice(4, 5), slice(2, 9), slice(10, 11)):
+        alone = block.rows(seqs).kernel()
+        assert torch.equal(alone[0], together[0][seqs]) and torch.equal(alone[1], together[1][seqs])
+
+
+@runs_kernel
+def test_masked_tokens_are_never_drawn():
+    """Tokens at -inf in both the target's and the drafter's logits (a ban, say) have no mass in p,
+    q or the residual: never drawn, at uniforms near 0 and near 1 too. At 0 the token is the first
+    of any mass, as the reference's; near 1 it may differ from the reference's where a float32 sum
+    rounds apart from its float64 ones (`sampling.draw`)."""
+    block = case(16, 4, 2 * BLOCK + 3, torch.float32, seed=5)
+    masked = torch.arange(0, block.logits.shape[-1], 3, device=DEVICE)
+    block.logits[..., masked] = float("-inf")
+    block.draft_logits[..., masked] = float("-inf")
+    q = probs(block.draft_logits, block.sampling()[:, None], filters=False)
+    near_0, near_1 = torch.zeros_like(block.u_residual), torch.full_like(block.u_residual, 1 - 2**-53)
+    for u, as_reference in ((near_0, True), (near_1, False)):
+        edge = replace(block, drafts=draw(q, u[:, 1:]), u_residual=u)
+        accepted, token = edge.kernel()
+        assert not torch.isin(token, masked).any()
+        assert torch.equal(accepted, edge.reference()[0])
+        assert torch.equal(token, edge.reference()[1]) or not as_reference
+
+
+@runs_kernel
+def test_a_wrong_rule_gives_other_results():
+    """The comparisons can fail: drafts tested at 1 - u, or drawn after from p alone, differ."""
+    block = case(64, 5, 2 * BLOCK, torch.float32, seed=6, noise=1.0)
+    block.num_drafts.fill_(4)
+    accepted, token = block.kernel()
+    flipped, _ = replace(block, u_accept=1 - block.u_accept).reference()
+    assert not torch.equal(accepted, flipped)
+    p = probs(block.logits, block.sampling()[:, None], filters=False)
+    u = block.u_residual.gather(1, accepted[:, None])[:, 0]
+    from_p = draw(p.gather(1, accepted[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0], u)
+    assert not torch.equal(token, from_p)
+
+
+@pytest.mark.skipif(not CUDA, reason="the dispatch to the kernel is CUDA's")
+def test_sample_block_dispatches_to_the_kernel(monkeypatch):
+    from blockspec.layers.kernels import speculative_sample as kernel
+
+    calls = []
+    monkeypatch.setattr(kernel, "speculative_sample_triton", lambda *args: calls.append(args) or (None, None))
+    block = case(2, 3, 10, torch.float32, seed=7)
+    with torch.inference_mode():
+        sample_block(block.logits, block.draft_logits, None, block.drafts, block.num_drafts, block.sampling(),
+                     block.u_accept, block.u_residual)  # fmt: skip
+    assert len(calls) == 1
