@@ -387,21 +387,24 @@ def sample_block(
     sampling: torch.Tensor,
     u_accept: torch.Tensor,
     u_residual: torch.Tensor,
+    imposed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [B], the token after them [B]) under speculative sampling, for drafts drawn
     from q = softmax(draft_logits / T) [B, S-1, V] (written out where the draw did: `sample_drafts`)
     and the target's softmax(logits / T) [B, S, V], no filters (a row's parameters in `sampling`
     [B, 4], its temperature read alone): `sampled_accept` at u_accept [B, S-1], then
-    `residual_tokens` after j accepted drafts at u_residual[:, j] [B, S]. On CUDA by Triton kernels
-    (`blockspec.layers.kernels.speculative_sample`), which never write the two distributions out."""
+    `residual_tokens` after j accepted drafts at u_residual[:, j] [B, S]. `imposed` [B]: counts that
+    replace the test's (a simulated proposal's: the step still costs what a real one does). On CUDA
+    by Triton kernels (`blockspec.layers.kernels.speculative_sample`), which write neither
+    distribution out over the block, only each sequence's residual row."""
     kernels = fast_kernels(logits, "speculative_sample")
     if kernels is not None:
         return kernels.speculative_sample_triton(
-            logits, draft_logits, drafts, num_drafts, sampling[:, 0], u_accept, u_residual
+            logits, draft_logits, drafts, num_drafts, sampling[:, 0], u_accept, u_residual, imposed
         )
     p = probs(logits, sampling[:, None], filters=False)
     q = q if q is not None else probs(draft_logits, sampling[:, None], filters=False)
-    accepted = sampled_accept(drafts, p, q, num_drafts, u_accept)
+    accepted = sampled_accept(drafts, p, q, num_drafts, u_accept) if imposed is None else imposed
     u = u_residual.gather(1, accepted[:, None])[:, 0]
     return accepted, residual_tokens(accepted, p, q, num_drafts, u)
 

@@ -182,14 +182,16 @@ SPECULATIVE_POINTERS = {
 
 
 @pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
-@pytest.mark.parametrize("aligned", [("V",), ()])
+@pytest.mark.parametrize("aligned", [("V", "S"), ()])
 @pytest.mark.parametrize("vocab", [2048, 49152, 151936])
 def test_speculative_sample_compiles(vocab, aligned, logits):
-    """Speculative sampling's acceptance test and residual draw at `chunk_layout`'s chunks."""
+    """Speculative sampling's acceptance test and residual draw at `chunk_layout`'s chunks, at the
+    narrowest and widest blocks (a width of 16 is a multiple of 16, which the JIT specializes)."""
     layout = sample.chunk_layout(vocab)
     pointers = SPECULATIVE_POINTERS | {"x_ptr": logits, "y_ptr": logits}
     shape = {"CHUNKS": layout.chunks, "CHUNKS_PAD": layout.pad}
-    compile_for_hopper(speculative_sample._accept_kernel, shape | {"S_PAD": 16}, aligned, **pointers)
+    for block in (2, 16):
+        compile_for_hopper(speculative_sample._accept_kernel, shape | {"S_PAD": block}, aligned, **pointers)
     steps = shape | {"CHUNK_ITERS": layout.iters, "BLOCK": sample.BLOCK}
     compile_for_hopper(speculative_sample._residual_mass_kernel, steps, aligned, **pointers)
     compile_for_hopper(speculative_sample._residual_draw_kernel, steps, aligned, **pointers)

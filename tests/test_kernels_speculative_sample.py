@@ -38,21 +38,24 @@ class Block:
         rows[:, 0] = self.temperature
         return rows
 
+    imposed: torch.Tensor | None = None  # [B] counts replacing the test's (a simulated proposal's)
+
     def kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
         return speculative_sample_triton(
             self.logits, self.draft_logits, self.drafts, self.num_drafts, self.temperature, self.u_accept,
-            self.u_residual,
+            self.u_residual, self.imposed,
         )  # fmt: skip
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         p = probs(self.logits, self.sampling()[:, None], filters=False)
         q = probs(self.draft_logits, self.sampling()[:, None], filters=False)
         accepted = sampled_accept(self.drafts, p, q, self.num_drafts, self.u_accept)
+        accepted = accepted if self.imposed is None else self.imposed
         u = self.u_residual.gather(1, accepted[:, None])[:, 0]
         return accepted, residual_tokens(accepted, p, q, self.num_drafts, u)
 
     def rows(self, seqs: slice) -> "Block":
-        return Block(*(getattr(self, f)[seqs] for f in self.__dataclass_fields__))
+        return Block(**{name: None if value is None else value[seqs] for name, value in vars(self).items()})
 
 
 def case(B: int, S: int, V: int, dtype: torch.dtype, seed: int, noise: float = 1.5) -> Block:
@@ -101,11 +104,32 @@ def test_drafts_are_rejected_and_accepted_across_the_batch():
 
 @runs_kernel
 def test_the_drafters_own_distribution_is_always_accepted():
-    """q == p: every draft up to the cut is accepted, and the token is drawn from p's next row."""
+    """q == p: every draft up to the cut is accepted, and the token is drawn from p's next row. At a
+    uniform of 1 (outside [0, 1), to reach the guard) the first draft is rejected, and its residual
+    max(p - q, 0) has no mass: the token is drawn from p, as the reference does."""
     block = case(12, 6, BLOCK + 9, torch.float32, seed=2, noise=0.0)
     accepted, _ = block.kernel()
     assert torch.equal(accepted, block.num_drafts)
     assert_matches(block)
+    guard = replace(block, u_accept=torch.ones_like(block.u_accept))
+    accepted, token = guard.kernel()
+    assert accepted.tolist() == [0] * 12
+    p = probs(block.logits[:, 0], block.sampling(), filters=False)
+    assert torch.equal(token, draw(p, block.u_residual[:, 0]))
+    assert_matches(guard)
+
+
+@runs_kernel
+def test_imposed_counts_replace_the_tests():
+    """A simulated proposal's counts (benchmarks): the test still runs, and the token is drawn after
+    the imposed count, from its row's residual (p's after a full block)."""
+    block = case(16, 5, 2 * BLOCK + 1, torch.float32, seed=8)
+    block.num_drafts.fill_(4)
+    block.imposed = torch.arange(16, device=DEVICE) % 5
+    accepted, token = block.kernel()
+    assert torch.equal(accepted, block.imposed)
+    assert_matches(block)
+    assert not torch.equal(token, replace(block, imposed=None).kernel()[1])
 
 
 @runs_kernel
@@ -122,13 +146,15 @@ def test_a_sequence_alone_as_beside_any_others():
 @runs_kernel
 def test_masked_tokens_are_never_drawn():
     """Tokens at -inf in both the target's and the drafter's logits (a ban, say) have no mass in p,
-    q or the residual: never drawn, at uniforms near 0 and near 1 too. At 0 the token is the first
+    q or the residual: never drawn, at uniforms near 0 and near 1 too; a chunk at -inf in the
+    drafter's alone is p's in the residual. At 0 the token is the first
     of any mass, as the reference's; near 1 it may differ from the reference's where a float32 sum
     rounds apart from its float64 ones (`sampling.draw`)."""
     block = case(16, 4, 2 * BLOCK + 3, torch.float32, seed=5)
     masked = torch.arange(0, block.logits.shape[-1], 3, device=DEVICE)
     block.logits[..., masked] = float("-inf")
     block.draft_logits[..., masked] = float("-inf")
+    block.draft_logits[..., BLOCK : 2 * BLOCK] = float("-inf")  # a whole chunk q alone lacks (a draft vocabulary's)
     q = probs(block.draft_logits, block.sampling()[:, None], filters=False)
     near_0, near_1 = torch.zeros_like(block.u_residual), torch.full_like(block.u_residual, 1 - 2**-53)
     for u, as_reference in ((near_0, True), (near_1, False)):

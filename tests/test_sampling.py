@@ -341,12 +341,16 @@ def test_drafts_and_their_q_written_out_or_left_to_the_step(filters):
     expected[greedy] = draft_logits[greedy].argmax(-1)
     assert torch.equal(proposal.drafts, expected)
     assert torch.equal(proposal.q, q) and (proposal.draft_logits is draft_logits) == (not filters)
-    accepted, tokens = accept(proposal, logits, inputs)
-    forms = [replace(proposal, draft_logits=None)] + [replace(proposal, q=None)] * (not filters)
-    for form in forms:
-        assert all(torch.equal(a, b) for a, b in zip(accept(form, logits, inputs), (accepted, tokens)))
+    for form in [proposal] + [replace(proposal, q=None)] * (not filters):
         assert torch.equal(proposal_q(form, inputs.sampling_params), q)
-    assert 0 < accepted[~greedy].float().mean() < w - 1  # drafts accepted and rejected
+    ruled = accept(replace(proposal, draft_logits=None), logits, inputs)[0]  # q written out: the general rule
+    assert 0 < ruled[~greedy].float().mean() < w - 1  # drafts accepted and rejected
+    # with the rule's counts, and with a simulated proposal's imposed ones (the token after them)
+    for imposed in (None, torch.randint(0, w, (B,))):
+        base = replace(proposal, accepted=imposed)
+        expected = accept(replace(base, draft_logits=None), logits, inputs)
+        for form in [base] + [replace(base, q=None)] * (not filters):
+            assert all(torch.equal(a, b) for a, b in zip(accept(form, logits, inputs), expected))
 
 
 def test_accept_keeps_nothing_past_a_cut():

@@ -255,12 +255,12 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tupl
     if proposal.draft_logits is not None:  # q: the drafter's softmax, unfiltered
         u = uniform(seeds[:, None], inputs.draft_positions, Stream.ACCEPT)
         u_residual = uniform(seeds[:, None], inputs.decided_positions, Stream.RESIDUAL)
+        imposed = None if proposal.accepted is None else accepted  # a simulated proposal's counts
         sampled, token = sample_block(
-            logits, proposal.draft_logits, proposal.q, drafts, num_drafts, inputs.sampling_params, u, u_residual
-        )
-        if proposal.accepted is None:  # else a simulated proposal's counts stand (its tokens are not the target's)
-            accepted = torch.where(greedy, accepted, sampled)
-        return accepted, torch.where(greedy, greedy_bonus, token)
+            logits, proposal.draft_logits, proposal.q, drafts, num_drafts, inputs.sampling_params, u, u_residual,
+            imposed,
+        )  # fmt: skip
+        return torch.where(greedy, accepted, sampled), torch.where(greedy, greedy_bonus, token)
     p = probs(logits, inputs.sampling_params[:, None], inputs.filters)
     q = point_mass_or(proposal.q, drafts, p.shape[-1])
     if proposal.accepted is None:

@@ -22,10 +22,6 @@ class Proposal:
     # [B, w-1, V] the distributions the sampled rows' drafts were drawn from; None: the drafts are
     # certain (point masses), or every row is greedy, or q is `draft_logits`' softmax, unwritten
     q: torch.Tensor | None = None
-    # [B, w-1, V] the drafter's logits, where the sampled rows' drafts were drawn from their softmax
-    # at the rows' temperatures, unfiltered (`sampling.sample_block` reads them; on CUDA q is
-    # never written out)
-    draft_logits: torch.Tensor | None = None
     # [B] accepted drafts imposed instead of the acceptance rule (`SimulatedProposer` only)
     accepted: torch.Tensor | None = None
     # [B] drafts to verify, where the proposer cuts them below the step's (a confident prefix)
@@ -33,6 +29,10 @@ class Proposal:
     # [B, w-1] each draft's confidence: the predicted chance it is accepted given the drafts before
     # it were (a DSpark confidence head); None: the proposer predicts none
     confidence: torch.Tensor | None = None
+    # [B, w-1, V] the drafter's logits, where the sampled rows' drafts were drawn from their softmax
+    # at the rows' temperatures, unfiltered (`sampling.sample_block` reads them; on CUDA q is
+    # never written out)
+    draft_logits: torch.Tensor | None = None
 
 
 class Proposer:

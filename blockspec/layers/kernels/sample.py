@@ -74,6 +74,13 @@ def draw_in_chunks(
 
 
 @triton.jit
+def row_temperature(temp_ptr, seqs):
+    """The temperatures of sequences `seqs`, greedy ones (T = 0) at T = 1, as `sampling.probs` has them."""
+    t = tl.load(temp_ptr + seqs)
+    return tl.where(t > 0, t, 1.0)
+
+
+@triton.jit
 def row_masses(val_ptr, sum_ptr, rows, live, t, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """(max [R], chunk masses [R, CHUNKS_PAD]) of rows [R] from their chunks' maxima and sums
     (`_chunk_mass_kernel`): each chunk's sum as a sum of exp((x - max) / t) at the row's max; rows
@@ -90,8 +97,7 @@ def row_masses(val_ptr, sum_ptr, rows, live, t, CHUNKS: tl.constexpr, CHUNKS_PAD
 def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, rows_per_t, CHUNK_ITERS: tl.constexpr,
                        CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row, c = tl.program_id(0), tl.program_id(1)
-    t = tl.load(temp_ptr + row // rows_per_t)
-    t = tl.where(t > 0, t, 1.0)  # greedy rows (T = 0) take T = 1, as `sampling.probs` does
+    t = row_temperature(temp_ptr, row // rows_per_t)
     offs = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK], tl.float32)  # of exp((x - best) / t): each lane's online softmax
@@ -110,12 +116,11 @@ def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, rows_pe
 def _row_draw_kernel(x_ptr, temp_ptr, u_ptr, val_ptr, sum_ptr, out_ptr, V, stride_row, CHUNKS: tl.constexpr,
                      CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0) + tl.zeros([1], tl.int32)  # one sequence: [1] vectors for `draw_in_chunks`
-    t = tl.load(temp_ptr + row)
-    t = tl.where(t > 0, t, 1.0)
-    m, mass = row_masses(val_ptr, sum_ptr, row, row >= 0, t, CHUNKS, CHUNKS_PAD)
+    t = row_temperature(temp_ptr, row)
+    live = row >= 0
+    m, mass = row_masses(val_ptr, sum_ptr, row, live, t, CHUNKS, CHUNKS_PAD)
     target = tl.load(u_ptr + row) * tl.sum(mass, 1).to(tl.float64)
     x_row = x_ptr + row.to(tl.int64) * stride_row
-    live = row >= 0
     token = draw_in_chunks(x_row, mass, target, m, t, live, V, CHUNK_ITERS * BLOCK, CHUNK_ITERS, BLOCK)
     tl.store(out_ptr + row, token.to(tl.int64))
 

@@ -1,15 +1,16 @@
 """Speculative sampling's acceptance test and the draw after it, in Triton: the CUDA implementation of
 `blockspec.sampling.sample_block` (the reference: `probs` of the target's and the drafter's logits
 without filters, `sampled_accept` and `residual_tokens`), for drafts drawn from softmax(x / T) of
-the drafter's logits. The reference writes both distributions out over the vocabulary and runs
-some forty small kernels on them; here four launches read the logits:
-- `sample.chunk_stats` of every target row and every draft row (one launch each): each chunk's
-  maximum and sum of exp((x - max) / T), from which a row's total follows (`sample.row_masses`);
+the drafter's logits. The reference writes both distributions out over every row of the block and
+runs some forty small kernels on them; here five launches:
+- `sample.chunk_stats` of every target row and of every draft row: each chunk's maximum and sum of
+  exp((x - max) / T), from which a row's total follows (`sample.row_masses`);
 - one program a sequence tests its drafts: p(d) and q(d) as exp((x - max) / T) / total at the draft,
   draft i accepted where u_i * q(d_i) < p(d_i), up to the first rejection;
 - one launch writes the residual max(p - q, 0) of the row after the accepted drafts (p itself where
-  every draft was accepted) with its chunks' sums, and one draws from it at the request's uniform
-  (`sample.draw_in_chunks`), from p where rounding left the residual no mass.
+  every draft was accepted), one row a sequence, with its chunks' sums, and one draws from it at
+  the request's uniform (`sample.draw_in_chunks`), from p where rounding left the residual no mass
+  (drawn for every sequence, a chunk's read, rather than behind a branch).
 p and q are float32 as the reference's are, but summed in another order: a decision may differ from
 the reference's only where u falls within a float32 rounding of its boundary."""
 
@@ -17,13 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.kernels.sample import BLOCK, chunk_stats, draw_in_chunks, row_masses
-
-
-@triton.jit
-def _temperature(temp_ptr, seq):
-    t = tl.load(temp_ptr + seq)
-    return tl.where(t > 0, t, 1.0)  # greedy rows (T = 0) take T = 1, as `sampling.probs` does
+from blockspec.layers.kernels.sample import BLOCK, chunk_stats, draw_in_chunks, row_masses, row_temperature
 
 
 @triton.jit
@@ -44,7 +39,7 @@ def _accept_kernel(
     n = S - 1  # drafts a sequence
     real = i < n
     live = real & (i < tl.load(num_ptr + b))
-    t = _temperature(temp_ptr, b + tl.zeros([S_PAD], tl.int32))
+    t = row_temperature(temp_ptr, b + tl.zeros([S_PAD], tl.int32))
     d = tl.load(drafts_ptr + b * n + i, mask=real, other=0)
     p = _prob_at(x_ptr, b * S + i, d, real, p_val_ptr, p_sum_ptr, t, V, CHUNKS, CHUNKS_PAD)
     q = _prob_at(y_ptr, b * n + i, d, real, q_val_ptr, q_sum_ptr, t, V, CHUNKS, CHUNKS_PAD)
@@ -62,7 +57,7 @@ def _residual_mass_kernel(
     seq = b + tl.zeros([1], tl.int32)
     a = tl.load(accepted_ptr + seq).to(tl.int32)
     rejected = a < tl.load(num_ptr + seq)
-    t = _temperature(temp_ptr, seq)
+    t = row_temperature(temp_ptr, seq)
     p_row = seq * S + a
     q_row = seq * (S - 1) + tl.minimum(a, S - 2)
     mp, p_mass = row_masses(p_val_ptr, p_sum_ptr, p_row, seq >= 0, t, CHUNKS, CHUNKS_PAD)
@@ -91,14 +86,15 @@ def _residual_draw_kernel(
     seq = tl.program_id(0) + tl.zeros([1], tl.int32)  # one sequence: [1] vectors for `draw_in_chunks`
     live = seq >= 0
     a = tl.load(accepted_ptr + seq).to(tl.int32)
-    t = _temperature(temp_ptr, seq)
+    t = row_temperature(temp_ptr, seq)
     u = tl.load(u_ptr + seq * S + a)
     k = tl.arange(0, CHUNKS_PAD)[None, :]
     r_mass = tl.load(rsum_ptr + seq[:, None] * CHUNKS_PAD + k, mask=k < CHUNKS, other=0.0)
     r_total = tl.sum(r_mass, 1)
     r_row = r_ptr + seq.to(tl.int64) * V
-    token = draw_in_chunks(r_row, r_mass, u * r_total.to(tl.float64), t, t, live, V, CHUNK_ITERS * BLOCK,
-                           CHUNK_ITERS, BLOCK, PROBS=True)  # fmt: skip
+    token = draw_in_chunks(
+        r_row, r_mass, u * r_total.to(tl.float64), t, t, live, V, CHUNK_ITERS * BLOCK, CHUNK_ITERS, BLOCK, PROBS=True
+    )  # fmt: skip  (its m and t unread: masses)
     # max(p - q, 0) is all zero only where p == q (a rejection of probability 0): then from p
     p_row = seq * S + a
     mp, p_mass = row_masses(p_val_ptr, p_sum_ptr, p_row, live, t, CHUNKS, CHUNKS_PAD)
@@ -116,11 +112,13 @@ def speculative_sample_triton(
     temperature: torch.Tensor,
     u_accept: torch.Tensor,
     u_residual: torch.Tensor,
+    imposed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, S, V] the target's, draft_logits [B, S-1, V] the drafter's (any float dtype),
     drafts [B, S-1], num_drafts [B], temperature [B] (0: T = 1), u_accept [B, S-1] and u_residual
     [B, S] float64 uniforms (the draw after j accepted drafts at u_residual[:, j]) -> (accepted
-    drafts, the token after them), int64 [B] each."""
+    drafts, the token after them), int64 [B] each. `imposed` [B]: counts that replace the test's
+    (which still runs: a simulated step costs what a real one does)."""
     B, S, V = logits.shape
     assert S >= 2 and draft_logits.shape == (B, S - 1, V), (
         f"logits {tuple(logits.shape)}, drafts' {tuple(draft_logits.shape)}"
@@ -140,6 +138,8 @@ def speculative_sample_triton(
         x, y, drafts, num_drafts, temperature, u_accept, *p_stats, *q_stats, accepted, V, S, **shape,
         S_PAD=triton.next_power_of_2(S),
     )  # fmt: skip
+    if imposed is not None:
+        accepted = imposed.to(torch.int64).contiguous()
     residual = torch.empty((B, V), dtype=torch.float32, device=logits.device)
     r_sum = torch.empty((B, layout.pad), dtype=torch.float32, device=logits.device)
     steps = {"CHUNK_ITERS": layout.iters, "BLOCK": BLOCK}
