@@ -79,6 +79,17 @@ def test_bench_reports_both_modes_and_the_phase_split(tmp_path, monkeypatch, cap
     assert "acceptance SIMULATED" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+def test_simulated_acceptance_is_the_same_run_to_run(tmp_path, monkeypatch, temperature):
+    """The bench's requests are seeded (sampled ones at fixed width): their simulated acceptance, a
+    function of (seed, position), is the same in every run, so two builds' tok/s differ by their
+    step times alone."""
+    flags = ("--batch-sizes", "4", "--steps", "8", "--temperature", temperature)
+    runs = [run_bench(tmp_path, monkeypatch, "random:small", *flags)[1]["results"] for _ in range(2)]
+    first, second = ([r["tau_histogram"] for r in results if r["mode"] == "dflash"] for results in runs)
+    assert first == second and len(first[0]) > 1  # and acceptance varies from block to block
+
+
 def test_kernel_profile_splits_a_step_by_kernel(tmp_path, monkeypatch):
     """--kernel-profile: each measurement's ops (on the CPU) by time per step, longest first, the
     rest summed; a drafted step runs more ops than a plain one (the drafter's forward)."""

@@ -177,8 +177,14 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, args, warmup: int, m
     next), and the rest (host, and the gaps between steps) as the step time less those."""
     gen = torch.Generator().manual_seed(batch)
     max_tokens = engine.max_model_len - prompt_len - engine.max_width  # none finishes (run_mode sizes it)
-    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
-    for _ in range(batch):
+    # Seeded, so that a simulated acceptance, of (seed, position), is the same every run; but not
+    # sampled requests under adaptive width, which a seed would hold at the full block (its output
+    # reproducible: `LLMEngine.step_widths`)
+    seeded = args.temperature == 0 or not args.adaptive_width
+    for i in range(batch):
+        params = SamplingParams(
+            temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True, seed=i if seeded else None
+        )
         engine.add_request(torch.randint(0, engine.vocab_size - 1, (prompt_len,), generator=gen).tolist(), params)
     # Every prompt prefilled first (admission takes max_num_batched_tokens of prompts a step), then
     # the warmup: graph captures, adaptive exploration. No prefill falls in the timed steps.
