@@ -302,13 +302,14 @@ def sample_drafts(
     """(drafts [B, n] drawn from softmax(logits / T) of a drafter's logits [B, n, V] at the uniforms
     u [B, n], the distributions where the draw wrote them out): `draw` of `probs` without filters
     (a row's parameters in `sampling` [B, 4], its temperature read alone), q [B, n, V] kept for the
-    acceptance test; on CUDA `sample_rows`' kernel, which writes none (`sample_block` reads the
-    logits instead)."""
+    acceptance test; on CUDA `sample_rows`' kernel, n rows a sequence's temperature, which writes
+    none (`sample_block` reads the logits instead)."""
     B, n, V = logits.shape
-    if fast_kernels(logits, "sample") is None:
+    kernels = fast_kernels(logits, "sample")
+    if kernels is None:
         q = probs(logits, sampling[:, None], filters=False)
         return draw(q, u), q
-    return sample_rows(logits.reshape(B * n, V), sampling.repeat_interleave(n, 0), u.reshape(-1)).view(B, n), None
+    return kernels.sample_triton(logits.reshape(B * n, V), sampling[:, 0], u.reshape(-1), n).view(B, n), None
 
 
 def last_positive(x: torch.Tensor) -> torch.Tensor:

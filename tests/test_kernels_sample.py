@@ -62,6 +62,17 @@ def test_rows_of_a_wider_tensor():
 
 
 @runs_kernel
+def test_a_drafters_rows_take_their_sequences_temperature():
+    """`rows_per_t`: a drafter's n rows a sequence, row r at temperature[r // n] (`sampling.sample_drafts`),
+    as the reference with each sequence's temperature repeated per row."""
+    logits, temperature, u = case(4 * 3, 2 * BLOCK + 5, torch.float32, seed=4)
+    per_sequence = temperature[::3]
+    tokens = sample_triton(logits, per_sequence, u, rows_per_t=3)
+    assert torch.equal(tokens, reference(logits, per_sequence.repeat_interleave(3), u))
+    assert not torch.equal(tokens, reference(logits, per_sequence.repeat(3), u))
+
+
+@runs_kernel
 def test_masked_tokens_are_never_drawn_even_at_the_ends_of_the_uniforms():
     """Tokens at -inf (a grammar's or a ban's) have no mass: u near 0 draws the first allowed token,
     u near 1 the last, whichever chunk they sit in."""

@@ -10,6 +10,7 @@ sums of their own order, so a token may differ from the reference's only where u
 float32 rounding of a boundary between two tokens' masses."""
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -112,11 +113,12 @@ def _chunk_mass_kernel(x_ptr, temp_ptr, val_ptr, sum_ptr, V, stride_row, rows_pe
     tl.store(sum_ptr + row * CHUNKS_PAD + c, tl.sum(rescaled(best, lane_sum, m, t), 0))
 
 
-@triton.jit
-def _row_draw_kernel(x_ptr, temp_ptr, u_ptr, val_ptr, sum_ptr, out_ptr, V, stride_row, CHUNKS: tl.constexpr,
-                     CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["rows_per_t"])
+def _row_draw_kernel(x_ptr, temp_ptr, u_ptr, val_ptr, sum_ptr, out_ptr, V, stride_row, rows_per_t,
+                     CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0) + tl.zeros([1], tl.int32)  # one sequence: [1] vectors for `draw_in_chunks`
-    t = row_temperature(temp_ptr, row)
+    t = row_temperature(temp_ptr, row // rows_per_t)
     live = row >= 0
     m, mass = row_masses(val_ptr, sum_ptr, row, live, t, CHUNKS, CHUNKS_PAD)
     target = tl.load(u_ptr + row) * tl.sum(mass, 1).to(tl.float64)
@@ -144,12 +146,17 @@ def chunk_layout(V: int) -> ChunkLayout:
     return ChunkLayout(chunks, iters, max(MIN_PAD, triton.next_power_of_2(chunks)))
 
 
-def chunk_stats(
-    logits: torch.Tensor, temperature: torch.Tensor, rows_per_t: int = 1
-) -> tuple[ChunkLayout, torch.Tensor, torch.Tensor]:
-    """(layout, maxima, sums) of the `chunk_layout` chunks of each row of logits [R, V] (rows
-    contiguous), row r at temperature[r // rows_per_t] (0: T = 1): [R, layout.pad] float32 each,
-    the chunk's largest logit and its sum of exp((x - max) / T); padding chunks unwritten."""
+class ChunkStats(NamedTuple):
+    """Each row's chunks (`chunk_stats`): [R, layout.pad] float32 each, padding chunks unwritten."""
+
+    layout: ChunkLayout
+    maxima: torch.Tensor  # the chunk's largest logit
+    sums: torch.Tensor  # its sum of exp((x - max) / T)
+
+
+def chunk_stats(logits: torch.Tensor, temperature: torch.Tensor, rows_per_t: int = 1) -> ChunkStats:
+    """The `chunk_layout` chunks' maxima and sums of each row of logits [R, V] (rows contiguous), row
+    r at temperature[r // rows_per_t] (0: T = 1)."""
     rows, V = logits.shape
     assert V > 0 and logits.stride(-1) == 1, f"logits {tuple(logits.shape)}: rows of a vocabulary, contiguous"
     layout = chunk_layout(V)
@@ -159,18 +166,23 @@ def chunk_stats(
         _chunk_mass_kernel[(rows, layout.chunks)](
             logits, temperature, val, sums, V, logits.stride(0), rows_per_t, layout.iters, layout.pad, BLOCK
         )  # fmt: skip
-    return layout, val, sums
+    return ChunkStats(layout, val, sums)
 
 
-def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] (any float dtype, rows contiguous), temperature [B] (0: T = 1), u [B] float64
-    uniforms -> int64 [B]: each row's token at u times its mass under softmax(logits / T)."""
+def sample_triton(
+    logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, rows_per_t: int = 1
+) -> torch.Tensor:
+    """logits [R, V] (any float dtype, rows contiguous), temperature [R / rows_per_t] (0: T = 1), u
+    [R] float64 uniforms -> int64 [R]: each row's token at u times its mass under softmax(logits /
+    T), row r at temperature[r // rows_per_t] (a drafter's rows, rows_per_t a sequence)."""
     rows, V = logits.shape
     temperature, u = temperature.float().contiguous(), u.double().contiguous()
-    layout, val, sums = chunk_stats(logits, temperature)
+    stats = chunk_stats(logits, temperature, rows_per_t)
+    layout = stats.layout
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         _row_draw_kernel[(rows,)](
-            logits, temperature, u, val, sums, out, V, logits.stride(0), layout.chunks, layout.pad, layout.iters, BLOCK
+            logits, temperature, u, stats.maxima, stats.sums, out, V, logits.stride(0), rows_per_t, layout.chunks,
+            layout.pad, layout.iters, BLOCK,
         )  # fmt: skip
     return out

@@ -125,8 +125,9 @@ def speculative_sample_triton(
     )
     x, y = logits.reshape(B * S, V).contiguous(), draft_logits.reshape(B * (S - 1), V).contiguous()
     temperature = temperature.float().contiguous()
-    layout, *p_stats = chunk_stats(x, temperature, S)  # maxima and sums of each target row's chunks
-    _, *q_stats = chunk_stats(y, temperature, S - 1)  # and of each draft row's
+    p_stats = chunk_stats(x, temperature, S)  # each target row's chunks
+    q_stats = chunk_stats(y, temperature, S - 1)  # each draft row's
+    layout = p_stats.layout
     drafts, num_drafts = drafts.contiguous(), num_drafts.contiguous()
     accepted = torch.empty(B, dtype=torch.int64, device=logits.device)
     token = torch.empty_like(accepted)
@@ -135,7 +136,7 @@ def speculative_sample_triton(
     shape = {"CHUNKS": layout.chunks, "CHUNKS_PAD": layout.pad}
     u_accept, u_residual = u_accept.double().contiguous(), u_residual.double().contiguous()
     _accept_kernel[(B,)](
-        x, y, drafts, num_drafts, temperature, u_accept, *p_stats, *q_stats, accepted, V, S, **shape,
+        x, y, drafts, num_drafts, temperature, u_accept, p_stats.maxima, p_stats.sums, q_stats.maxima, q_stats.sums, accepted, V, S, **shape,
         S_PAD=triton.next_power_of_2(S),
     )  # fmt: skip
     if imposed is not None:
@@ -144,9 +145,9 @@ def speculative_sample_triton(
     r_sum = torch.empty((B, layout.pad), dtype=torch.float32, device=logits.device)
     steps = {"CHUNK_ITERS": layout.iters, "BLOCK": BLOCK}
     _residual_mass_kernel[(B, layout.chunks)](
-        x, y, num_drafts, temperature, accepted, *p_stats, *q_stats, residual, r_sum, V, S, **shape, **steps
+        x, y, num_drafts, temperature, accepted, p_stats.maxima, p_stats.sums, q_stats.maxima, q_stats.sums, residual, r_sum, V, S, **shape, **steps
     )  # fmt: skip
     _residual_draw_kernel[(B,)](
-        x, temperature, u_residual, accepted, *p_stats, residual, r_sum, token, V, S, **shape, **steps
+        x, temperature, u_residual, accepted, p_stats.maxima, p_stats.sums, residual, r_sum, token, V, S, **shape, **steps
     )  # fmt: skip
     return accepted, token
