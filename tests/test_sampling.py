@@ -342,7 +342,7 @@ def test_drafts_and_their_q_written_out_or_left_to_the_step(filters):
     assert torch.equal(proposal.drafts, expected)
     assert torch.equal(proposal.q, q) and (proposal.draft_logits is draft_logits) == (not filters)
     for form in [proposal] + [replace(proposal, q=None)] * (not filters):
-        assert torch.equal(proposal_q(form, inputs.sampling_params), q)
+        assert torch.equal(proposal_q(form, inputs), q)
     ruled = accept(replace(proposal, draft_logits=None), logits, inputs)[0]  # q written out: the general rule
     assert 0 < ruled[~greedy].float().mean() < w - 1  # drafts accepted and rejected
     # with the rule's counts, and with a simulated proposal's imposed ones (the token after them)

@@ -211,8 +211,7 @@ def propose_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Te
     num_drafts = inputs.lengths - 1
     if proposal.num_drafts is not None:
         num_drafts = torch.minimum(num_drafts, proposal.num_drafts)
-    q = proposal_q(proposal, inputs.sampling_params) if inputs.sampling is not None else proposal.q
-    return torch.cat([num_drafts[:, None].long(), proposal.drafts.long()], 1), q
+    return torch.cat([num_drafts[:, None].long(), proposal.drafts.long()], 1), proposal_q(proposal, inputs)
 
 
 def flush_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[None, None]:

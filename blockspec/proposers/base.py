@@ -80,9 +80,9 @@ def draft_from_logits(logits: torch.Tensor, inputs: "StepInputs") -> Proposal:
     return Proposal(torch.where(inputs.greedy[:, None], drafts, sampled), q, draft_logits=logits)
 
 
-def proposal_q(proposal: Proposal, sampling: torch.Tensor) -> torch.Tensor | None:
+def proposal_q(proposal: Proposal, inputs: "StepInputs") -> torch.Tensor | None:
     """The proposal's q written out (from its `draft_logits` where it holds none): for a step that
     takes its drafts from before it (structured output)."""
     if proposal.q is not None or proposal.draft_logits is None:
         return proposal.q
-    return probs(proposal.draft_logits, sampling[:, None], filters=False)
+    return probs(proposal.draft_logits, inputs.sampling_params[:, None], filters=False)
