@@ -68,10 +68,14 @@ def _residual_mass_kernel(
     for _ in range(CHUNK_ITERS):
         ok = v < V
         x = tl.load(x_ptr + p_row.to(tl.int64)[:, None] * V + v, mask=ok, other=float("-inf")).to(tl.float32)
-        p = tl.exp((x - mp[:, None]) / t[:, None]) / zp[:, None]
         y = tl.load(y_ptr + q_row.to(tl.int64)[:, None] * V + v, mask=ok & rejected[:, None], other=float("-inf"))
-        q = tl.exp((y.to(tl.float32) - mq[:, None]) / t[:, None]) / zq[:, None]
-        r = tl.where(rejected[:, None], tl.maximum(p - q, 0.0), p)
+        y = y.to(tl.float32)
+        p = tl.exp((x - mp[:, None]) / t[:, None]) / zp[:, None]
+        q = tl.exp((y - mq[:, None]) / t[:, None]) / zq[:, None]
+        # Equal logits and row stats are p == q, no residual: computed apart, the two may round
+        # apart (on an H100 they do, by some ulps), and that rounding would be a residual to draw from
+        same = (x == y) & (mp == mq)[:, None] & (zp == zq)[:, None]
+        r = tl.where(rejected[:, None], tl.where(same, 0.0, tl.maximum(p - q, 0.0)), p)
         tl.store(r_ptr + seq.to(tl.int64)[:, None] * V + v, r, mask=ok)
         total += tl.where(ok, r, 0.0)
         v += BLOCK
