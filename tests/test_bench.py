@@ -329,14 +329,17 @@ def test_acceptance_rounds_are_timed_apart(monkeypatch):
     assert rows["b"]["round_tok_per_s"] == [3 / 2, 3 / 2]
 
 
-def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path):
-    """A width trace of 3 requests in groups of 2: each request's full-width steps chain from
-    position 0 (each block starts where the last one's tokens end) to its length; the forced run
-    times more than one width class, each step within its group's batch size."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path, temperature):
+    """A width trace of 3 requests in groups of 2, greedy or sampled: each request's
+    full-width steps chain from position 0 (each block starts where the last one's tokens end) to
+    its length; the forced run times more than one width class, each step within its group's batch
+    size."""
     target = make_target(tmp_path / "t", "qwen3")
     llm = LLM(str(target), {"model": str(make_drafter(tmp_path / "d", target))}, "cpu", "float32", max_num_seqs=2)
     prompts = [[5, 9, 2, 11], list(range(20, 37)), [7, 7, 8]]
-    trace = width_trace.record(llm, prompts, SamplingParams(temperature=0, max_tokens=12), 2)
+    params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True)
+    trace = width_trace.record(llm, prompts, params, 2)
     assert [r["group"] for r in trace["requests"]] == [0, 0, 1]
     for r in trace["requests"]:
         ends = [start + accepted + 1 for start, accepted in r["accepted"]]

@@ -11,6 +11,11 @@ machine as it was at that point of the run (the batch shrinking as requests fini
 growing, the machine's load). Also the step times the engine measured when it started, which
 its policy starts from.
 
+At a temperature above 0 (`--temperature`) the requests are unseeded (a seeded one keeps the full
+block, so that its text does not depend on the widths), and the full-block run's acceptances are
+those of one sampled text: a narrower block would sample another, so a replay holds for the
+acceptance statistics, not token for token.
+
     python -m blockspec.bench.width_trace --model M --draft D --batch-size 16 --limit 64 \\
         --set humaneval --humaneval HumanEval.jsonl.gz --out trace.json"""
 
@@ -111,6 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=16, help="prompts")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", default="width_trace.json")
@@ -121,10 +127,16 @@ def run(args: argparse.Namespace) -> None:
     llm = LLM(args.model, {"model": draft}, args.device, args.dtype, max_num_seqs=args.batch_size, prefix_caching=False)
     texts = humaneval_prompts(args.humaneval) if args.set == "humaneval" else mtbench_prompts(args.mtbench)
     prompts = [llm.chat_prompt([{"role": "user", "content": t}]) for t in texts[: args.limit]]
-    trace = record(llm, prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), args.batch_size)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    trace = record(llm, prompts, params, args.batch_size)
     engine = llm.engine
     meta = run_meta(
-        "blockspec.bench.width_trace", engine.device, engine.dtype, set=args.set, batch_size=args.batch_size
+        "blockspec.bench.width_trace",
+        engine.device,
+        engine.dtype,
+        set=args.set,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
     )
     Path(args.out).write_text(json.dumps({"meta": meta, **trace}))
     print(f"{len(trace['requests'])} requests, {len(trace['timed'])} timed steps -> {args.out}")
