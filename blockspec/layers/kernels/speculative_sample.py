@@ -30,6 +30,21 @@ def _prob_at(x_ptr, rows, cols, live, val_ptr, sum_ptr, t, V, CHUNKS: tl.constex
 
 
 @triton.jit
+def _same_stats(
+    p_val_ptr, p_sum_ptr, p_rows, q_val_ptr, q_sum_ptr, q_rows, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr
+):
+    """Whether rows p_rows [R] and q_rows [R] have the same chunk maxima and sums, bit for bit (as
+    stored: not through exp, which the compiler may round apart)."""
+    k = tl.arange(0, CHUNKS_PAD)[None, :]
+    ok = k < CHUNKS
+    p_at, q_at = p_rows[:, None] * CHUNKS_PAD + k, q_rows[:, None] * CHUNKS_PAD + k
+    apart = (tl.load(p_val_ptr + p_at, mask=ok) != tl.load(q_val_ptr + q_at, mask=ok)) | (
+        tl.load(p_sum_ptr + p_at, mask=ok) != tl.load(q_sum_ptr + q_at, mask=ok)
+    )
+    return tl.max(tl.where(ok & apart, 1, 0), 1) == 0
+
+
+@triton.jit
 def _accept_kernel(
     x_ptr, y_ptr, drafts_ptr, num_ptr, temp_ptr, u_ptr, p_val_ptr, p_sum_ptr, q_val_ptr, q_sum_ptr, accepted_ptr, V, S,
     CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, S_PAD: tl.constexpr,
@@ -63,6 +78,7 @@ def _residual_mass_kernel(
     mp, p_mass = row_masses(p_val_ptr, p_sum_ptr, p_row, seq >= 0, t, CHUNKS, CHUNKS_PAD)
     mq, q_mass = row_masses(q_val_ptr, q_sum_ptr, q_row, rejected, t, CHUNKS, CHUNKS_PAD)
     zp, zq = tl.sum(p_mass, 1), tl.sum(q_mass, 1)
+    same_rows = _same_stats(p_val_ptr, p_sum_ptr, p_row, q_val_ptr, q_sum_ptr, q_row, CHUNKS, CHUNKS_PAD)
     v = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)[None, :]
     total = tl.zeros([1, BLOCK], tl.float32)
     for _ in range(CHUNK_ITERS):
@@ -74,7 +90,7 @@ def _residual_mass_kernel(
         q = tl.exp((y - mq[:, None]) / t[:, None]) / zq[:, None]
         # Equal logits and row stats are p == q, no residual: computed apart, the two may round
         # apart (on an H100 they do, by some ulps), and that rounding would be a residual to draw from
-        same = (x == y) & (mp == mq)[:, None] & (zp == zq)[:, None]
+        same = (x == y) & same_rows[:, None]
         r = tl.where(rejected[:, None], tl.where(same, 0.0, tl.maximum(p - q, 0.0)), p)
         tl.store(r_ptr + seq.to(tl.int64)[:, None] * V + v, r, mask=ok)
         total += tl.where(ok, r, 0.0)
