@@ -120,6 +120,17 @@ def test_the_drafters_own_distribution_is_always_accepted():
 
 
 @runs_kernel
+def test_logits_shared_by_rows_that_differ_keep_their_residual():
+    """The drafter's logits equal the target's at most tokens but not all, so the rows' totals
+    differ and p != q at the shared tokens too: their residual max(p - q, 0) stays (p == q is taken
+    only for equal logits of rows with equal chunk stats), at every draft rejected or not."""
+    block = case(12, 6, 2 * BLOCK + 9, torch.float32, seed=3, noise=0.0)
+    block.draft_logits[..., : BLOCK // 2] += 1.0
+    for u_accept in (block.u_accept, torch.ones_like(block.u_accept)):
+        assert_matches(replace(block, u_accept=u_accept))
+
+
+@runs_kernel
 def test_imposed_counts_replace_the_tests():
     """A simulated proposal's counts (benchmarks): the test still runs, and the token is drawn after
     the imposed count, from its row's residual (p's after a full block)."""

@@ -34,7 +34,9 @@ def _same_stats(
     p_val_ptr, p_sum_ptr, p_rows, q_val_ptr, q_sum_ptr, q_rows, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr
 ):
     """Whether rows p_rows [R] and q_rows [R] have the same chunk maxima and sums, bit for bit (as
-    stored: not through exp, which the compiler may round apart)."""
+    stored: not through exp). Where they do and a token's two logits are equal, p == q there:
+    computed apart, the two may round apart (on an H100 they do, by some ulps), which would let
+    a draft of p == q be rejected and leave a residual of rounding to draw from."""
     k = tl.arange(0, CHUNKS_PAD)[None, :]
     ok = k < CHUNKS
     p_at, q_at = p_rows[:, None] * CHUNKS_PAD + k, q_rows[:, None] * CHUNKS_PAD + k
@@ -56,8 +58,15 @@ def _accept_kernel(
     live = real & (i < tl.load(num_ptr + b))
     t = row_temperature(temp_ptr, b + tl.zeros([S_PAD], tl.int32))
     d = tl.load(drafts_ptr + b * n + i, mask=real, other=0)
-    p = _prob_at(x_ptr, b * S + i, d, real, p_val_ptr, p_sum_ptr, t, V, CHUNKS, CHUNKS_PAD)
-    q = _prob_at(y_ptr, b * n + i, d, real, q_val_ptr, q_sum_ptr, t, V, CHUNKS, CHUNKS_PAD)
+    p_rows, q_rows = b * S + i, b * n + i
+    p = _prob_at(x_ptr, p_rows, d, real, p_val_ptr, p_sum_ptr, t, V, CHUNKS, CHUNKS_PAD)
+    q = _prob_at(y_ptr, q_rows, d, real, q_val_ptr, q_sum_ptr, t, V, CHUNKS, CHUNKS_PAD)
+    x_d = tl.load(x_ptr + p_rows.to(tl.int64) * V + d, mask=real)
+    y_d = tl.load(y_ptr + q_rows.to(tl.int64) * V + d, mask=real)
+    same = (x_d.to(tl.float32) == y_d.to(tl.float32)) & _same_stats(
+        p_val_ptr, p_sum_ptr, p_rows, q_val_ptr, q_sum_ptr, q_rows, CHUNKS, CHUNKS_PAD
+    )
+    q = tl.where(same, p, q)  # equal inputs, equal probabilities (`_same_stats`)
     u = tl.load(u_ptr + b * n + i, mask=real, other=1.0)
     hit = live & (u * q.to(tl.float64) < p.to(tl.float64))
     tl.store(accepted_ptr + b, tl.min(tl.where(hit, S_PAD, i), 0).to(tl.int64))  # the first draft rejected
@@ -88,9 +97,7 @@ def _residual_mass_kernel(
         y = y.to(tl.float32)
         p = tl.exp((x - mp[:, None]) / t[:, None]) / zp[:, None]
         q = tl.exp((y - mq[:, None]) / t[:, None]) / zq[:, None]
-        # Equal logits and row stats are p == q, no residual: computed apart, the two may round
-        # apart (on an H100 they do, by some ulps), and that rounding would be a residual to draw from
-        same = (x == y) & same_rows[:, None]
+        same = (x == y) & same_rows[:, None]  # p == q: no residual (`_same_stats`)
         r = tl.where(rejected[:, None], tl.where(same, 0.0, tl.maximum(p - q, 0.0)), p)
         tl.store(r_ptr + seq.to(tl.int64)[:, None] * V + v, r, mask=ok)
         total += tl.where(ok, r, 0.0)
@@ -148,6 +155,7 @@ def speculative_sample_triton(
     p_stats = chunk_stats(x, temperature, S)  # each target row's chunks
     q_stats = chunk_stats(y, temperature, S - 1)  # each draft row's
     layout = p_stats.layout
+    stats = (p_stats.maxima, p_stats.sums, q_stats.maxima, q_stats.sums)
     drafts, num_drafts = drafts.contiguous(), num_drafts.contiguous()
     accepted = torch.empty(B, dtype=torch.int64, device=logits.device)
     token = torch.empty_like(accepted)
@@ -156,7 +164,7 @@ def speculative_sample_triton(
     shape = {"CHUNKS": layout.chunks, "CHUNKS_PAD": layout.pad}
     u_accept, u_residual = u_accept.double().contiguous(), u_residual.double().contiguous()
     _accept_kernel[(B,)](
-        x, y, drafts, num_drafts, temperature, u_accept, p_stats.maxima, p_stats.sums, q_stats.maxima, q_stats.sums, accepted, V, S, **shape,
+        x, y, drafts, num_drafts, temperature, u_accept, *stats, accepted, V, S, **shape,
         S_PAD=triton.next_power_of_2(S),
     )  # fmt: skip
     if imposed is not None:
@@ -165,9 +173,9 @@ def speculative_sample_triton(
     r_sum = torch.empty((B, layout.pad), dtype=torch.float32, device=logits.device)
     steps = {"CHUNK_ITERS": layout.iters, "BLOCK": BLOCK}
     _residual_mass_kernel[(B, layout.chunks)](
-        x, y, num_drafts, temperature, accepted, p_stats.maxima, p_stats.sums, q_stats.maxima, q_stats.sums, residual, r_sum, V, S, **shape, **steps
+        x, y, num_drafts, temperature, accepted, *stats, residual, r_sum, V, S, **shape, **steps
     )  # fmt: skip
     _residual_draw_kernel[(B,)](
-        x, temperature, u_residual, accepted, p_stats.maxima, p_stats.sums, residual, r_sum, token, V, S, **shape, **steps
+        x, temperature, u_residual, accepted, *stats[:2], residual, r_sum, token, V, S, **shape, **steps
     )  # fmt: skip
     return accepted, token
