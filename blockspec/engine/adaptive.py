@@ -256,7 +256,10 @@ class AdaptiveWidth:
         if first is not None:
             return first
         expected = self.expected_tokens(rows=rows)
-        best = max(allowed, key=lambda w: expected[w - 1] / costs.ratio[w])
+        # Until drafts have been seen the rates are the prior's, which are no evidence against drafting,
+        # and a plain step would never show what drafts are accepted
+        drafting = allowed if self.counts.trials[0] >= PRIOR else allowed[1:]
+        best = max(drafting, key=lambda w: expected[w - 1] / costs.ratio[w])
         if costs.current not in allowed:  # rows capped below the current width: a request's last steps
             return best
         if best != costs.current:
