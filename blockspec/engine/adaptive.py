@@ -8,7 +8,8 @@ rates, shrunk toward those (a batch whose easy requests have finished keeps its 
 rates of all past steps would overrate it). Its cost is measured, per batch bucket. Where
 verifying 16 rows costs about what 1 row costs (a GPU at small batch) the widest block wins; where
 rows cost compute (a CPU, or a GPU at large batch) narrower blocks can win, and where drafts are
-seldom accepted width 1 (a plain step: no drafter forward at all) can.
+seldom accepted width 1 (a plain step: no drafter forward at all) can (once drafts have been
+seen: a plain step shows none, and the prior's rates alone are no evidence against drafting).
 
 Step times drift: contexts grow, and a machine's load comes and goes, so two widths timed
 minutes apart differ by more than their own costs do. Widths are therefore compared by the ratio
