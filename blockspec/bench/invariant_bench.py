@@ -1,0 +1,103 @@
+"""What row invariance costs, op by op, on CUDA: a Qwen3-8B decoder layer's GEMMs (the engine's
+`linear`, with its fused norm, SwiGLU and residual) and its paged attention, each timed with row
+invariance off and on (`KernelConfig.row_invariant`), at the row counts of a decode (1), a 16-row
+verify and 16 such sequences (256). Device µs per call from CUDA graphs (`timing.time_us`). Each
+invariant result is checked: row 0 of the largest call equals that row alone, bit for bit.
+
+    python -m blockspec.bench.invariant_bench
+    python -m blockspec.bench.invariant_bench --split-keys 128 256 512 1024   # attention at other fixed splits
+"""
+
+import argparse
+import dataclasses
+
+import torch
+
+from blockspec.bench.attention_bench import make_inputs
+from blockspec.bench.timing import time_us
+from blockspec.config import KernelConfig
+from blockspec.layers.fast_path import active_kernels, restore_kernels
+from blockspec.layers.kernels import paged_attention
+from blockspec.layers.linear import linear
+from blockspec.layers.norm import RMSNorm
+
+HIDDEN, INTERMEDIATE, QKV = 4096, 12288, 6144  # Qwen3-8B: 32 query and 8 kv heads of 128
+# name: (N, K, norm prologue, SwiGLU, residual)
+GEMMS = {
+    "qkv": (QKV, HIDDEN, True, False, False),
+    "o": (HIDDEN, HIDDEN, False, False, True),
+    "gate_up": (2 * INTERMEDIATE, HIDDEN, True, True, False),
+    "down": (HIDDEN, INTERMEDIATE, False, False, True),
+}
+ROWS = (1, 16, 256)
+
+
+def with_invariance(on: bool, fn):
+    """fn() with row invariance `on`, the switches in force before restored after it."""
+    before = active_kernels()
+    restore_kernels(dataclasses.replace(before, row_invariant=on))
+    try:
+        return fn()
+    finally:
+        restore_kernels(before)
+
+
+def gemm_rows(name: str, calls: int, reps: int) -> list[str]:
+    N, K, norm, swiglu, residual = GEMMS[name]
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    w = torch.randn(N, K, **kw) * 0.02
+    x = torch.randn(max(ROWS), K, **kw)
+    res = torch.randn(max(ROWS), N, **kw) if residual else None
+    rms = RMSNorm(K, 1e-6).to(**kw) if norm else None
+
+    def call(m: int) -> torch.Tensor:
+        return linear(x[:m], w, None, rms, swiglu, None if res is None else res[:m])
+
+    lines = []
+    for m in ROWS:
+        off = with_invariance(False, lambda m=m: time_us([lambda: call(m)], calls, reps))
+        on = with_invariance(True, lambda m=m: time_us([lambda: call(m)], calls, reps))
+        lines.append(f"{name:>8} {m:>4} {off:>9.1f} {on:>9.1f} {on / off:>6.2f}x")
+    same = with_invariance(True, lambda: torch.equal(call(max(ROWS))[:1], call(1)))
+    return [line + ("" if same else "  NOT ROW-INVARIANT") for line in lines]
+
+
+def attention_rows(split_keys: list[int], calls: int, reps: int) -> list[str]:
+    lines = []
+    for batch in (1, 16, 64):
+        for rows in (1, 16):
+            for ctx in (545, 2048):
+                x = make_inputs(batch, rows, ctx, 4096, "causal")
+                off = time_us([lambda x=x: paged_attention.paged_attention_triton(**x)], calls, reps)
+                line = f"{batch:>3} {rows:>4} {ctx:>5} {off:>9.1f}"
+                for keys in split_keys:
+                    paged_attention.INVARIANT_SPLIT_KEYS = keys
+                    on = time_us([lambda x=x: paged_attention.paged_attention_triton(**x, invariant=True)], calls, reps)
+                    line += f" {on:>9.1f}"
+                lines.append(line)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split-keys", type=int, nargs="+", default=[paged_attention.INVARIANT_SPLIT_KEYS])
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    restore_kernels(KernelConfig())
+    torch.set_grad_enabled(False)  # the fast paths run without grad
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, Qwen3-8B shapes, device µs per call")
+    print(f"{'gemm':>8} {'rows':>4} {'off µs':>9} {'on µs':>9} {'on/off':>7}")
+    for name in GEMMS:
+        print("\n".join(gemm_rows(name, args.calls, args.reps)), flush=True)
+    default = paged_attention.INVARIANT_SPLIT_KEYS
+    head = "".join(f" {f'on@{k} µs':>9}" for k in args.split_keys)
+    print(f"attention (causal, block tables of 4096 positions)\n{'B':>3} {'rows':>4} {'ctx':>5} {'off µs':>9}{head}")
+    try:
+        print("\n".join(attention_rows(args.split_keys, args.calls, args.reps)))
+    finally:
+        paged_attention.INVARIANT_SPLIT_KEYS = default
+
+
+if __name__ == "__main__":
+    main()
