@@ -1,8 +1,10 @@
-"""What row invariance costs, op by op, on CUDA: a Qwen3-8B decoder layer's GEMMs (the engine's
-`linear`, with its fused norm, SwiGLU and residual) and its paged attention, each timed with row
-invariance off and on (`KernelConfig.row_invariant`), at the row counts of a decode (1), a 16-row
-verify and 16 such sequences (256). Device µs per call from CUDA graphs (`timing.time_us`). Each
-invariant result is checked: row 0 of the largest call equals that row alone, bit for bit.
+"""What row invariance costs, op by op, on CUDA, with row invariance off and on
+(`KernelConfig.row_invariant`); device µs per call from CUDA graphs (`timing.time_us`):
+- a Qwen3-8B decoder layer's GEMMs (the engine's `linear`, with its fused norm, SwiGLU and
+  residual) at the rows of a decode (1), a 16-row verify and 16 such sequences (256), each
+  invariant GEMM checked to give row 0 the same bits at 256 rows as alone;
+- its paged attention (batch 1, 16, 64; 1 or 16 query rows; 545 or 2048 positions) at the
+  default splits and at fixed key splits of each size given.
 
     python -m blockspec.bench.invariant_bench
     python -m blockspec.bench.invariant_bench --split-keys 128 256 512 1024   # attention at other fixed splits
