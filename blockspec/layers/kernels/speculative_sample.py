@@ -22,23 +22,29 @@ from blockspec.layers.kernels.sample import BLOCK, chunk_stats, draw_in_chunks, 
 
 
 @triton.jit
-def _prob_at(x_ptr, rows, cols, live, val_ptr, sum_ptr, t, V, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """softmax(x / t)[cols] of rows [R] of V logits (0 where not `live`), float32."""
+def _logit_at(x_ptr, rows, cols, live, V):
+    """x[rows, cols] [R] of rows of V logits, float32 (-inf where not `live`)."""
+    return tl.load(x_ptr + rows.to(tl.int64) * V + cols, mask=live, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _prob(x, rows, live, val_ptr, sum_ptr, t, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """softmax(row / t) at the logits x [R] of rows [R] (0 where not `live`), float32."""
     m, mass = row_masses(val_ptr, sum_ptr, rows, live, t, CHUNKS, CHUNKS_PAD)
-    x = tl.load(x_ptr + rows.to(tl.int64) * V + cols, mask=live, other=float("-inf")).to(tl.float32)
     return tl.where(live, tl.exp((x - m) / t) / tl.sum(mass, 1), 0.0)
 
 
 @triton.jit
 def _same_stats(
-    p_val_ptr, p_sum_ptr, p_rows, q_val_ptr, q_sum_ptr, q_rows, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr
+    p_val_ptr, p_sum_ptr, p_rows, q_val_ptr, q_sum_ptr, q_rows, live, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr
 ):
     """Whether rows p_rows [R] and q_rows [R] have the same chunk maxima and sums, bit for bit (as
-    stored: not through exp). Where they do and a token's two logits are equal, p == q there:
-    computed apart, the two may round apart (on an H100 they do, by some ulps), which would let
-    a draft of p == q be rejected and leave a residual of rounding to draw from."""
+    stored: not through exp); rows not `live` read nothing. Where they do and a token's two logits
+    are equal, p == q there: computed apart, the two may round apart (on an H100 they do, by some
+    ulps), which would let a draft of p == q be rejected and leave a residual of rounding to draw
+    from."""
     k = tl.arange(0, CHUNKS_PAD)[None, :]
-    ok = k < CHUNKS
+    ok = (k < CHUNKS) & live[:, None]
     p_at, q_at = p_rows[:, None] * CHUNKS_PAD + k, q_rows[:, None] * CHUNKS_PAD + k
     apart = (tl.load(p_val_ptr + p_at, mask=ok) != tl.load(q_val_ptr + q_at, mask=ok)) | (
         tl.load(p_sum_ptr + p_at, mask=ok) != tl.load(q_sum_ptr + q_at, mask=ok)
@@ -59,12 +65,11 @@ def _accept_kernel(
     t = row_temperature(temp_ptr, b + tl.zeros([S_PAD], tl.int32))
     d = tl.load(drafts_ptr + b * n + i, mask=real, other=0)
     p_rows, q_rows = b * S + i, b * n + i
-    p = _prob_at(x_ptr, p_rows, d, real, p_val_ptr, p_sum_ptr, t, V, CHUNKS, CHUNKS_PAD)
-    q = _prob_at(y_ptr, q_rows, d, real, q_val_ptr, q_sum_ptr, t, V, CHUNKS, CHUNKS_PAD)
-    x_d = tl.load(x_ptr + p_rows.to(tl.int64) * V + d, mask=real)
-    y_d = tl.load(y_ptr + q_rows.to(tl.int64) * V + d, mask=real)
-    same = (x_d.to(tl.float32) == y_d.to(tl.float32)) & _same_stats(
-        p_val_ptr, p_sum_ptr, p_rows, q_val_ptr, q_sum_ptr, q_rows, CHUNKS, CHUNKS_PAD
+    x_d, y_d = _logit_at(x_ptr, p_rows, d, real, V), _logit_at(y_ptr, q_rows, d, real, V)
+    p = _prob(x_d, p_rows, real, p_val_ptr, p_sum_ptr, t, CHUNKS, CHUNKS_PAD)
+    q = _prob(y_d, q_rows, real, q_val_ptr, q_sum_ptr, t, CHUNKS, CHUNKS_PAD)
+    same = (x_d == y_d) & _same_stats(
+        p_val_ptr, p_sum_ptr, p_rows, q_val_ptr, q_sum_ptr, q_rows, real, CHUNKS, CHUNKS_PAD
     )
     q = tl.where(same, p, q)  # equal inputs, equal probabilities (`_same_stats`)
     u = tl.load(u_ptr + b * n + i, mask=real, other=1.0)
@@ -87,7 +92,7 @@ def _residual_mass_kernel(
     mp, p_mass = row_masses(p_val_ptr, p_sum_ptr, p_row, seq >= 0, t, CHUNKS, CHUNKS_PAD)
     mq, q_mass = row_masses(q_val_ptr, q_sum_ptr, q_row, rejected, t, CHUNKS, CHUNKS_PAD)
     zp, zq = tl.sum(p_mass, 1), tl.sum(q_mass, 1)
-    same_rows = _same_stats(p_val_ptr, p_sum_ptr, p_row, q_val_ptr, q_sum_ptr, q_row, CHUNKS, CHUNKS_PAD)
+    same_rows = _same_stats(p_val_ptr, p_sum_ptr, p_row, q_val_ptr, q_sum_ptr, q_row, rejected, CHUNKS, CHUNKS_PAD)
     v = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)[None, :]
     total = tl.zeros([1, BLOCK], tl.float32)
     for _ in range(CHUNK_ITERS):
