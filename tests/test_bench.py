@@ -356,6 +356,26 @@ def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path
         width_trace.record(no_adaptive, prompts, SamplingParams(max_tokens=4), 1)
 
 
+def test_width_trace_command_samples_at_its_temperature(tmp_path, monkeypatch):
+    """`--temperature` reaches the recorded requests' sampling parameters and the trace's meta."""
+    target, _, _ = acceptance_setup(tmp_path)  # the tiny word-tokenized target and its prompt files
+    recorded = []
+    real_record = width_trace.record
+    monkeypatch.setattr(
+        width_trace, "record", lambda llm, p, params, b: recorded.append(params) or real_record(llm, p, params, b)
+    )
+    parser = argparse.ArgumentParser()
+    width_trace.add_arguments(parser)
+    out = tmp_path / "trace.json"
+    width_trace.run(parser.parse_args([
+        "--model", str(target), "--draft", str(make_drafter(tmp_path / "d", target)), "--device", "cpu",
+        "--dtype", "float32", "--humaneval", str(tmp_path / "humaneval.jsonl.gz"), "--max-tokens", "6",
+        "--temperature", "0.8", "--out", str(out),
+    ]))  # fmt: skip
+    assert [p.temperature for p in recorded] == [0.8] and recorded[0].seed is None
+    assert json.loads(out.read_text())["meta"]["temperature"] == 0.8
+
+
 def acceptance_setup(tmp_path: Path) -> tuple[Path, argparse.ArgumentParser, list[str]]:
     """A tiny word-tokenized target, one-prompt HumanEval and MT-Bench files, the acceptance bench's
     parser and its arguments for them (6 greedy tokens, no adaptive or n-gram engines)."""
