@@ -292,17 +292,20 @@ def test_invariant_launch_gives_the_same_bits_folded_in_one_program_as_split_acr
     name: str, sinks: bool, monkeypatch, poisoned_partials, arrivals
 ) -> None:
     """Row invariance folds a tile's splits in its one program where the tiles alone fill the SMs
-    (`invariant_folds`; a large batch), else runs them as programs of their own: every row has the
-    same bits either way, and the reference's values."""
+    (`invariant_folds`; a large batch), else runs them as programs of their own, which
+    `_fold_kernel` folds: every row has the same bits either way, and the reference's values."""
     monkeypatch.setattr(paged_attention_module, "INVARIANT_SPLIT_KEYS", 64)
     case = make_case(*CASES[name], dtype=DTYPES[0])
     case["sinks"] = head_sinks(case["q"].shape[2]) if sinks else None
+    folds = []
+    fold_splits = paged_attention_module._fold_splits
+    monkeypatch.setattr(paged_attention_module, "_fold_splits", lambda *a: folds.append(fold_splits(*a)))
     outs = []
-    for sms in (1, 10_000):  # every launch folds; none does: no split arrives, or they do
+    for sms in (1, 10_000):  # every launch folds in its programs; none does
         monkeypatch.setattr(paged_attention_module, "num_sms", lambda device, interpreted, sms=sms: sms)
-        arrivals.clear()
+        folds.clear()
         outs.append(paged_attention_triton(**case, invariant=True))
-        assert bool(arrivals) == (sms > 1), sms
+        assert bool(folds) == (sms > 1) and not arrivals, sms
     assert torch.equal(outs[0], outs[1])
     if sinks:
         check_sinks(outs[0], reference(case))

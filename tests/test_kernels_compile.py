@@ -242,6 +242,24 @@ def test_attention_combine_compiles(sinks):
     compile_for_hopper(paged_attention._combine_kernel, flags, part_ptr="*fp32", lse_ptr="*fp32")
 
 
+def fold_flags(pdl: bool) -> dict:
+    return {
+        "ROWS": 4,
+        "D": 128,
+        "D_PAD": 128,
+        "SPLIT_KEYS": INVARIANT_KEYS,
+        "UNROLL": 4,
+        "PDL": pdl,
+        "HAS_SINKS": False,
+    }
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_invariant_fold_compiles(sinks):
+    flags = fold_flags(True) | {"HAS_SINKS": sinks}
+    compile_for_hopper(paged_attention._fold_kernel, flags, part_ptr="*fp32", lse_ptr="*fp32", k_end_ptr="*i32")
+
+
 @pytest.mark.parametrize("weight,write", [(True, True), (False, False)])
 def test_qk_norm_rope_compiles(weight, write):
     flags = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HAS_WEIGHT": weight, "WRITE": write, "HALF": 64, "BLOCK": 64}
@@ -344,6 +362,7 @@ PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programm
                         "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT": True, "ARRIVE": True, "UNROLL": 1, "PRECISION": "tf32",
                         "HAS_SINKS": False, "SPLIT_KEYS": INVARIANT_KEYS, "FOLD": False, "PDL": pdl},
                         dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS),
+    "fold": (paged_attention._fold_kernel, fold_flags, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "k_end_ptr": "*i32"}),
     "rms_norm": (rms_norm._rms_norm_kernel, lambda pdl: {"HAS_WEIGHT": True, "BLOCK": 4096, "PDL": pdl}, {}),
     "qk_norm_rope": (qk_norm_rope._qk_norm_rope_kernel, lambda pdl: {"NUM_HEADS": 32, "NUM_KV_HEADS": 8,
                      "HAS_WEIGHT": True, "WRITE": True, "HALF": 64, "BLOCK": 64, "PDL": pdl}, {"slot_ptr": "*i64"}),

@@ -4,10 +4,11 @@
   residual) at the rows of a decode (1), a 16-row verify and 16 such sequences (256), each
   invariant GEMM checked to give row 0 the same bits at 256 rows as alone;
 - its paged attention (batch 1, 16, 64; 1 or 16 query rows; 545 or 2048 positions) at the
-  default splits and at fixed key splits of each size given.
+  default splits and in each row-invariant layout given (keys a split, and the programs an SM
+  from which each program folds its own splits).
 
     python -m blockspec.bench.invariant_bench
-    python -m blockspec.bench.invariant_bench --split-keys 128 256 512 1024   # attention at other fixed splits
+    python -m blockspec.bench.invariant_bench --layouts 256/2 512/0.5   # attention laid out otherwise
 """
 
 import argparse
@@ -64,7 +65,32 @@ def gemm_rows(name: str, calls: int, reps: int) -> list[str]:
     return [line + ("" if same else "  NOT ROW-INVARIANT") for line in lines]
 
 
-def attention_rows(split_keys: list[int], calls: int, reps: int) -> list[str]:
+# The row-invariant attention's layout (`paged_attention.invariant_launch`), as --layouts spells it
+LAYOUT = ("INVARIANT_SPLIT_KEYS", "FOLD_PROGRAMS_PER_SM")
+
+
+def layout(text: str) -> tuple[float, ...]:
+    """KEYS/FOLD: keys a split, and the programs an SM from which each folds its own splits."""
+    values = tuple(float(v) if "." in v else int(v) for v in text.split("/"))
+    if len(values) != len(LAYOUT):
+        raise argparse.ArgumentTypeError(f"{text!r}: a layout is KEYS/FOLD, e.g. 256/2")
+    return values
+
+
+def with_layout(values: tuple[float, ...], fn):
+    """fn() with the row-invariant attention laid out as `values` (LAYOUT's constants), then as before."""
+    before = [getattr(paged_attention, name) for name in LAYOUT]
+    for name, value in zip(LAYOUT, values):
+        setattr(paged_attention, name, value)
+    try:
+        return fn()
+    finally:
+        for name, value in zip(LAYOUT, before):
+            setattr(paged_attention, name, value)
+
+
+def attention_rows(layouts: list[tuple[float, ...]], calls: int, reps: int) -> list[str]:
+    """Attention's µs off, then on at each layout."""
     lines = []
     for batch in (1, 16, 64):
         for rows in (1, 16):
@@ -72,17 +98,17 @@ def attention_rows(split_keys: list[int], calls: int, reps: int) -> list[str]:
                 x = make_inputs(batch, rows, ctx, 4096, "causal")
                 off = time_us([lambda x=x: paged_attention.paged_attention_triton(**x)], calls, reps)
                 line = f"{batch:>3} {rows:>4} {ctx:>5} {off:>9.1f}"
-                for keys in split_keys:
-                    paged_attention.INVARIANT_SPLIT_KEYS = keys
-                    on = time_us([lambda x=x: paged_attention.paged_attention_triton(**x, invariant=True)], calls, reps)
-                    line += f" {on:>9.1f}"
+                calls_on = [lambda x=x: paged_attention.paged_attention_triton(**x, invariant=True)]
+                for values in layouts:
+                    line += f" {with_layout(values, lambda c=calls_on: time_us(c, calls, reps)):>15.1f}"
                 lines.append(line)
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--split-keys", type=int, nargs="+", default=[paged_attention.INVARIANT_SPLIT_KEYS])
+    shipped = "/".join(str(getattr(paged_attention, name)) for name in LAYOUT)
+    ap.add_argument("--layouts", type=layout, nargs="+", default=[layout(shipped)], help=layout.__doc__)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
@@ -92,13 +118,10 @@ def main() -> None:
     print(f"{'gemm':>8} {'rows':>4} {'off µs':>9} {'on µs':>9} {'on/off':>7}")
     for name in GEMMS:
         print("\n".join(gemm_rows(name, args.calls, args.reps)), flush=True)
-    default = paged_attention.INVARIANT_SPLIT_KEYS
-    head = "".join(f" {f'on@{k} µs':>9}" for k in args.split_keys)
-    print(f"attention (causal, block tables of 4096 positions)\n{'B':>3} {'rows':>4} {'ctx':>5} {'off µs':>9}{head}")
-    try:
-        print("\n".join(attention_rows(args.split_keys, args.calls, args.reps)))
-    finally:
-        paged_attention.INVARIANT_SPLIT_KEYS = default
+    head = "".join(f" {'on@' + '/'.join(map(str, values)):>15}" for values in args.layouts)
+    print(f"attention, µs (causal, block tables of 4096 positions; on@{'/'.join(LAYOUT)})")
+    print(f"{'B':>3} {'rows':>4} {'ctx':>5} {'off':>9}{head}")
+    print("\n".join(attention_rows(args.layouts, args.calls, args.reps)))
 
 
 if __name__ == "__main__":

@@ -456,6 +456,30 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+@triton.jit(do_not_specialize=["S", "num_rows", "stride_ob", "stride_eb"])
+def _fold_kernel(
+    part_ptr, lse_ptr, sinks_ptr, out_ptr, k_end_ptr, S, Hq, num_rows, stride_ob, stride_os, stride_oh, stride_eb,
+    stride_es, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    UNROLL: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    """Row invariance's combine of its splits: ROWS flat (b, s, h) rows a program, heads of one
+    (b, s) (ROWS divides Hq), their splits folded in order (`_combined`, as a folding program does)
+    up to the last that holds their keys (the tile's later ones add exact zeros; past the tile's
+    keys none was written). Programs of a few rows spread the fold over the SMs: one program's pass
+    over a 64-row tile's splits, as the last split to arrive would make it, is long."""
+    await_previous_kernel(PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    b, s, h = rows // (S * Hq), (rows // Hq) % S, rows % Hq
+    k_end = tl.load(k_end_ptr + b * stride_eb + s * stride_es, mask=row_ok, other=0).to(tl.int32)
+    num_splits = tl.maximum(tl.cdiv(tl.max(k_end, 0), SPLIT_KEYS), 1)
+    d = tl.arange(0, D_PAD)
+    sink = _sink_logits(sinks_ptr, h, HAS_SINKS)
+    out = _combined(part_ptr, lse_ptr, sink, rows, num_splits, num_rows, row_ok, d, D_PAD, UNROLL, HAS_SINKS)
+    o_ptrs = out_ptr + b[:, None] * stride_ob + s[:, None] * stride_os + h[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < D)[None, :])
+
+
 def choose_splits(programs: int, max_keys: int, sms: int) -> int:
     """Split the keys when the unsplit grid leaves SMs idle: aim for about two programs per SM,
     each split holding at least MIN_KEYS_PER_SPLIT of the longest possible range (M * page_size;
@@ -600,9 +624,9 @@ def split_flags(num_splits: int, block_m: int) -> dict:
 # Row invariance: keys split at fixed positions, this many a split; where the splits run as
 # programs of their own, a long prefill's query rows attend this many (over the batch) a launch,
 # which bounds the splits' partials (fp32, a split each).
-INVARIANT_SPLIT_KEYS = 512
+INVARIANT_SPLIT_KEYS = 256
 INVARIANT_QUERY_ROWS = 256
-INVARIANT_COMBINE_UNROLL = 4  # partials the last split to arrive has in flight: long contexts fold many
+INVARIANT_COMBINE_UNROLL = 4  # partials a fold has in flight: long contexts fold many
 FOLD_PROGRAMS_PER_SM = 2  # tiles a launch needs for each to fold its own splits: the SMs kept busy
 
 
@@ -629,15 +653,15 @@ def invariant_launch(rows: int, max_keys: int, fold: bool) -> tuple[int, int, in
     """(rows per program, query tiles, key splits, split flags) under row invariance
     (`blockspec.layers.row_invariant`): every call the same query tile (MAX_ROWS rows: the same MMA
     shapes and reduction layouts for a row wherever it sits) and splits of INVARIANT_SPLIT_KEYS
-    fixed positions, folded in order (`_fold`) by the last split to arrive or, with `fold`, by the
-    tile's one program as it goes (the unsplit normalization and the tree of the combine kernel
-    would round a row differently). A split past a row's keys, or a key tile, adds exact zeros, so
-    their number does not matter; splits past all the tile's keys end at once, unread."""
+    fixed positions, folded in order (`_fold`) by `_fold_kernel` or, with `fold`, by the tile's one
+    program as it goes (the unsplit normalization and the tree of the combine kernel would round a
+    row differently). A split past a row's keys, or a key tile, adds exact zeros, so their number
+    does not matter; splits past all the tile's keys end at once, unwritten and unread."""
+    tiles = triton.cdiv(rows, MAX_ROWS)
     if fold:
-        return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), 1, {"SPLIT": False, "ARRIVE": False, "UNROLL": 1}
+        return MAX_ROWS, tiles, 1, {"SPLIT": False, "ARRIVE": False, "UNROLL": 1}
     num_splits = triton.cdiv(max(max_keys, 1), INVARIANT_SPLIT_KEYS)
-    flags = {"SPLIT": True, "ARRIVE": True, "UNROLL": INVARIANT_COMBINE_UNROLL}
-    return MAX_ROWS, triton.cdiv(rows, MAX_ROWS), num_splits, flags
+    return MAX_ROWS, tiles, num_splits, {"SPLIT": True, "ARRIVE": False, "UNROLL": 1}
 
 
 def _split_outputs(num_splits: int, out: torch.Tensor, d_pad: int, groups: int, flags: dict) -> list[torch.Tensor]:
@@ -665,6 +689,18 @@ def _combine(outputs: list[torch.Tensor], flags: dict, sinks: torch.Tensor, has_
         part, lse, sinks, out, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2), num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits), D=D, D_PAD=d_pad, num_warps=1 if d_pad <= 64 else 2,
         **has_sinks, **pdl_launch(out.device),
+    )  # fmt: skip
+
+
+def _fold_splits(outputs: list[torch.Tensor], k_end: torch.Tensor, sinks: torch.Tensor, has_sinks: dict) -> None:
+    """`_fold_kernel` over row invariance's splits."""
+    out, part, lse, _ = outputs
+    (B, S, Hq, D), d_pad = out.shape, part.shape[-1]
+    rows = min(4, Hq & -Hq)  # heads of one row, the largest power of two dividing Hq up to 4
+    _fold_kernel[(triton.cdiv(B * S * Hq, rows),)](
+        part, lse, sinks, out, k_end, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2),
+        k_end.stride(0), k_end.stride(1), ROWS=rows, D=D, D_PAD=d_pad, SPLIT_KEYS=INVARIANT_SPLIT_KEYS,
+        UNROLL=INVARIANT_COMBINE_UNROLL, **has_sinks, num_warps=1, **pdl_launch(out.device),
     )  # fmt: skip
 
 
@@ -721,7 +757,10 @@ def paged_attention_triton(
         SPLIT_KEYS=INVARIANT_SPLIT_KEYS if invariant else 0, FOLD=fold, **_key_tile(q.dtype, d_pad),
         **pdl_launch(q.device),
     )  # fmt: skip
-    _combine(outputs, flags, sinks, has_sinks)
+    if invariant and not fold:
+        _fold_splits(outputs, k_end, sinks, has_sinks)
+    else:
+        _combine(outputs, flags, sinks, has_sinks)
     return out
 
 
