@@ -247,8 +247,9 @@ def assert_catches_wrong_sinks(expected: torch.Tensor, attend) -> None:
 @runs_kernel
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize(
-    "name", ["decode_g4_d128", "verify_g4_s16_ragged", "draft_block_window_g1", "prefill_three_tiles"]
-)
+    "name",
+    ["decode_g4_d128", "verify_g4_s16_ragged", "draft_block_window_g1", "prefill_three_tiles", "causal_window_g3_s5"],
+)  # causal_window_g3_s5: 3 query heads, folded one row a program
 def test_invariant_launch_matches_reference_and_gives_a_row_the_same_bits_alone(
     name: str, sinks: bool, monkeypatch, poisoned_partials, arrivals
 ) -> None:

@@ -210,7 +210,7 @@ INVARIANT_KEYS = paged_attention.INVARIANT_SPLIT_KEYS
 
 @pytest.mark.parametrize("split,arrive,fp32,sinks,split_keys,fold", [
     (True, True, False, False, 0, False), (True, False, False, False, 0, False), (False, False, False, True, 0, False),
-    (True, True, True, True, 0, False), (True, True, False, True, INVARIANT_KEYS, False),
+    (True, True, True, True, 0, False), (True, False, False, True, INVARIANT_KEYS, False),
     (False, False, False, True, INVARIANT_KEYS, True), (False, False, True, False, INVARIANT_KEYS, True),
 ])  # fmt: skip
 def test_paged_attention_compiles(split, arrive, fp32, sinks, split_keys, fold):
@@ -359,7 +359,7 @@ PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programm
     "combine": (paged_attention._combine_kernel, lambda pdl: {"SPLITS_PAD": 32, "D": 128,
                 "D_PAD": 128, "PDL": pdl, "HAS_SINKS": False}, {"part_ptr": "*fp32", "lse_ptr": "*fp32"}),
     "paged_attention": (paged_attention._attention_kernel, lambda pdl: {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16,
-                        "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT": True, "ARRIVE": True, "UNROLL": 1, "PRECISION": "tf32",
+                        "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT": True, "ARRIVE": False, "UNROLL": 1, "PRECISION": "tf32",
                         "HAS_SINKS": False, "SPLIT_KEYS": INVARIANT_KEYS, "FOLD": False, "PDL": pdl},
                         dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS),
     "fold": (paged_attention._fold_kernel, fold_flags, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "k_end_ptr": "*i32"}),

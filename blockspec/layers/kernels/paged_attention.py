@@ -277,8 +277,8 @@ def _attention_kernel(
     lo, hi = tl.min(k_start, 0), tl.max(k_end, 0)
     if SPLIT_KEYS > 0:
         # Splits past the tile's keys (a CUDA graph's tables span the context limit) hold none of
-        # them: they neither write partials nor arrive, and the combine reads the tile's own (an
-        # empty split only adds exact zeros, so a row's bits are the same). Split 0 always runs.
+        # them and write no partial; the fold reads a row's own (an empty split only adds exact
+        # zeros, so a row's bits are the same). Split 0 always runs.
         tile_splits = tl.maximum(tl.cdiv(hi, SPLIT_KEYS), 1)
         if not FOLD:
             num_splits = tl.minimum(tile_splits, num_splits)
@@ -456,23 +456,23 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + s * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-@triton.jit(do_not_specialize=["S", "num_rows", "stride_ob", "stride_eb"])
+@triton.jit(do_not_specialize=["S", "num_rows", "stride_ob", "stride_eb", "max_splits"])
 def _fold_kernel(
     part_ptr, lse_ptr, sinks_ptr, out_ptr, k_end_ptr, S, Hq, num_rows, stride_ob, stride_os, stride_oh, stride_eb,
-    stride_es, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    stride_es, max_splits, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     UNROLL: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Row invariance's combine of its splits: ROWS flat (b, s, h) rows a program, heads of one
     (b, s) (ROWS divides Hq), their splits folded in order (`_combined`, as a folding program does)
     up to the last that holds their keys (the tile's later ones add exact zeros; past the tile's
-    keys none was written). Programs of a few rows spread the fold over the SMs: one program's pass
+    keys none was written), at most the launch's `max_splits`. Programs of a few rows spread the fold over the SMs: one program's pass
     over a 64-row tile's splits, as the last split to arrive would make it, is long."""
     await_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     b, s, h = rows // (S * Hq), (rows // Hq) % S, rows % Hq
     k_end = tl.load(k_end_ptr + b * stride_eb + s * stride_es, mask=row_ok, other=0).to(tl.int32)
-    num_splits = tl.maximum(tl.cdiv(tl.max(k_end, 0), SPLIT_KEYS), 1)
+    num_splits = tl.minimum(tl.maximum(tl.cdiv(tl.max(k_end, 0), SPLIT_KEYS), 1), max_splits)
     d = tl.arange(0, D_PAD)
     sink = _sink_logits(sinks_ptr, h, HAS_SINKS)
     out = _combined(part_ptr, lse_ptr, sink, rows, num_splits, num_rows, row_ok, d, D_PAD, UNROLL, HAS_SINKS)
@@ -623,9 +623,9 @@ def split_flags(num_splits: int, block_m: int) -> dict:
 
 # Row invariance: keys split at fixed positions, this many a split; where the splits run as
 # programs of their own, a long prefill's query rows attend this many (over the batch) a launch,
-# which bounds the splits' partials (fp32, a split each).
+# which bounds the splits' partials (fp32, a split each: 1 GB at 128k keys and Qwen3-8B's 32 heads).
 INVARIANT_SPLIT_KEYS = 256
-INVARIANT_QUERY_ROWS = 256
+INVARIANT_QUERY_ROWS = 128
 INVARIANT_COMBINE_UNROLL = 4  # partials a fold has in flight: long contexts fold many
 FOLD_PROGRAMS_PER_SM = 2  # tiles a launch needs for each to fold its own splits: the SMs kept busy
 
@@ -699,7 +699,7 @@ def _fold_splits(outputs: list[torch.Tensor], k_end: torch.Tensor, sinks: torch.
     rows = min(4, Hq & -Hq)  # heads of one row, the largest power of two dividing Hq up to 4
     _fold_kernel[(triton.cdiv(B * S * Hq, rows),)](
         part, lse, sinks, out, k_end, S, Hq, B * S * Hq, out.stride(0), out.stride(1), out.stride(2),
-        k_end.stride(0), k_end.stride(1), ROWS=rows, D=D, D_PAD=d_pad, SPLIT_KEYS=INVARIANT_SPLIT_KEYS,
+        k_end.stride(0), k_end.stride(1), part.shape[0], ROWS=rows, D=D, D_PAD=d_pad, SPLIT_KEYS=INVARIANT_SPLIT_KEYS,
         UNROLL=INVARIANT_COMBINE_UNROLL, **has_sinks, num_warps=1, **pdl_launch(out.device),
     )  # fmt: skip
 
