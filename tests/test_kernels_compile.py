@@ -348,6 +348,14 @@ def qkv_attention_flags(pdl: bool) -> dict:
             "HAS_SINKS": False}  # fmt: skip
 
 
+def paged_attention_flags(pdl: bool, split_keys: int, arrive: bool) -> dict:
+    """`_attention_kernel` split across programs: by the heuristic, combined by the last to arrive,
+    or at row invariance's fixed splits, folded by `_fold_kernel`."""
+    return {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT": True, "ARRIVE": arrive,
+            "UNROLL": 1, "PRECISION": "tf32", "HAS_SINKS": False, "SPLIT_KEYS": split_keys, "FOLD": False, "PDL": pdl}  # fmt: skip
+
+
+PAGED_ATTENTION_POINTERS = dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS
 PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programmatic dependent launch
     "mma": (kernel._skinny_kernel, lambda pdl: flags_for("rms", False, FP8=False, SPLIT_K=1, TMA=True,
             **MMA_TILE | {"PDL": pdl}), SCALES | tile_sources(False, True, MMA_TILE)),
@@ -358,10 +366,10 @@ PDL_KERNELS = {  # kernel, its flags, pointer types: what launches with programm
                   | SPLIT_POINTERS),
     "combine": (paged_attention._combine_kernel, lambda pdl: {"SPLITS_PAD": 32, "D": 128,
                 "D_PAD": 128, "PDL": pdl, "HAS_SINKS": False}, {"part_ptr": "*fp32", "lse_ptr": "*fp32"}),
-    "paged_attention": (paged_attention._attention_kernel, lambda pdl: {"G": 4, "D": 128, "D_PAD": 128, "PAGE": 16,
-                        "BLOCK_M": 64, "BLOCK_N": 64, "SPLIT": True, "ARRIVE": False, "UNROLL": 1, "PRECISION": "tf32",
-                        "HAS_SINKS": False, "SPLIT_KEYS": INVARIANT_KEYS, "FOLD": False, "PDL": pdl},
-                        dict.fromkeys(("table_ptr", "k_start_ptr", "k_end_ptr"), "*i32") | SPLIT_POINTERS),
+    "paged_attention": (paged_attention._attention_kernel, lambda pdl: paged_attention_flags(pdl, 0, True),
+                        PAGED_ATTENTION_POINTERS),
+    "invariant_attention": (paged_attention._attention_kernel,
+                            lambda pdl: paged_attention_flags(pdl, INVARIANT_KEYS, False), PAGED_ATTENTION_POINTERS),
     "fold": (paged_attention._fold_kernel, fold_flags, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "k_end_ptr": "*i32"}),
     "rms_norm": (rms_norm._rms_norm_kernel, lambda pdl: {"HAS_WEIGHT": True, "BLOCK": 4096, "PDL": pdl}, {}),
     "qk_norm_rope": (qk_norm_rope._qk_norm_rope_kernel, lambda pdl: {"NUM_HEADS": 32, "NUM_KV_HEADS": 8,
@@ -373,6 +381,7 @@ LET_IN_AFTER_MAIN_LOOP = (
     "mma",
     "attention",
     "paged_attention",
+    "invariant_attention",
 )  # at their top they lost (pdl.py): DFlash B=1 5.06 -> 6.17 ms
 # A PTX line that touches global memory (predicated or not): loads, stores, async and TMA copies, atomics.
 GLOBAL_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async|atom\.|red\.)")

@@ -465,8 +465,8 @@ def _fold_kernel(
     """Row invariance's combine of its splits: ROWS flat (b, s, h) rows a program, heads of one
     (b, s) (ROWS divides Hq), their splits folded in order (`_combined`, as a folding program does)
     up to the last that holds their keys (the tile's later ones add exact zeros; past the tile's
-    keys none was written), at most the launch's `max_splits`. Programs of a few rows spread the fold over the SMs: one program's pass
-    over a 64-row tile's splits, as the last split to arrive would make it, is long."""
+    keys none was written), at most the launch's `max_splits`. Programs of a few rows spread the
+    fold over the SMs: one program's pass over a 64-row tile's splits is long."""
     await_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
