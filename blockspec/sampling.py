@@ -379,6 +379,21 @@ def sampled_accept(
     return ok.int().cumprod(dim=1).sum(dim=1)
 
 
+def acceptance_chances(p: torch.Tensor, q: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """[B, S-1] each draft's chance of acceptance once the drafts before it were accepted: the sum
+    over the vocabulary of min(p, q) of its row (the draft drawn from q, accepted with probability
+    min(1, p / q)); 0 past a sequence's num_drafts [B]. p: [B, S, V]; q: [B, S-1, V]."""
+    cols = torch.arange(q.shape[1], device=q.device)
+    return torch.minimum(p[:, :-1], q).sum(-1).where(cols < num_drafts[:, None], 0.0)
+
+
+@dataclass
+class SampledBlock:
+    accepted: torch.Tensor  # [B] drafts accepted
+    token: torch.Tensor  # [B] the token drawn after them
+    chances: torch.Tensor | None = None  # [B, S-1] `acceptance_chances` of the drafts reached, where asked
+
+
 def sample_block(
     logits: torch.Tensor,
     draft_logits: torch.Tensor,
@@ -389,25 +404,29 @@ def sample_block(
     u_accept: torch.Tensor,
     u_residual: torch.Tensor,
     imposed: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted drafts [B], the token after them [B]) under speculative sampling, for drafts drawn
-    from q = softmax(draft_logits / T) [B, S-1, V] (written out where the draw did: `sample_drafts`)
-    and the target's softmax(logits / T) [B, S, V], no filters (a row's parameters in `sampling`
-    [B, 4], its temperature read alone): `sampled_accept` at u_accept [B, S-1], then
-    `residual_tokens` after j accepted drafts at u_residual[:, j] [B, S]. `imposed` [B]: counts that
-    replace the test's (a simulated proposal's: the step still costs what a real one does). On CUDA
-    by Triton kernels (`blockspec.layers.kernels.speculative_sample`), which write neither
-    distribution out over the block, only each sequence's residual row."""
+    chances: bool = False,
+) -> SampledBlock:
+    """Speculative sampling of a block, for drafts drawn from q = softmax(draft_logits / T) [B, S-1,
+    V] (written out where the draw did: `sample_drafts`) and the target's softmax(logits / T) [B, S,
+    V], no filters (a row's parameters in `sampling` [B, 4], its temperature read alone):
+    `sampled_accept` at u_accept [B, S-1], then `residual_tokens` after j accepted drafts at
+    u_residual[:, j] [B, S], and with `chances` the `acceptance_chances` of the drafts reached (the
+    first rejected one included; 0 past it). `imposed` [B]: counts that replace the test's (a
+    simulated proposal's: the step still costs what a real one does). On CUDA by Triton kernels
+    (`blockspec.layers.kernels.speculative_sample`), which write neither distribution out over the
+    block, only each sequence's residual row."""
     kernels = fast_kernels(logits, "speculative_sample")
     if kernels is not None:
         return kernels.speculative_sample_triton(
-            logits, draft_logits, drafts, num_drafts, sampling[:, 0], u_accept, u_residual, imposed
+            logits, draft_logits, drafts, num_drafts, sampling[:, 0], u_accept, u_residual, imposed, chances
         )
     p = probs(logits, sampling[:, None], filters=False)
     q = q if q is not None else probs(draft_logits, sampling[:, None], filters=False)
     accepted = sampled_accept(drafts, p, q, num_drafts, u_accept) if imposed is None else imposed
     u = u_residual.gather(1, accepted[:, None])[:, 0]
-    return accepted, residual_tokens(accepted, p, q, num_drafts, u)
+    reached = torch.minimum(accepted + 1, num_drafts)
+    chance = acceptance_chances(p, q, reached) if chances else None
+    return SampledBlock(accepted, residual_tokens(accepted, p, q, num_drafts, u), chance)
 
 
 def residual_tokens(

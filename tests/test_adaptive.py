@@ -707,3 +707,20 @@ def test_a_bucket_whose_first_step_allows_one_width_times_every_width_after(capt
     trace = run(policy, cost, 0.9, 600)
     assert set(policy.costs[1].ratio) == set(policy.classes)
     assert speed_over_best_fixed_width(trace, cost, 0.9) > 0.97
+
+
+def test_chances_count_as_the_acceptances_of_the_drafts_reached() -> None:
+    """A step's reported chances (`step.Verdict.chances`) stand for its drafts' 0/1 outcomes in
+    the counts: for the drafts reached (the accepted ones and the first rejected), not past them,
+    per sequence and pooled; a sequence without chances counts its outcomes."""
+    policy = AdaptiveWidth(8)
+    chances = [np.array([0.9, 0.8, 0.3, 0.5, 0.5, 0.5, 0.5]), None]
+    policy.observe(2, 8, None, [7, 7], [2, 1], rows=["a", "b"], chances=chances)
+    own = policy.own.counts[[policy.slots["a"], policy.slots["b"]]]
+    assert own[0, 0].tolist() == [1, 1, 1, 0, 0, 0, 0] and own[0, 1].tolist() == [0.9, 0.8, 0.3, 0, 0, 0, 0]
+    assert own[1, 1].tolist() == [1, 0, 0, 0, 0, 0, 0]
+    assert np.allclose(policy.counts.hits, [1.9, 0.8, 0.3, 0, 0, 0, 0])
+    outcomes = AdaptiveWidth(8)
+    outcomes.observe(2, 8, None, [7, 7], [2, 1], rows=["a", "b"])
+    assert outcomes.counts.hits.tolist() == [2, 1, 0, 0, 0, 0, 0]
+    assert not np.array_equal(outcomes.expected_tokens(["a"]), policy.expected_tokens(["a"]))

@@ -167,8 +167,9 @@ def test_confidences_reach_the_width_policy_as_the_proposer_made_them(tmp_path, 
         return proposal
 
     def recording_observe(self, *args):
-        if args[-1][0] is not None:
-            seen.append(args[-1][0])
+        confidence = args[7]
+        if confidence[0] is not None:
+            seen.append(confidence[0])
         return observe(self, *args)
 
     monkeypatch.setattr(DSparkProposer, "propose", recording_propose)

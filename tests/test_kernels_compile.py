@@ -177,7 +177,7 @@ def test_sample_compiles_at_the_chunks_it_cuts_a_row_into(vocab, aligned, logits
 
 SPECULATIVE_POINTERS = {
     "drafts_ptr": "*i64", "num_ptr": "*i64", "temp_ptr": "*fp32", "u_ptr": "*fp64", "accepted_ptr": "*i64",
-    "token_ptr": "*i64", "r_ptr": "*fp32", "rsum_ptr": "*fp32",
+    "token_ptr": "*i64", "r_ptr": "*fp32", "rsum_ptr": "*fp32", "part_ptr": "*fp32",
 } | {f"{row}_{stat}_ptr": "*fp32" for row in "pq" for stat in ("val", "sum")}  # fmt: skip
 
 
@@ -185,8 +185,9 @@ SPECULATIVE_POINTERS = {
 @pytest.mark.parametrize("aligned", [("V", "S"), ()])
 @pytest.mark.parametrize("vocab", [2048, 49152, 151936])
 def test_speculative_sample_compiles(vocab, aligned, logits):
-    """Speculative sampling's acceptance test and residual draw at `chunk_layout`'s chunks, at the
-    narrowest and widest blocks (a width of 16 is a multiple of 16, which the JIT specializes)."""
+    """Speculative sampling's acceptance test, residual draw and drafts' chances at `chunk_layout`'s
+    chunks, at the narrowest and widest blocks (a width of 16 is a multiple of 16, which the JIT
+    specializes)."""
     layout = sample.chunk_layout(vocab)
     pointers = SPECULATIVE_POINTERS | {"x_ptr": logits, "y_ptr": logits}
     shape = {"CHUNKS": layout.chunks, "CHUNKS_PAD": layout.pad}
@@ -195,6 +196,7 @@ def test_speculative_sample_compiles(vocab, aligned, logits):
     steps = shape | {"CHUNK_ITERS": layout.iters, "BLOCK": sample.BLOCK}
     compile_for_hopper(speculative_sample._residual_mass_kernel, steps, aligned, **pointers)
     compile_for_hopper(speculative_sample._residual_draw_kernel, steps, aligned, **pointers)
+    compile_for_hopper(speculative_sample._chance_kernel, steps, aligned, **pointers)
 
 
 def test_dequantize_compiles():

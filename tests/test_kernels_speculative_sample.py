@@ -16,7 +16,15 @@ from conftest import CUDA, interpreter_test, runs_kernel
 
 from blockspec.layers.kernels.sample import BLOCK
 from blockspec.layers.kernels.speculative_sample import speculative_sample_triton
-from blockspec.sampling import SAMPLING_COLUMNS, draw, probs, residual_tokens, sample_block, sampled_accept
+from blockspec.sampling import (
+    SAMPLING_COLUMNS,
+    acceptance_chances,
+    draw,
+    probs,
+    residual_tokens,
+    sample_block,
+    sampled_accept,
+)
 
 test_kernels_in_interpreter = interpreter_test(__file__)
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -41,10 +49,11 @@ class Block:
     imposed: torch.Tensor | None = None  # [B] counts replacing the test's (a simulated proposal's)
 
     def kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return speculative_sample_triton(
+        out = speculative_sample_triton(
             self.logits, self.draft_logits, self.drafts, self.num_drafts, self.temperature, self.u_accept,
             self.u_residual, self.imposed,
         )  # fmt: skip
+        return out.accepted, out.token
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         p = probs(self.logits, self.sampling()[:, None], filters=False)
@@ -201,3 +210,24 @@ def test_sample_block_dispatches_to_the_kernel(monkeypatch):
         sample_block(block.logits, block.draft_logits, None, block.drafts, block.num_drafts, block.sampling(),
                      block.u_accept, block.u_residual)  # fmt: skip
     assert len(calls) == 1
+
+
+@runs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 3, 17), (6, 5, BLOCK + 1), (5, 16, 3 * BLOCK - 5), (48, 5, 2 * BLOCK + 7)])
+def test_chances_of_the_drafts_reached_as_the_reference(shape, dtype):
+    """With `chances`, sum min(p, q) of each draft reached (0 past them, and past a cut) as the
+    reference computes it, to float32 rounding; the counts and tokens are those without."""
+    block = case(*shape, dtype, seed=shape[-1] + 1, noise=0.6)
+    out = speculative_sample_triton(
+        block.logits, block.draft_logits, block.drafts, block.num_drafts, block.temperature, block.u_accept,
+        block.u_residual, None, True,
+    )  # fmt: skip
+    accepted, token = block.kernel()
+    assert torch.equal(out.accepted, accepted) and torch.equal(out.token, token)
+    p = probs(block.logits, block.sampling()[:, None], filters=False)
+    q = probs(block.draft_logits, block.sampling()[:, None], filters=False)
+    expected = acceptance_chances(p, q, torch.minimum(out.accepted + 1, block.num_drafts))
+    assert out.chances.dtype == torch.float32 and out.chances.shape == block.drafts.shape
+    assert torch.allclose(out.chances, expected, atol=1e-5, rtol=0)
+    assert (expected[:, 1:] > 0).any()  # drafts past the first are reached

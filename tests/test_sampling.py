@@ -24,10 +24,12 @@ from blockspec.sampling import (
     SAMPLING_COLUMNS,
     InvalidSamplingParam,
     Stream,
+    acceptance_chances,
     argmax,
     draw,
     min_p_filter,
     probs,
+    sampled_accept,
     sampling_row,
     tempered_scores,
     token_probs,
@@ -285,7 +287,8 @@ def test_accept_mixes_greedy_and_sampled_rows():
         torch.cat([drafts[:, :1], drafts], 1), torch.tensor([3, 3]), torch.tensor([4, 4]), torch.zeros(2, 1, dtype=torch.long),
         torch.tensor([1, 2]), torch.zeros(2, dtype=torch.long), torch.from_numpy(rows.float().numpy().view("int64")),
     )  # fmt: skip
-    accepted, bonus = accept(Proposal(drafts, torch.softmax(logits[:, :3], -1)), logits, inputs)
+    result = accept(Proposal(drafts, torch.softmax(logits[:, :3], -1)), logits, inputs)
+    accepted, bonus = result.accepted, result.bonus
     assert accepted[0] == 2 and bonus[0] == logits[0, 2].argmax()
     assert 0 <= accepted[1] <= 3
 
@@ -306,7 +309,8 @@ def test_a_plain_steps_token_is_the_residual_draw_after_no_drafts(filters):
         torch.zeros(64, 1, dtype=torch.long), seeds, torch.zeros(64, dtype=torch.long),
         torch.from_numpy(rows.float().numpy().view("int64")), filters=filters,
     )  # fmt: skip
-    accepted, tokens = accept(Proposal(torch.zeros(64, 0, dtype=torch.long), None), logits, inputs)
+    result = accept(Proposal(torch.zeros(64, 0, dtype=torch.long), None), logits, inputs)
+    accepted, tokens = result.accepted, result.bonus
     u = uniform(seeds, starts + 1, Stream.RESIDUAL)
     expected = draw(probs(logits, rows[:, None], filters)[:, 0], u)
     greedy = rows[:, 0] == 0
@@ -343,14 +347,15 @@ def test_drafts_and_their_q_written_out_or_left_to_the_step(filters):
     assert torch.equal(proposal.q, q) and (proposal.draft_logits is draft_logits) == (not filters)
     for form in [proposal] + [replace(proposal, q=None)] * (not filters):
         assert torch.equal(proposal_q(form, inputs), q)
-    ruled = accept(replace(proposal, draft_logits=None), logits, inputs)[0]  # q written out: the general rule
+    ruled = accept(replace(proposal, draft_logits=None), logits, inputs).accepted  # q written out: the general rule
     assert 0 < ruled[~greedy].float().mean() < w - 1  # drafts accepted and rejected
     # with the rule's counts, and with a simulated proposal's imposed ones (the token after them)
     for imposed in (None, torch.randint(0, w, (B,))):
         base = replace(proposal, accepted=imposed)
         expected = accept(replace(base, draft_logits=None), logits, inputs)
         for form in [base] + [replace(base, q=None)] * (not filters):
-            assert all(torch.equal(a, b) for a, b in zip(accept(form, logits, inputs), expected))
+            result = accept(form, logits, inputs)
+            assert torch.equal(result.accepted, expected.accepted) and torch.equal(result.bonus, expected.bonus)
 
 
 def test_accept_keeps_nothing_past_a_cut():
@@ -364,7 +369,8 @@ def test_accept_keeps_nothing_past_a_cut():
     )  # fmt: skip
     cut = torch.tensor([1, 3])
     for imposed in (None, torch.tensor([3, 2])):
-        accepted, bonus = accept(Proposal(drafts, accepted=imposed, num_drafts=cut), logits, inputs)
+        result = accept(Proposal(drafts, accepted=imposed, num_drafts=cut), logits, inputs)
+        accepted, bonus = result.accepted, result.bonus
         expected = [1, 3] if imposed is None else [1, 2]
         assert accepted.tolist() == expected and bonus.tolist() == [
             int(logits[i, a].argmax()) for i, a in enumerate(expected)
@@ -416,3 +422,60 @@ def test_stop_strings_are_bounded_in_count_and_length():
             SamplingParams(stop=stop)
         assert e.value.param == "stop"
         assert str(e.value) == "stop must be at most 64 non-empty strings of at most 1024 characters"
+
+
+def test_a_drafts_chance_is_the_frequency_of_its_acceptance():
+    """`acceptance_chances`: sum min(p, q) is the probability that a draft drawn from q passes the
+    rule u * q(d) < p(d). Over 200,000 draws of one row the acceptances' frequency lies within 4
+    standard errors of it; a plausible wrong chance (the mean of min(1, p / q) over the vocabulary,
+    unweighted by q) does not."""
+    gen = torch.Generator().manual_seed(5)
+    p, q = (
+        torch.softmax(2 * torch.randn(1, 2, 12, generator=gen), -1),
+        torch.softmax(torch.randn(1, 1, 12, generator=gen), -1),
+    )
+    n = 200_000
+    drafts = draw(q[0].expand(n, -1), torch.rand(n, generator=gen, dtype=torch.float64))[:, None]
+    u = torch.rand(n, 1, generator=gen, dtype=torch.float64)
+    frequency = sampled_accept(drafts, p.expand(n, -1, -1), q.expand(n, -1, -1), torch.ones(n, dtype=torch.long), u)
+    chance = float(acceptance_chances(p, q, torch.ones(1, dtype=torch.long))[0, 0])
+    error = (chance * (1 - chance) / n) ** 0.5
+    assert abs(float(frequency.double().mean()) - chance) < 4 * error
+    wrong = float((p[0, 0] / q[0, 0]).clamp_max(1).mean())
+    assert abs(float(frequency.double().mean()) - wrong) > 4 * error
+
+
+@pytest.mark.parametrize("filters", [False, True])
+def test_a_step_reports_each_reached_drafts_chance(filters):
+    """`accept(..., chances=True)`: a sampled row's chances are sum min(p, q) of its drafts reached
+    (the accepted ones and the first rejected), 0 past them; a greedy row's and a simulated
+    proposal's are the outcomes (1 accepted, 0 not); the counts and tokens are those without chances."""
+    B, w, V = 48, 5, 40
+    gen = torch.Generator().manual_seed(3)
+    draft_logits, logits = torch.randn(B, w - 1, V, generator=gen), torch.randn(B, w, V, generator=gen)
+    logits[:, : w - 1] += draft_logits  # drafts accepted often enough to reach far rows
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0)]
+    if filters:
+        params.append(SamplingParams(temperature=1.0, top_k=5))
+    rows = torch.tensor([sampling_row(params[i % len(params)]) for i in range(B)])
+    inputs = step.StepInputs(
+        torch.zeros(B, w, dtype=torch.long), torch.randint(0, 1000, (B,), generator=gen), torch.full((B,), w),
+        torch.zeros(B, 1, dtype=torch.long), torch.randint(0, 2**62, (B,), generator=gen),
+        torch.zeros(B, dtype=torch.long), torch.from_numpy(rows.float().numpy().view("int64")), filters=filters,
+    )  # fmt: skip
+    proposal = draft_from_logits(draft_logits, inputs)
+    plain, result = accept(proposal, logits, inputs), accept(proposal, logits, inputs, chances=True)
+    assert plain.chances is None
+    assert torch.equal(plain.accepted, result.accepted) and torch.equal(plain.bonus, result.bonus)
+    cols = torch.arange(w - 1)
+    outcomes = (cols < result.accepted[:, None]).float()
+    reached = cols <= result.accepted[:, None]
+    p = probs(logits, rows[:, None], filters)
+    expected = torch.minimum(p[:, :-1], proposal_q(proposal, inputs)).sum(-1) * reached
+    greedy = rows[:, 0] == 0
+    assert torch.equal(result.chances[greedy], outcomes[greedy])
+    assert torch.allclose(result.chances[~greedy], expected[~greedy], atol=1e-6)
+    assert (result.chances[~greedy] * reached[~greedy]).gt(0).any() and (result.accepted[~greedy] > 1).any()
+    imposed = torch.randint(0, w, (B,), generator=gen)
+    simulated = accept(replace(proposal, accepted=imposed), logits, inputs, chances=True)
+    assert torch.equal(simulated.chances, (cols < imposed[:, None]).float())

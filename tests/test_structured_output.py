@@ -101,11 +101,11 @@ def wrong_masked_q(accept):
     """A plausible mistake: restricting the drafts' distribution q to the grammar as well, although
     the drafts were drawn from the unrestricted one."""
 
-    def accept_with_masked_q(proposal, logits, inputs):
+    def accept_with_masked_q(proposal, logits, inputs, *chances):
         if proposal.q is not None:
             q = torch.softmax(mask_logits(proposal.q.log(), inputs.bitmask[:, :-1]), dim=-1)
             proposal = step.Proposal(proposal.drafts, q, proposal.accepted, proposal.num_drafts)
-        return accept(proposal, logits, inputs)
+        return accept(proposal, logits, inputs, *chances)
 
     return accept_with_masked_q
 

@@ -63,6 +63,7 @@ class ForcedWidths(AdaptiveWidth):
         beside: tuple[int | None, ...] = (),
         rows: list[str] = (),
         confidence: list[np.ndarray | None] = (),
+        chances: list[np.ndarray | None] = (),
     ) -> None:
         if is_timing(width, seconds, beside):
             self.timed.append([batch, width, round(seconds * 1e3, 4), self.tokens])

@@ -166,6 +166,19 @@ def drafts_seen(offered: list[int], accepted: list[int], positions: int) -> np.n
     return np.arange(positions) < np.stack([reached, accepted], 1)[:, :, None]
 
 
+def with_chances(seen: np.ndarray, chances: list[np.ndarray | None]) -> np.ndarray:
+    """`drafts_seen` [sequences, 2, positions] with the drafts reached of each sequence that has
+    `chances` counted as accepted by those (floats), the others by their outcomes."""
+    given = [i for i, c in enumerate(chances) if c is not None and len(c)]
+    if not given:
+        return seen
+    seen = seen.astype(float)
+    for i in given:
+        n = min(len(chances[i]), seen.shape[-1])
+        seen[i, 1, :n] = np.where(seen[i, 0, :n] > 0, chances[i][:n], 0.0)
+    return seen
+
+
 class AdaptiveWidth:
     def __init__(self, max_width: int, run_length: int = 1, captures: bool = True) -> None:
         self.classes = width_classes(max_width)
@@ -316,18 +329,23 @@ class AdaptiveWidth:
         beside: tuple[int | None, ...] = (),
         rows: list[str] = (),
         confidence: list[np.ndarray | None] = (),
+        chances: list[np.ndarray | None] = (),
     ) -> None:
         """One step: its batch, the width class it ran and its wall time (None: not a timing of
         that width), per sequence the drafts offered and accepted, `beside`: the width classes
         of the steps whose host work fell in its time (committed, launched; None: none), the
-        sequences' request ids `rows` (none: the counts of all sequences only) and, where the
-        drafter predicts them, each one's confidences of its drafts (None: none)."""
+        sequences' request ids `rows` (none: the counts of all sequences only), where the drafter
+        predicts them each one's confidences of its drafts, and where the step reports them each
+        one's chances of acceptance of its drafts reached (None: none; `step.Verdict.chances`),
+        which count as those drafts' acceptances: a sampled draft's chance is the expected value
+        of its 0/1 outcome, without the outcome's noise."""
         self.width_steps[width] += 1
         if is_timing(width, seconds, beside):
             self.bucket(batch).record(width, seconds)
         if not any(offered):  # a plain step: it tells nothing, and the rates age by drafts seen
             return
         seen = drafts_seen(offered, accepted, self.counts.counts.shape[-1])
+        seen = with_chances(seen, chances)
         self.counts.add(seen.sum(0))
         self.estimates = None
         drafted = [i for i, n in enumerate(offered[: len(rows)]) if n]
@@ -346,8 +364,10 @@ class AdaptiveWidth:
         latest = np.full(seen.shape[::2], np.nan)
         for i in given:
             latest[i, : len(confidence[i])] = confidence[i]
-        reached = seen[:, 0] & ~np.isnan(latest)
-        self.calibration.add(np.stack([np.where(reached, latest, 0.0).sum(0), (reached & seen[:, 1]).sum(0)]))
+        reached = (seen[:, 0] > 0) & ~np.isnan(latest)
+        self.calibration.add(
+            np.stack([np.where(reached, latest, 0.0).sum(0), np.where(reached, seen[:, 1], 0.0).sum(0)])
+        )
         for i in given:
             if i < len(rows):
                 self.confidence[rows[i]] = latest[i]

@@ -156,6 +156,7 @@ class LLMEngine:
         # On CUDA a bucket's first step of a width captures its graph or compiles: it times nothing.
         captures = self.device.type == "cuda"
         self.adaptive = AdaptiveWidth(self.max_width, run_length, captures) if adaptive else None
+        self.runner.reports_chances = adaptive  # its rates learn from each draft's chance, not its 0/1 outcome
         self.in_flight: Flight | None = None
         self.grammars: Grammars | None = None  # made at the first structured request
         self.grammars_made = threading.Lock()  # `structured_outputs` runs on any thread
@@ -485,8 +486,9 @@ class LLMEngine:
             seconds = now - started if ran else None
             rows = [s.request_id for s, _ in live]
             confidence = [o.confidence for _, o in live]
+            chances = [o.chances for _, o in live]
             self.adaptive.observe(
-                len(seqs), self.step_class(flight), seconds, offered, accepted, beside, rows, confidence
+                len(seqs), self.step_class(flight), seconds, offered, accepted, beside, rows, confidence, chances
             )
         self.last_completion = now
         for seq, out in live:

@@ -61,6 +61,7 @@ class ModelRunner:
         # [state slots, R, C]: per sequence, the target features (C: the proposer's layers') of up to
         # R positions whose drafter context width-1 steps deferred (`step.defer_context`); None: none are
         self.deferred: torch.Tensor | None = None
+        self.reports_chances = False  # steps report each draft's chance of acceptance (`step.Verdict`)
 
     @property
     def vocab_size(self) -> int:

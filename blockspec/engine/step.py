@@ -23,6 +23,7 @@ from blockspec.proposers.base import Proposal, proposal_q
 from blockspec.sampling import (
     MAX_LOGPROBS,
     Stream,
+    acceptance_chances,
     argmax,
     ban_early_stops,
     greedy_accept,
@@ -127,7 +128,9 @@ class StepOutcome:
     """A step's results as named views of one int64 tensor [B, 3 + w-1] (one copy to the host):
     bonus tokens | accepted counts | the next step's starts | the drafts, then where the proposer
     predicts them the drafts' confidences [B, w-1] in fixed point (CONFIDENCE_SCALE; negative: drafts
-    proposed before the step, whose confidences the step does not have). A step launched
+    proposed before the step, whose confidences the step does not have), then where the runner
+    reports them the drafts' chances of acceptance [B, w-1] (`Verdict.chances`), in fixed point
+    too. A step launched
     ahead reads its anchors and starts from columns 0 and 2, 16-byte aligned as the host's inputs
     are (Triton compiles a kernel variant per alignment)."""
 
@@ -145,10 +148,10 @@ class StepOutcome:
         next_starts: torch.Tensor,
         drafts: torch.Tensor,
         confidence: torch.Tensor | None = None,
+        chances: torch.Tensor | None = None,
     ) -> torch.Tensor:
         columns = [bonus[:, None], accepted[:, None], next_starts[:, None], drafts]
-        if confidence is not None:
-            columns.append(torch.round(confidence.float() * cls.CONFIDENCE_SCALE))
+        columns += [torch.round(c.float() * cls.CONFIDENCE_SCALE) for c in (confidence, chances) if c is not None]
         return torch.cat([c.long() for c in columns], 1)
 
     @property
@@ -183,7 +186,8 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
         rule_logits = ban_early_stops(rule_logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
     if inputs.bitmask is not None:
         rule_logits = mask_logits(rule_logits, inputs.bitmask)
-    accepted, bonus = accept(proposal, rule_logits, inputs)
+    result = accept(proposal, rule_logits, inputs, runner.reports_chances)
+    accepted, bonus = result.accepted, result.bonus
     committed = accepted + 1
     runner.mark("accept")
     states.commit(committed)
@@ -198,7 +202,7 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
     confidence = proposal.confidence
     if confidence is None and proposer is not None and proposer.confident:  # drafts made before the step
         confidence = torch.full(proposal.drafts.shape, -1.0, device=proposal.drafts.device)
-    packed = StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts, confidence)
+    packed = StepOutcome.pack(bonus, accepted, inputs.starts + committed, proposal.drafts, confidence, result.chances)
     if not inputs.logprobs:
         return packed, None
     return packed, token_logprobs(logits, committed_tokens(proposal.drafts, accepted, bonus))
@@ -230,11 +234,22 @@ def committed_tokens(drafts: torch.Tensor, accepted: torch.Tensor, bonus: torch.
     return torch.where(rows == accepted[:, None], bonus[:, None], block)
 
 
-def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted drafts [B], the token after them [B]) of every row: greedy rows by prefix match
-    with the target's argmax, sampled rows by speculative sampling; a simulated proposal's counts
-    replace the acceptance rule. Drafts past a proposer's cut (`Proposal.num_drafts`) are never
-    accepted, by either."""
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [B] drafts accepted
+    bonus: torch.Tensor  # [B] the token after them
+    # [B, w-1] each draft's chance of acceptance once the drafts before it were (`sampling.
+    # acceptance_chances`; greedy rows 0 or 1: the outcome), for the drafts reached; None: not asked
+    chances: torch.Tensor | None = None
+
+
+def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs, chances: bool = False) -> Verdict:
+    """The accepted drafts of every row and the token after them: greedy rows by prefix match with
+    the target's argmax, sampled rows by speculative sampling; a simulated proposal's counts replace
+    the acceptance rule. Drafts past a proposer's cut (`Proposal.num_drafts`) are never accepted, by
+    either. With `chances`, each reached draft's chance of acceptance too: a sampled row's is the
+    rule's probability, which tells the adaptive width's rates what its 0/1 outcome does with less
+    noise."""
     drafts, num_drafts = proposal.drafts, inputs.lengths - 1
     if proposal.num_drafts is not None:
         num_drafts = torch.minimum(num_drafts, proposal.num_drafts)
@@ -246,28 +261,51 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs) -> tupl
         accepted = torch.minimum(accepted, num_drafts)
     greedy_bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
     if inputs.sampling is None:
-        return accepted, greedy_bonus
+        return verdict(accepted, greedy_bonus, drafts, num_drafts, chances)
     greedy, seeds = inputs.greedy, inputs.seeds
     if not drafts.shape[1] and not inputs.filters:  # a plain step: each row's token from its one row of logits
         u = uniform(seeds, inputs.starts + 1, Stream.RESIDUAL)
-        return accepted, torch.where(greedy, greedy_bonus, sample_rows(logits[:, 0], inputs.sampling_params, u))
+        sampled = sample_rows(logits[:, 0], inputs.sampling_params, u)
+        return verdict(accepted, torch.where(greedy, greedy_bonus, sampled), drafts, num_drafts, chances)
+    ruled = chances and proposal.accepted is None  # a simulated proposal's chances are its imposed outcomes
     if proposal.draft_logits is not None:  # q: the drafter's softmax, unfiltered
         u = uniform(seeds[:, None], inputs.draft_positions, Stream.ACCEPT)
         u_residual = uniform(seeds[:, None], inputs.decided_positions, Stream.RESIDUAL)
-        imposed = None if proposal.accepted is None else accepted  # a simulated proposal's counts
-        sampled, token = sample_block(
+        imposed = None if proposal.accepted is None else accepted
+        block = sample_block(
             logits, proposal.draft_logits, proposal.q, drafts, num_drafts, inputs.sampling_params, u, u_residual,
-            imposed,
+            imposed, ruled,
         )  # fmt: skip
-        return torch.where(greedy, accepted, sampled), torch.where(greedy, greedy_bonus, token)
+        accepted = torch.where(greedy, accepted, block.accepted)
+        bonus = torch.where(greedy, greedy_bonus, block.token)
+        return verdict(accepted, bonus, drafts, num_drafts, chances, greedy, block.chances)
     p = probs(logits, inputs.sampling_params[:, None], inputs.filters)
     q = point_mass_or(proposal.q, drafts, p.shape[-1])
     if proposal.accepted is None:
         u = uniform(seeds[:, None], inputs.draft_positions, Stream.ACCEPT)
-        sampled = sampled_accept(drafts, p, q, num_drafts, u)
-        accepted = torch.where(greedy, accepted, sampled)
+        accepted = torch.where(greedy, accepted, sampled_accept(drafts, p, q, num_drafts, u))
     u = uniform(seeds, inputs.starts + accepted + 1, Stream.RESIDUAL)
-    return accepted, torch.where(greedy, greedy_bonus, residual_tokens(accepted, p, q, num_drafts, u))
+    bonus = torch.where(greedy, greedy_bonus, residual_tokens(accepted, p, q, num_drafts, u))
+    rule = acceptance_chances(p, q, torch.minimum(accepted + 1, num_drafts)) if ruled else None
+    return verdict(accepted, bonus, drafts, num_drafts, chances, greedy, rule)
+
+
+def verdict(
+    accepted: torch.Tensor,
+    bonus: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    chances: bool,
+    greedy: torch.Tensor | None = None,
+    rule: torch.Tensor | None = None,
+) -> Verdict:
+    """A `Verdict`; with `chances` each draft's: the acceptance rule's where it gave them (`rule`
+    [B, w-1], of the rows not `greedy`), else its outcome (1 accepted, 0 rejected or unreached)."""
+    if not chances:
+        return Verdict(accepted, bonus)
+    cols = torch.arange(drafts.shape[1], device=drafts.device)
+    outcomes = (cols < torch.minimum(accepted, num_drafts)[:, None]).float()
+    return Verdict(accepted, bonus, outcomes if rule is None else torch.where(greedy[:, None], outcomes, rule))
 
 
 @dataclass
@@ -276,6 +314,7 @@ class StepOutput:
     draft_token_ids: list[int]  # what the proposer proposed this step
     logprobs: list[TokenLogprob] | None = None  # of the new tokens, where the request asks for them
     confidence: np.ndarray | None = None  # of each draft, where the proposer predicts them
+    chances: np.ndarray | None = None  # of each draft reached, its chance of acceptance, where reported
 
 
 @dataclass
@@ -291,7 +330,8 @@ class LaunchedStep:
     host: torch.Tensor  # its packed copy on the host
     logprobs: torch.Tensor | None  # its log-probabilities' copy on the host (None: no row asked)
     ready: torch.cuda.Event | None
-    confident: bool = False  # the packed rows end in the drafts' confidences
+    confident: bool = False  # the packed rows hold the drafts' confidences after the drafts
+    chanced: bool = False  # the packed rows end in the drafts' chances of acceptance
 
 
 def launch_step(
@@ -325,7 +365,9 @@ def launch_step(
     packed, logprobs = runner.step(inputs)
     (host, host_logprobs), ready = runner.to_host(packed, logprobs)
     confident = proposer is not None and proposer.confident
-    return LaunchedStep(seqs, widths, StepOutcome(packed), host, host_logprobs, ready, confident)
+    return LaunchedStep(
+        seqs, widths, StepOutcome(packed), host, host_logprobs, ready, confident, runner.reports_chances
+    )
 
 
 def flush_context(
@@ -362,11 +404,15 @@ def finish_step(step: LaunchedStep) -> list[StepOutput]:
     rows = step.host.tolist()
     a, b, d = StepOutcome.ACCEPTED, StepOutcome.BONUS, StepOutcome.DRAFTS
     outputs = [StepOutput(r[d : d + r[a]] + [r[b]], r[d : d + w - 1]) for r, w in zip(rows, step.widths)]
-    columns = step.host.shape[1]
-    if step.confident and columns > d:  # after the drafts, as many columns of their confidences
-        confidence = step.host[:, (columns + d) // 2 :].numpy() / StepOutcome.CONFIDENCE_SCALE
+    n = (step.host.shape[1] - d) // (1 + step.confident + step.chanced)  # drafts' columns
+    if step.confident and n:  # after the drafts, as many columns of their confidences
+        confidence = step.host[:, d + n : d + 2 * n].numpy() / StepOutcome.CONFIDENCE_SCALE
         for out, c, w in zip(outputs, confidence, step.widths):
             out.confidence = c[: w - 1] if c[-1] >= 0 else None  # negative: drafts made before the step
+    if step.chanced and n:  # the last columns
+        chances = step.host[:, -n:].numpy() / StepOutcome.CONFIDENCE_SCALE
+        for out, c, w in zip(outputs, chances, step.widths):
+            out.chances = c[: w - 1]
     if step.logprobs is not None:
         for seq, out, rows_lp in zip(step.seqs, outputs, step.logprobs.tolist()):
             if seq.params.logprobs is not None:

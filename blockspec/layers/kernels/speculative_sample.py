@@ -2,7 +2,7 @@
 `blockspec.sampling.sample_block` (the reference: `probs` of the target's and the drafter's logits
 without filters, `sampled_accept` and `residual_tokens`), for drafts drawn from softmax(x / T) of
 the drafter's logits. The reference writes both distributions out over every row of the block and
-runs some forty small kernels on them; here five launches:
+runs some forty small kernels on them; here five launches (seven with the chances):
 - `sample.chunk_stats` of every target row and of every draft row: each chunk's maximum and sum of
   exp((x - max) / T), from which a row's total follows (`sample.row_masses`);
 - one program a sequence tests its drafts: p(d) and q(d) as exp((x - max) / T) / total at the draft,
@@ -10,7 +10,10 @@ runs some forty small kernels on them; here five launches:
 - one launch writes the residual max(p - q, 0) of the row after the accepted drafts (p itself where
   every draft was accepted), one row a sequence, with its chunks' sums, and one draws from it at
   the request's uniform (`sample.draw_in_chunks`), from p where rounding left the residual no mass
-  (drawn for every sequence, a chunk's read, rather than behind a branch).
+  (drawn for every sequence, a chunk's read, rather than behind a branch);
+- where asked, one launch of a program per drafted row and chunk sums min(p, q) over the chunk for
+  the drafts reached (the others read nothing), and torch sums the chunks: each draft's chance of
+  acceptance, for the adaptive width's rates.
 p and q are float32 as the reference's are, but summed in another order: a decision may differ from
 the reference's only where u falls within a float32 rounding of its boundary."""
 
@@ -19,6 +22,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.kernels.sample import BLOCK, chunk_stats, draw_in_chunks, row_masses, row_temperature
+from blockspec.sampling import SampledBlock
 
 
 @triton.jit
@@ -50,6 +54,19 @@ def _same_stats(
         tl.load(p_sum_ptr + p_at, mask=ok) != tl.load(q_sum_ptr + q_at, mask=ok)
     )
     return tl.max(tl.where(ok & apart, 1, 0), 1) == 0
+
+
+@triton.jit
+def _row_pair(
+    p_val_ptr, p_sum_ptr, p_rows, p_live, q_val_ptr, q_sum_ptr, q_rows, q_live, t,
+    CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+):  # fmt: skip
+    """(max, total) of target rows p_rows and of draft rows q_rows at temperatures t ([R] each;
+    rows not live read nothing), and whether the two have the same stats (`_same_stats`)."""
+    mp, p_mass = row_masses(p_val_ptr, p_sum_ptr, p_rows, p_live, t, CHUNKS, CHUNKS_PAD)
+    mq, q_mass = row_masses(q_val_ptr, q_sum_ptr, q_rows, q_live, t, CHUNKS, CHUNKS_PAD)
+    same = _same_stats(p_val_ptr, p_sum_ptr, p_rows, q_val_ptr, q_sum_ptr, q_rows, q_live, CHUNKS, CHUNKS_PAD)
+    return mp, tl.sum(p_mass, 1), mq, tl.sum(q_mass, 1), same
 
 
 @triton.jit
@@ -89,10 +106,9 @@ def _residual_mass_kernel(
     t = row_temperature(temp_ptr, seq)
     p_row = seq * S + a
     q_row = seq * (S - 1) + tl.minimum(a, S - 2)
-    mp, p_mass = row_masses(p_val_ptr, p_sum_ptr, p_row, seq >= 0, t, CHUNKS, CHUNKS_PAD)
-    mq, q_mass = row_masses(q_val_ptr, q_sum_ptr, q_row, rejected, t, CHUNKS, CHUNKS_PAD)
-    zp, zq = tl.sum(p_mass, 1), tl.sum(q_mass, 1)
-    same_rows = _same_stats(p_val_ptr, p_sum_ptr, p_row, q_val_ptr, q_sum_ptr, q_row, rejected, CHUNKS, CHUNKS_PAD)
+    mp, zp, mq, zq, same_rows = _row_pair(
+        p_val_ptr, p_sum_ptr, p_row, seq >= 0, q_val_ptr, q_sum_ptr, q_row, rejected, t, CHUNKS, CHUNKS_PAD
+    )  # fmt: skip
     v = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)[None, :]
     total = tl.zeros([1, BLOCK], tl.float32)
     for _ in range(CHUNK_ITERS):
@@ -108,6 +124,33 @@ def _residual_mass_kernel(
         total += tl.where(ok, r, 0.0)
         v += BLOCK
     tl.store(rsum_ptr + seq * CHUNKS_PAD + c, tl.sum(total, 1))
+
+
+@triton.jit
+def _chance_kernel(
+    x_ptr, y_ptr, num_ptr, temp_ptr, accepted_ptr, p_val_ptr, p_sum_ptr, q_val_ptr, q_sum_ptr, part_ptr, V, S,
+    CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, CHUNK_ITERS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r, c = tl.program_id(0), tl.program_id(1)  # a draft row of the block, a chunk of its vocabulary
+    row = r + tl.zeros([1], tl.int32)
+    seq, i = row // (S - 1), row % (S - 1)
+    reached = (i <= tl.load(accepted_ptr + seq)) & (i < tl.load(num_ptr + seq))
+    t = row_temperature(temp_ptr, seq)
+    p_row = seq * S + i
+    mp, zp, mq, zq, same_rows = _row_pair(
+        p_val_ptr, p_sum_ptr, p_row, reached, q_val_ptr, q_sum_ptr, row, reached, t, CHUNKS, CHUNKS_PAD
+    )  # fmt: skip
+    v = c * CHUNK_ITERS * BLOCK + tl.arange(0, BLOCK)[None, :]
+    total = tl.zeros([1, BLOCK], tl.float32)
+    for _ in range(CHUNK_ITERS):
+        ok = (v < V) & reached[:, None]
+        x = tl.load(x_ptr + p_row.to(tl.int64)[:, None] * V + v, mask=ok, other=float("-inf")).to(tl.float32)
+        y = tl.load(y_ptr + row.to(tl.int64)[:, None] * V + v, mask=ok, other=float("-inf")).to(tl.float32)
+        p = tl.exp((x - mp[:, None]) / t[:, None]) / zp[:, None]
+        q = tl.exp((y - mq[:, None]) / t[:, None]) / zq[:, None]
+        total += tl.where(ok, tl.where((x == y) & same_rows[:, None], p, tl.minimum(p, q)), 0.0)
+        v += BLOCK
+    tl.store(part_ptr + row * CHUNKS + c, tl.sum(total, 1))
 
 
 @triton.jit
@@ -145,12 +188,14 @@ def speculative_sample_triton(
     u_accept: torch.Tensor,
     u_residual: torch.Tensor,
     imposed: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    chances: bool = False,
+) -> SampledBlock:
     """logits [B, S, V] the target's, draft_logits [B, S-1, V] the drafter's (any float dtype),
     drafts [B, S-1], num_drafts [B], temperature [B] (0: T = 1), u_accept [B, S-1] and u_residual
-    [B, S] float64 uniforms (the draw after j accepted drafts at u_residual[:, j]) -> (accepted
-    drafts, the token after them), int64 [B] each. `imposed` [B]: counts that replace the test's
-    (which still runs: a simulated step costs what a real one does)."""
+    [B, S] float64 uniforms (the draw after j accepted drafts at u_residual[:, j]) -> the accepted
+    drafts and the token after them, int64 [B] each, and with `chances` the drafts' chances of
+    acceptance, float32 [B, S-1] (0 past the drafts reached). `imposed` [B]: counts that replace the
+    test's (which still runs: a simulated step costs what a real one does)."""
     B, S, V = logits.shape
     assert S >= 2 and draft_logits.shape == (B, S - 1, V), (
         f"logits {tuple(logits.shape)}, drafts' {tuple(draft_logits.shape)}"
@@ -165,7 +210,7 @@ def speculative_sample_triton(
     accepted = torch.empty(B, dtype=torch.int64, device=logits.device)
     token = torch.empty_like(accepted)
     if B == 0:
-        return accepted, token
+        return SampledBlock(accepted, token, torch.zeros(B, S - 1, device=logits.device) if chances else None)
     shape = {"CHUNKS": layout.chunks, "CHUNKS_PAD": layout.pad}
     u_accept, u_residual = u_accept.double().contiguous(), u_residual.double().contiguous()
     _accept_kernel[(B,)](
@@ -183,4 +228,10 @@ def speculative_sample_triton(
     _residual_draw_kernel[(B,)](
         x, temperature, u_residual, accepted, *stats[:2], residual, r_sum, token, V, S, **shape, **steps
     )  # fmt: skip
-    return accepted, token
+    if not chances:
+        return SampledBlock(accepted, token)
+    part = torch.empty((B * (S - 1), layout.chunks), dtype=torch.float32, device=logits.device)
+    _chance_kernel[(B * (S - 1), layout.chunks)](
+        x, y, num_drafts, temperature, accepted, *stats, part, V, S, **shape, **steps
+    )  # fmt: skip
+    return SampledBlock(accepted, token, part.sum(1).view(B, S - 1))
