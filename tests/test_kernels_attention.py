@@ -257,8 +257,13 @@ def test_invariant_launch_matches_reference_and_gives_a_row_the_same_bits_alone(
     (small splits here, so that rows span several, some empty), and each real row of the batch the
     same bits as that row attending alone, as a decode step computes it."""
     monkeypatch.setattr(paged_attention_module, "INVARIANT_SPLIT_KEYS", 64)
-    monkeypatch.setattr(paged_attention_module, "INVARIANT_QUERY_ROWS", 24)  # the prefill: launches of 12 rows
     case = make_case(*CASES[name], dtype=DTYPES[0])
+    batch, _, heads, head_dim = case["q"].shape
+    splits = -(-case["block_tables"].shape[1] * case["page_size"] // 64)
+    position_bytes = batch * heads * splits * ((1 << (head_dim - 1).bit_length()) + 1) * 4  # a position's partials
+    monkeypatch.setattr(
+        paged_attention_module, "INVARIANT_PARTIALS_BYTES", 12 * position_bytes
+    )  # the prefill: 12 a launch
     case["sinks"] = head_sinks(case["q"].shape[2]) if sinks else None
     together = paged_attention_triton(**case, invariant=True)
     if sinks:

@@ -622,10 +622,11 @@ def split_flags(num_splits: int, block_m: int) -> dict:
 
 
 # Row invariance: keys split at fixed positions, this many a split; where the splits run as
-# programs of their own, a long prefill's query rows attend this many (over the batch) a launch,
-# which bounds the splits' partials (fp32, a split each: 1 GB at 128k keys and Qwen3-8B's 32 heads).
+# programs of their own, a launch takes as many query rows as keep its partials (fp32, a split
+# each, as many as the block tables' width holds) within INVARIANT_PARTIALS_BYTES: a step's rows in
+# one launch at short tables, a long prefill's in several.
 INVARIANT_SPLIT_KEYS = 256
-INVARIANT_QUERY_ROWS = 128
+INVARIANT_PARTIALS_BYTES = 1 << 30
 INVARIANT_COMBINE_UNROLL = 4  # partials a fold has in flight: long contexts fold many
 FOLD_PROGRAMS_PER_SM = 2  # tiles a launch needs for each to fold its own splits: the SMs kept busy
 
@@ -647,6 +648,14 @@ def invariant_fold_prefill(heads: AttentionHeads, max_batch: int, max_rows: int)
         if rows <= max_rows:
             return batch, rows
     return None
+
+
+def invariant_call_positions(batch: int, heads: int, max_keys: int, d_pad: int) -> int:
+    """Query positions a row-invariant launch of `batch` sequences takes where its splits write
+    partials: as many as keep those (and their log-sum-exps) within INVARIANT_PARTIALS_BYTES, at
+    least one."""
+    splits = triton.cdiv(max(max_keys, 1), INVARIANT_SPLIT_KEYS)
+    return max(1, INVARIANT_PARTIALS_BYTES // (batch * heads * splits * (d_pad + 1) * 4))
 
 
 def invariant_launch(rows: int, max_keys: int, fold: bool) -> tuple[int, int, int, dict]:
@@ -730,7 +739,8 @@ def paged_attention_triton(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     fold = invariant and invariant_folds(S * (Hq // Hkv), B * Hkv, num_sms(q.device, interpreted=8))
-    rows_per_call = max(1, INVARIANT_QUERY_ROWS // B) if invariant and not fold else S
+    max_keys, d_pad = block_tables.shape[1] * page_size, triton.next_power_of_2(D)
+    rows_per_call = invariant_call_positions(B, Hq, max_keys, d_pad) if invariant and not fold else S
     if S > rows_per_call:  # row invariance: a row's result does not depend on the rows beside it
         for s0 in range(0, S, rows_per_call):
             part = slice(s0, s0 + rows_per_call)
@@ -740,12 +750,11 @@ def paged_attention_triton(
             )  # fmt: skip
         return out
     if invariant:
-        block_m, tiles, num_splits, flags = invariant_launch(S * (Hq // Hkv), block_tables.shape[1] * page_size, fold)
+        block_m, tiles, num_splits, flags = invariant_launch(S * (Hq // Hkv), max_keys, fold)
     else:
         block_m, tiles = query_tiles(S * (Hq // Hkv))
         num_splits = num_splits or default_splits(q, k_cache, block_tables, page_size)
         flags = split_flags(num_splits, block_m)
-    d_pad = triton.next_power_of_2(D)
     outputs = _split_outputs(num_splits, out, d_pad, tiles * B * Hkv, flags)
     sinks, has_sinks = _sinks(sinks, Hq, out)
     _attention_kernel[(tiles, B * Hkv, num_splits)](
