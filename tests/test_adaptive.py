@@ -501,12 +501,23 @@ def test_a_step_left_in_flight_by_finished_sequences_is_not_timed(tmp_path) -> N
 TRACES = Path(__file__).parent / "fixtures" / "width_traces"
 
 
-def block_accepted(blocks: list[list[int]], position: int, width: int) -> int:
-    """Drafts a step of `width` rows from `position` accepts, from the full blocks [start, accepted]
-    decoded there: what the block holding the position accepted after it, cut to width - 1."""
-    k = bisect.bisect_right([start for start, _ in blocks], position) - 1
-    start, accepted = blocks[k]
+def block_accepted(blocks: list[list], position: int, width: int) -> int:
+    """Drafts a step of `width` rows from `position` accepts, from the full blocks [start, accepted
+    (, chances)] decoded there: what the block holding the position accepted after it, cut to width - 1."""
+    k = bisect.bisect_right([start for start, *_ in blocks], position) - 1
+    start, accepted, *_ = blocks[k]
     return min(accepted - (position - start), width - 1)
+
+
+def block_chances(blocks: list[list], position: int, width: int) -> np.ndarray | None:
+    """The chances of acceptance of the drafts a step of `width` rows from `position` reaches, from
+    the full block holding the position (None where the trace recorded none)."""
+    k = bisect.bisect_right([start for start, *_ in blocks], position) - 1
+    start, _, *chances = blocks[k]
+    if not chances:
+        return None
+    reached = block_accepted(blocks, position, width) + 1
+    return np.asarray(chances[0][position - start :][: min(reached, width - 1)])
 
 
 def latest(marks: list[int], seconds: list[float], at: int) -> float:
@@ -618,7 +629,9 @@ class RecordedBatches:
                 accepted = [block_accepted(requests[i]["accepted"], position[i], w) for i, w in zip(live, rows)]
                 seconds = self.seconds(group, len(live), width, done)
                 if policy is not None:
-                    policy.observe(len(live), width, seconds, [w - 1 for w in rows], accepted, (), names)
+                    chances = [block_chances(requests[i]["accepted"], position[i], w) for i, w in zip(live, rows)]
+                    offered = [w - 1 for w in rows]
+                    policy.observe(len(live), width, seconds, offered, accepted, (), names, (), chances)
                 for i, a, name in zip(live, accepted, names):
                     position[i] += a + 1
                     if policy is not None and position[i] >= requests[i]["tokens"]:
@@ -724,3 +737,26 @@ def test_chances_count_as_the_acceptances_of_the_drafts_reached() -> None:
     outcomes.observe(2, 8, None, [7, 7], [2, 1], rows=["a", "b"])
     assert outcomes.counts.hits.tolist() == [2, 1, 0, 0, 0, 0, 0]
     assert not np.array_equal(outcomes.expected_tokens(["a"]), policy.expected_tokens(["a"]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_width_trace_records_each_full_blocks_chances(tmp_path, temperature) -> None:
+    """`width_trace.record` keeps, beside each full-block step's accepted drafts, the chances the step
+    reported for its drafts reached: greedy, the outcomes (1s, then a 0 where a draft was rejected);
+    sampled, probabilities, not all 0 or 1."""
+    from blockspec.bench.width_trace import record
+
+    t = make_target(tmp_path / "t", "qwen3", vocab=128)
+    d = make_drafter(tmp_path / "d", t, block_size=8)
+    llm = LLM(str(t), {"model": str(d)}, device="cpu")
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True)
+    trace = record(llm, [[5, 9, 11], [7, 3]], params, 2)
+    # a request's last step drafts nothing (its one token left: width 1) and reports no chances
+    steps = [step for request in trace["requests"] for step in request["accepted"][:-1]]
+    assert steps and all(len(step) == 3 for step in steps)
+    for start, accepted, chances in steps:
+        assert len(chances) == min(accepted + 1, 7) and all(0 <= c <= 1 for c in chances)
+        if temperature == 0:
+            assert chances == [1.0] * accepted + [0.0] * (len(chances) - accepted)
+    if temperature > 0:
+        assert any(0 < c < 1 for *_, chances in steps for c in chances)

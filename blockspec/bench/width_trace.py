@@ -4,7 +4,8 @@ adaptive width policy can be replayed on them offline (`tests/test_adaptive.py`)
 The prompts run in groups of the batch size, twice. First every step at the widest block the
 requests allow: per request, each step's accepted drafts by the position its block started at
 (greedy output does not depend on the width, so these say what a narrower block from any position
-would accept, up to the drafts a block started elsewhere would make). Then with the width forced
+would accept, up to the drafts a block started elsewhere would make), and the chances of
+acceptance the step reported for its drafts reached, which the policy counts. Then with the width forced
 through the classes, a run of steps each: each timed step's batch, width and milliseconds, with
 the tokens its group had committed by then, so that a replay takes a width's time from the
 machine as it was at that point of the run (the batch shrinking as requests finish, the contexts
@@ -41,7 +42,9 @@ class ForcedWidths(AdaptiveWidth):
         super().__init__(max_width, run_length)
         self.cycle, self.turn = cycle, 0
         self.positions: dict[str, int] = {}  # request id -> tokens it has committed
-        self.accepted: dict[str, list[list[int]]] = {}  # request id -> [position, accepted drafts] a step
+        # request id -> [position, accepted drafts] a step, and where the step reported them the
+        # chances of acceptance of its drafts reached (`step.Verdict.chances`), rounded to 1e-4
+        self.accepted: dict[str, list[list]] = {}
         self.timed: list[list] = []  # [batch, width, ms, tokens] of each timed step
         self.tokens = 0  # committed by the requests of the group under way
 
@@ -67,9 +70,12 @@ class ForcedWidths(AdaptiveWidth):
     ) -> None:
         if is_timing(width, seconds, beside):
             self.timed.append([batch, width, round(seconds * 1e3, 4), self.tokens])
-        for row, n in zip(rows, accepted):
+        for i, (row, n) in enumerate(zip(rows, accepted)):
             start = self.positions.get(row, 0)
-            self.accepted.setdefault(row, []).append([start, n])
+            step = [start, n]
+            if i < len(chances) and chances[i] is not None:
+                step.append([round(float(c), 4) for c in chances[i][: min(n + 1, offered[i])]])
+            self.accepted.setdefault(row, []).append(step)
             self.positions[row] = start + n + 1
         self.tokens += sum(accepted) + len(accepted)
 
