@@ -383,8 +383,13 @@ def acceptance_chances(p: torch.Tensor, q: torch.Tensor, num_drafts: torch.Tenso
     """[B, S-1] each draft's chance of acceptance once the drafts before it were accepted: the sum
     over the vocabulary of min(p, q) of its row (the draft drawn from q, accepted with probability
     min(1, p / q)); 0 past a sequence's num_drafts [B]. p: [B, S, V]; q: [B, S-1, V]."""
-    cols = torch.arange(q.shape[1], device=q.device)
-    return torch.minimum(p[:, :-1], q).sum(-1).where(cols < num_drafts[:, None], 0.0)
+    rows = q.shape[1]
+    if q.device.type == "cpu":  # only the rows drafted (at T > 0, a few of a block); on CUDA a read would wait
+        rows = min(rows, int(num_drafts.max()) if num_drafts.numel() else 0)
+    chances = q.new_zeros(q.shape[:2])
+    cols = torch.arange(rows, device=q.device)
+    chances[:, :rows] = torch.minimum(p[:, :rows], q[:, :rows]).sum(-1).where(cols < num_drafts[:, None], 0.0)
+    return chances
 
 
 @dataclass
