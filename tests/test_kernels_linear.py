@@ -257,19 +257,23 @@ def test_fused_linear_matches_the_unfused_ops(rows, dtype, kind):
 
 
 @runs_kernel
-@pytest.mark.parametrize("fused", ["plain", "norm_swiglu", "residual"])
+@pytest.mark.parametrize("fused", ["plain", "norm_swiglu", "residual", "split_residual"])
 def test_invariant_linear_gives_a_row_the_same_bits_at_any_row_count(fused):
-    """Row invariance (`linear_module.invariant_linear`): the MMA kernel without a split of K at every
-    row count, one row too (no GEMV), its norm by the one-program-a-row kernel; each row of any
-    call equals that row alone, bit for bit, and the unfused ops within rounding. On the GPU across
-    tile shapes too (an MMA chain sums K in the same order whatever BLOCK_K and BLOCK_M); the
-    interpreter's tl.dot is numpy's, whose rounding follows the tile, so there only within one."""
+    """Row invariance (`linear_module.invariant_linear`): the MMA kernel with a fixed split of K at
+    every row count (none, or halves where K is long: `split_residual`, as down_proj), one row too
+    (no GEMV), its norm by the one-program-a-row kernel; each row of any call equals that row alone,
+    bit for bit, and the unfused ops within rounding. On the GPU across tile shapes too (an MMA
+    chain sums K in the same order whatever BLOCK_K and BLOCK_M); the interpreter's tl.dot is
+    numpy's, whose rounding follows the tile, so there only within one."""
+    from blockspec.layers.kernels.skinny_linear import invariant_split_k
+
     dtype = torch.bfloat16 if CUDA else torch.float16
     gen = torch.Generator().manual_seed(0)
-    N, K, rows = 96, 320, 200 if CUDA else 70
+    N, K, rows = 96, 1024 if fused == "split_residual" else 320, 200 if CUDA else 70
+    assert invariant_split_k(N, K) == (2 if fused == "split_residual" else 1)
     w = (torch.randn(2 * N if fused == "norm_swiglu" else N, K, generator=gen) * 0.05).to(DEVICE, dtype)
     x = torch.randn(rows, K, generator=gen).to(DEVICE, dtype)
-    res = torch.randn(rows, N, generator=gen).to(DEVICE, dtype) if fused == "residual" else None
+    res = torch.randn(rows, N, generator=gen).to(DEVICE, dtype) if fused.endswith("residual") else None
     norm = RMSNorm(K, 1e-6).to(DEVICE, dtype) if fused == "norm_swiglu" else None
     swiglu = fused == "norm_swiglu"
 

@@ -398,24 +398,34 @@ def choose_config(M: int, N: int, K: int, sms: int, elem_bytes: int = 2, prologu
     return SkinnyConfig(bm, bn, bk, split, warps, stages)
 
 
+def invariant_split_k(N: int, K: int) -> int:
+    """Row invariance's split of K for a weight [N, K], the same at every row count: in two halves
+    where K is long beside N (K >= 2N: down_proj), at a multiple of 256 so that every tile's K
+    steps end on it, else none: there the halves keep more programs streaming at 129-256 rows and
+    cost nothing at 1-16; where K = N (o_proj, qkv) a split is slower at 256 rows (docs/design.md)."""
+    return 2 if K >= 2 * N and K % 512 == 0 else 1
+
+
 def invariant_config(M: int, N: int, K: int, sms: int) -> SkinnyConfig:
-    """`choose_config`'s MMA tiles for M rows (at one row too: no GEMV) without a split of K, for row
-    invariance (`blockspec.layers.row_invariant`): each output then sums its K products in one
-    order, BLOCK_K steps of the same MMA accumulated in place, whatever the tiles or the row count.
-    From 129 to 256 rows (16 sequences' 16-row verify), the H200's best of a sweep over Qwen3-8B's
-    shapes at 256 rows: wide weights in 256-row tiles; others in 64 weight rows a tile where that
-    makes one wave of programs, else 128 (qkv 42%, o 20%, gate|up 7%, down_proj 18% faster than
-    `choose_config`'s tiles). At one row, from the same sweep, a wide weight streams best in 128
-    weight rows a tile with five K steps in flight; from 2 to 16 rows the 16-row tiles stay best."""
+    """`choose_config`'s MMA tiles for M rows (at one row too: no GEMV) with a fixed split of K
+    (`invariant_split_k`), for row invariance (`blockspec.layers.row_invariant`): each output then
+    sums its K products in one order, BLOCK_K steps of the same MMA accumulated in place over each
+    split, the splits summed in order, whatever the tiles or the row count. From 129 to 256 rows
+    (16 sequences' 16-row verify), the H200's best of a sweep over Qwen3-8B's shapes at 256 rows:
+    wide weights in 256-row tiles; others in 64 weight rows a tile where that makes one wave of
+    programs, else 128 (qkv 42%, o 20%, gate|up 7% faster than `choose_config`'s tiles), a split
+    weight in 128 (the H100's best of a sweep at down_proj's shape). At one row, from the same sweep, a wide weight streams best in
+    128 weight rows a tile with five K steps in flight; from 2 to 16 rows the 16-row tiles stay best."""
+    split = invariant_split_k(N, K)
     if M == 1 and N >= WIDE_N:
-        return SkinnyConfig(16, 128, 128, 1, 4, 5)
+        return SkinnyConfig(16, 128, 128, split, 4, 5)
     if M <= 128 or M > 256:
-        return dataclasses.replace(choose_config(max(M, 2), N, K, sms), split_k=1)
+        return dataclasses.replace(choose_config(max(M, 2), N, K, sms), split_k=split)
     if N >= WIDE_N:
-        return SkinnyConfig(256, 128, 64, 1, 8, 4)
-    if triton.cdiv(M, 128) * triton.cdiv(N, 64) <= sms:
+        return SkinnyConfig(256, 128, 64, split, 8, 4)
+    if split == 1 and triton.cdiv(M, 128) * triton.cdiv(N, 64) <= sms:
         return SkinnyConfig(128, 64, 128, 1, 4, 3)
-    return SkinnyConfig(128, 128, 64, 1, 4, 4)
+    return SkinnyConfig(128, 128, 64, split, 4, 4)
 
 
 def skinny_linear(
