@@ -199,6 +199,21 @@ def test_confidences_read_back_per_sequence_and_none_for_drafts_made_before_the_
     assert [o.confidence for o in out] == [None, None]
 
 
+def test_confidences_and_chances_read_back_from_a_graphs_wider_outcome():
+    """A CUDA graph captured at width class 8 packs 7 columns a block (drafts, confidences,
+    chances) for steps of 5 and 3 rows: each sequence reads its own w-1 of each block, none of
+    the padding rows' values."""
+    drafts = torch.tensor([[5, 6, 7, 8, 0, 0, 0], [9, 10, 0, 0, 0, 0, 0]])
+    confidence = torch.tensor([[0.25, 0.5, 0.75, 1.0, 0.5, 0.5, 0.5], [0.125, 0.0, 0.5, 0.5, 0.5, 0.5, 0.5]])
+    chances = torch.tensor([[0.875, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    packed = StepOutcome.pack(torch.tensor([1, 2]), torch.tensor([1, 1]), torch.tensor([4, 4]), drafts, confidence,
+                              chances)  # fmt: skip
+    out = finish_step(LaunchedStep([], [5, 3], StepOutcome(packed), packed, None, None, True, True))
+    assert [o.draft_token_ids for o in out] == [[5, 6, 7, 8], [9, 10]]
+    assert [o.confidence.tolist() for o in out] == [[0.25, 0.5, 0.75, 1.0], [0.125, 0.0]]
+    assert [o.chances.tolist() for o in out] == [[0.875, 0.5, 0.0, 0.0], [1.0, 0.0]]
+
+
 @pytest.fixture(scope="module")
 def sampling_target(tmp_path_factory):
     return make_target(tmp_path_factory.mktemp("dspark_sampling") / "t", "llama", vocab=VOCAB, seed=3)

@@ -57,8 +57,10 @@ class GraphCache:
     def run(
         self, name: str, fn: Callable[[StepInputs], StepTensors], inputs: StepInputs, own_pool: bool = False
     ) -> StepTensors:
-        """fn(inputs) -> ([B, k + w-1], [B, w, ...] or None) (w: the step's width, rows per
-        sequence), replayed. Graphs share one memory pool, so a graph's intermediates may lie where
+        """fn(inputs) -> ([B, k + blocks of w-1 columns], [B, w, ...] or None) (w: the step's width,
+        rows per sequence), replayed: the packed outcome at the captured width class, whose blocks'
+        columns past w-1 hold padding rows' values (each reader takes its rows' own), the per-row
+        results cut to w. Graphs share one memory pool, so a graph's intermediates may lie where
         another's outputs do: a graph replayed before the previous one's outputs are read (a step
         launched from them reads them when its inputs are filled) is captured in a pool of its
         own (`own_pool`)."""
@@ -75,9 +77,7 @@ class GraphCache:
         packed, per_row = out
         if packed is None:  # a step part that returns nothing (`step.flush_forward`)
             return out
-        return packed[:batch, : packed.shape[1] - (key[2] - rows)], per_row[
-            :batch, :rows
-        ] if per_row is not None else None
+        return packed[:batch], per_row[:batch, :rows] if per_row is not None else None
 
     def static_inputs(self, bucket: int, width: int, inputs: StepInputs) -> StepInputs:
         """The capture's input buffers: `bucket` sequences of `width` rows, filled with padding."""

@@ -125,8 +125,10 @@ class StepInputs:
 
 
 class StepOutcome:
-    """A step's results as named views of one int64 tensor [B, 3 + w-1] (one copy to the host):
-    bonus tokens | accepted counts | the next step's starts | the drafts, then where the proposer
+    """A step's results as named views of one int64 tensor [B, 3 + blocks of w-1] (one copy to the
+    host; w the step's width, or under a CUDA graph its width class, a block's columns past a
+    sequence's drafts then padding): bonus tokens | accepted counts | the next step's starts | the
+    drafts, then where the proposer
     predicts them the drafts' confidences [B, w-1] in fixed point (CONFIDENCE_SCALE; negative: drafts
     proposed before the step, whose confidences the step does not have), then where the runner
     reports them the drafts' chances of acceptance [B, w-1] (`Verdict.chances`), in fixed point

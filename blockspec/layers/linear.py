@@ -100,10 +100,10 @@ def invariant_linear(
     swiglu: bool,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`fused_linear` under row invariance, at any number of rows: the MMA kernel without a split of
-    K (`skinny_linear.invariant_config`), so each output's sum runs over K in one order whatever the
-    row count; the norm apart, by a kernel of one program a row (the prologue's sum of squares
-    would follow the tile)."""
+    """`fused_linear` under row invariance, at any number of rows: the MMA kernel with the weight's
+    fixed split of K (`skinny_linear.invariant_config`), so each output's sum runs over K in one
+    order whatever the row count; the norm apart, by a kernel of one program a row (the prologue's
+    sum of squares would follow the tile)."""
     x = x if norm is None else norm(x)
     module = kernel_module("skinny_linear")
     M, N, K = x.numel() // x.shape[-1], weight.shape[0], x.shape[-1]
