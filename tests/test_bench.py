@@ -342,8 +342,8 @@ def test_width_trace_records_each_requests_blocks_and_each_widths_times(tmp_path
     trace = width_trace.record(llm, prompts, params, 2)
     assert [r["group"] for r in trace["requests"]] == [0, 0, 1]
     for r in trace["requests"]:
-        ends = [start + accepted + 1 for start, accepted in r["accepted"]]
-        assert [start for start, _ in r["accepted"]] == [0, *ends[:-1]] and ends[-1] >= r["tokens"] == 12
+        ends = [start + accepted + 1 for start, accepted, *_ in r["accepted"]]
+        assert [start for start, *_ in r["accepted"]] == [0, *ends[:-1]] and ends[-1] >= r["tokens"] == 12
         assert r["accepted"][-1][0] < r["tokens"]  # no step recorded past the request's end
     assert len({w for _, _, w, _, _ in trace["timed"]}) > 1 and all(ms > 0 for *_, ms, _ in trace["timed"])
     assert all(batch <= (2 if g == 0 else 1) and tokens >= 0 for g, batch, _, _, tokens in trace["timed"])
