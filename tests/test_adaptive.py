@@ -16,7 +16,7 @@ import torch
 from conftest import make_drafter, make_target
 
 from blockspec import LLM, SamplingParams
-from blockspec.engine.adaptive import RUN_AHEAD_RUN, AdaptiveWidth, width_classes
+from blockspec.engine.adaptive import RUN_AHEAD_RUN, AdaptiveWidth, width_classes, with_chances
 from blockspec.engine.cuda_graphs import BATCH_BUCKETS, round_up
 from blockspec.proposers.base import Proposer
 from blockspec.proposers.simulated import SimulatedProposer
@@ -739,11 +739,25 @@ def test_chances_count_as_the_acceptances_of_the_drafts_reached() -> None:
     assert not np.array_equal(outcomes.expected_tokens(["a"]), policy.expected_tokens(["a"]))
 
 
+def test_with_chances_replaces_the_hits_of_the_drafts_reached_only() -> None:
+    """Each sequence's chances replace its hits where a draft was reached, cut to the positions
+    counted; a sequence without chances (None or empty) keeps its outcomes."""
+    seen = np.zeros((4, 2, 3), dtype=np.int64)
+    seen[:, 0, :2] = 1  # every sequence reached drafts 1 and 2
+    seen[:, 1, 0] = 1  # and had draft 1 accepted
+    chances = [np.array([0.5, 0.25, 0.9, 0.7]), None, np.array([]), np.array([0.75])]
+    out = with_chances(seen, chances)
+    assert out[0, 1].tolist() == [0.5, 0.25, 0.0]  # draft 3 unreached: its 0.9 not counted
+    assert out[1, 1].tolist() == [1, 0, 0] and out[2, 1].tolist() == [1, 0, 0]
+    assert out[3, 1].tolist() == [0.75, 0, 0]
+    assert np.array_equal(out[:, 0], seen[:, 0]) and with_chances(seen, [None] * 4) is seen
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_width_trace_records_each_full_blocks_chances(tmp_path, temperature) -> None:
     """`width_trace.record` keeps, beside each full-block step's accepted drafts, the chances the step
-    reported for its drafts reached: greedy, the outcomes (1s, then a 0 where a draft was rejected);
-    sampled, probabilities, not all 0 or 1."""
+    reported for its drafts reached: sampled, probabilities, not all 0 or 1; greedy, none (a greedy
+    step's chances are its outcomes, which the accepted counts already say)."""
     from blockspec.bench.width_trace import record
 
     t = make_target(tmp_path / "t", "qwen3", vocab=128)
@@ -753,10 +767,8 @@ def test_a_width_trace_records_each_full_blocks_chances(tmp_path, temperature) -
     trace = record(llm, [[5, 9, 11], [7, 3]], params, 2)
     # a request's last step drafts nothing (its one token left: width 1) and reports no chances
     steps = [step for request in trace["requests"] for step in request["accepted"][:-1]]
-    assert steps and all(len(step) == 3 for step in steps)
-    for start, accepted, chances in steps:
-        assert len(chances) == min(accepted + 1, 7) and all(0 <= c <= 1 for c in chances)
-        if temperature == 0:
-            assert chances == [1.0] * accepted + [0.0] * (len(chances) - accepted)
+    assert steps and all(len(step) == (2 if temperature == 0 else 3) for step in steps)
     if temperature > 0:
+        for start, accepted, chances in steps:
+            assert len(chances) == min(accepted + 1, 7) and all(0 <= c <= 1 for c in chances)
         assert any(0 < c < 1 for *_, chances in steps for c in chances)

@@ -172,10 +172,12 @@ def with_chances(seen: np.ndarray, chances: list[np.ndarray | None]) -> np.ndarr
     given = [i for i, c in enumerate(chances) if c is not None and len(c)]
     if not given:
         return seen
+    lengths = np.minimum([len(chances[i]) for i in given], seen.shape[-1])
+    rows = np.repeat(given, lengths)
+    cols = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    given_chances = np.concatenate([chances[i][:n] for i, n in zip(given, lengths)])
     seen = seen.astype(float)
-    for i in given:
-        n = min(len(chances[i]), seen.shape[-1])
-        seen[i, 1, :n] = np.where(seen[i, 0, :n] > 0, chances[i][:n], 0.0)
+    seen[rows, 1, cols] = np.where(seen[rows, 0, cols] > 0, given_chances, 0.0)
     return seen
 
 

@@ -188,7 +188,7 @@ def step_forward(runner: "ModelRunner", inputs: StepInputs) -> tuple[torch.Tenso
         rule_logits = ban_early_stops(rule_logits, inputs.decided_positions, inputs.min_positions, inputs.stop_ids)
     if inputs.bitmask is not None:
         rule_logits = mask_logits(rule_logits, inputs.bitmask)
-    result = accept(proposal, rule_logits, inputs, runner.reports_chances)
+    result = accept(proposal, rule_logits, inputs, reports_chances(runner, inputs))
     accepted, bonus = result.accepted, result.bonus
     committed = accepted + 1
     runner.mark("accept")
@@ -367,9 +367,14 @@ def launch_step(
     packed, logprobs = runner.step(inputs)
     (host, host_logprobs), ready = runner.to_host(packed, logprobs)
     confident = proposer is not None and proposer.confident
-    return LaunchedStep(
-        seqs, widths, StepOutcome(packed), host, host_logprobs, ready, confident, runner.reports_chances
-    )
+    chanced = reports_chances(runner, inputs)
+    return LaunchedStep(seqs, widths, StepOutcome(packed), host, host_logprobs, ready, confident, chanced)
+
+
+def reports_chances(runner: "ModelRunner", inputs: StepInputs) -> bool:
+    """Whether the step packs its drafts' chances of acceptance: where the runner reports them and
+    some row samples (a greedy row's chances are its outcomes, which the host has already)."""
+    return runner.reports_chances and inputs.sampling is not None
 
 
 def flush_context(
