@@ -360,35 +360,35 @@ def greedy_accept(drafts: torch.Tensor, target_argmax: torch.Tensor, num_drafts:
     return match.int().cumprod(dim=1).sum(dim=1)
 
 
-def point_mass_or(q: torch.Tensor | None, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The proposal distributions [B, S-1, V]: q, or where a proposer has none (its drafts are
-    certain: n-gram lookup), point masses at the drafts."""
-    return q if q is not None else torch.nn.functional.one_hot(drafts, vocab).float()
-
-
 def sampled_accept(
-    drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, num_drafts: torch.Tensor, u: torch.Tensor
+    drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, num_drafts: torch.Tensor, u: torch.Tensor
 ) -> torch.Tensor:
     """Accepted drafts per sequence under speculative sampling: draft i is accepted with probability
     min(1, p(d_i) / q(d_i)), i.e. when u_i * q(d_i) < p(d_i), up to the first rejection. drafts,
-    u: [B, S-1]; p: [B, S, V]; q: [B, S-1, V]; num_drafts: [B]."""
+    u: [B, S-1]; p: [B, S, V]; q: [B, S-1, V], or None: point masses at the drafts (a proposer
+    without a distribution, whose drafts are certain: n-gram lookup); num_drafts: [B]."""
     p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0].double()
-    q_d = q.gather(-1, drafts[..., None])[..., 0].double()
+    q_d = 1.0 if q is None else q.gather(-1, drafts[..., None])[..., 0].double()
     cols = torch.arange(drafts.shape[1], device=drafts.device)
     ok = (u * q_d < p_d) & (cols < num_drafts[:, None])
     return ok.int().cumprod(dim=1).sum(dim=1)
 
 
-def acceptance_chances(p: torch.Tensor, q: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+def acceptance_chances(
+    p: torch.Tensor, q: torch.Tensor | None, num_drafts: torch.Tensor, drafts: torch.Tensor | None = None
+) -> torch.Tensor:
     """[B, S-1] each draft's chance of acceptance once the drafts before it were accepted: the sum
     over the vocabulary of min(p, q) of its row (the draft drawn from q, accepted with probability
-    min(1, p / q)); 0 past a sequence's num_drafts [B]. p: [B, S, V]; q: [B, S-1, V]."""
+    min(1, p / q)); 0 past a sequence's num_drafts [B]. p: [B, S, V]; q: [B, S-1, V], or None:
+    point masses at `drafts` [B, S-1], whose chances are p at the drafts."""
+    cols = torch.arange(p.shape[1] - 1, device=p.device)
+    if q is None:
+        return p[:, :-1].gather(-1, drafts[..., None])[..., 0].where(cols < num_drafts[:, None], 0.0)
     rows = q.shape[1]
     if q.device.type == "cpu":  # only the rows drafted (at T > 0, a few of a block); on CUDA a read would wait
         rows = min(rows, int(num_drafts.max()) if num_drafts.numel() else 0)
     chances = q.new_zeros(q.shape[:2])
-    cols = torch.arange(rows, device=q.device)
-    chances[:, :rows] = torch.minimum(p[:, :rows], q[:, :rows]).sum(-1).where(cols < num_drafts[:, None], 0.0)
+    chances[:, :rows] = torch.minimum(p[:, :rows], q[:, :rows]).sum(-1).where(cols[:rows] < num_drafts[:, None], 0.0)
     return chances
 
 
@@ -435,15 +435,25 @@ def sample_block(
 
 
 def residual_tokens(
-    accepted: torch.Tensor, p: torch.Tensor, q: torch.Tensor, num_drafts: torch.Tensor, u: torch.Tensor
+    accepted: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    num_drafts: torch.Tensor,
+    u: torch.Tensor,
+    drafts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The token after the accepted drafts [B]: after a rejection at row a, drawn from
     normalize(max(p_a - q_a, 0)); with every draft accepted, from p's row after the last (past the
-    last draft q counts as zero, so it is the same rule). p: [B, S, V]; q: [B, S-1, V]; u: [B]."""
-    vocab = p.shape[-1]
+    last draft q counts as zero, so it is the same rule). p: [B, S, V]; q: [B, S-1, V], or None:
+    point masses at `drafts` [B, S-1]; u: [B]."""
+    vocab, rows = p.shape[-1], p.shape[1] - 1
     p_row = p.gather(1, accepted[:, None, None].expand(-1, 1, vocab))[:, 0]
-    if q.shape[1]:
-        q_row = q.gather(1, accepted.clamp_max(q.shape[1] - 1)[:, None, None].expand(-1, 1, vocab))[:, 0]
+    if rows:
+        at = accepted.clamp_max(rows - 1)[:, None]
+        if q is None:  # the rejected draft's own id alone
+            q_row = torch.zeros_like(p_row).scatter_(1, drafts.gather(1, at), 1.0)
+        else:
+            q_row = q.gather(1, at[:, :, None].expand(-1, 1, vocab))[:, 0]
         residual = (p_row - q_row).clamp_min(0)
         # max(p - q, 0) is all zero only when p == q, where a rejection has probability 0.
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)

@@ -29,6 +29,7 @@ from blockspec.sampling import (
     draw,
     min_p_filter,
     probs,
+    residual_tokens,
     sampled_accept,
     sampling_row,
     tempered_scores,
@@ -116,7 +117,7 @@ def test_mixed_block_widths_keep_the_target_distribution(pair, monkeypatch):
     assert chi_square_pvalue(counts, exact_distribution(t, CASES[0]), N) > 1e-3
 
 
-def wrong_residual_tokens(accepted, p, q, num_drafts, u):
+def wrong_residual_tokens(accepted, p, q, num_drafts, u, drafts=None):
     """The classic mistake: after a rejection, sample from p instead of max(p - q, 0)."""
     return draw(p.gather(1, accepted[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0], u)
 
@@ -443,6 +444,29 @@ def test_a_drafts_chance_is_the_frequency_of_its_acceptance():
     assert abs(float(frequency.double().mean()) - chance) < 4 * error
     wrong = float((p[0, 0] / q[0, 0]).clamp_max(1).mean())
     assert abs(float(frequency.double().mean()) - wrong) > 4 * error
+
+
+def test_point_masses_are_read_at_the_drafts_as_one_hot_rows_would_be():
+    """q None (an n-gram proposer's certain drafts) gives the accepted counts, residual tokens and
+    chances that explicit one-hot rows at the drafts give, without the [B, S-1, V] tensor; the
+    residual never draws the rejected draft."""
+    gen = torch.Generator().manual_seed(3)
+    batch, rows, vocab = 64, 4, 6
+    p = torch.softmax(2 * torch.randn(batch, rows + 1, vocab, generator=gen), -1)
+    drafts = torch.randint(0, vocab, (batch, rows), generator=gen)
+    num_drafts = torch.randint(0, rows + 1, (batch,), generator=gen)
+    one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
+    u = torch.rand(batch, rows, generator=gen, dtype=torch.float64)
+    accepted = sampled_accept(drafts, p, None, num_drafts, u)
+    assert torch.equal(accepted, sampled_accept(drafts, p, one_hot, num_drafts, u))
+    assert 0 < int((accepted < num_drafts).sum()) < batch
+    u_residual = torch.rand(batch, generator=gen, dtype=torch.float64)
+    token = residual_tokens(accepted, p, None, num_drafts, u_residual, drafts)
+    assert torch.equal(token, residual_tokens(accepted, p, one_hot, num_drafts, u_residual))
+    rejected = accepted < num_drafts
+    assert not (token[rejected] == drafts[rejected].gather(1, accepted[rejected, None])[:, 0]).any()
+    chances = acceptance_chances(p, None, num_drafts, drafts)
+    assert torch.allclose(chances, acceptance_chances(p, one_hot, num_drafts), atol=1e-7)
 
 
 @pytest.mark.parametrize("filters", [False, True])

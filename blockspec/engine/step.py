@@ -27,7 +27,6 @@ from blockspec.sampling import (
     argmax,
     ban_early_stops,
     greedy_accept,
-    point_mass_or,
     probs,
     residual_tokens,
     sample_block,
@@ -282,13 +281,13 @@ def accept(proposal: Proposal, logits: torch.Tensor, inputs: StepInputs, chances
         bonus = torch.where(greedy, greedy_bonus, block.token)
         return verdict(accepted, bonus, drafts, num_drafts, chances, greedy, block.chances)
     p = probs(logits, inputs.sampling_params[:, None], inputs.filters)
-    q = point_mass_or(proposal.q, drafts, p.shape[-1])
+    q = proposal.q  # None: point masses at the drafts (n-gram lookup), read at the drafts alone
     if proposal.accepted is None:
         u = uniform(seeds[:, None], inputs.draft_positions, Stream.ACCEPT)
         accepted = torch.where(greedy, accepted, sampled_accept(drafts, p, q, num_drafts, u))
     u = uniform(seeds, inputs.starts + accepted + 1, Stream.RESIDUAL)
-    bonus = torch.where(greedy, greedy_bonus, residual_tokens(accepted, p, q, num_drafts, u))
-    rule = acceptance_chances(p, q, torch.minimum(accepted + 1, num_drafts)) if ruled else None
+    bonus = torch.where(greedy, greedy_bonus, residual_tokens(accepted, p, q, num_drafts, u, drafts))
+    rule = acceptance_chances(p, q, torch.minimum(accepted + 1, num_drafts), drafts) if ruled else None
     return verdict(accepted, bonus, drafts, num_drafts, chances, greedy, rule)
 
 
