@@ -450,11 +450,10 @@ def residual_tokens(
     p_row = p.gather(1, accepted[:, None, None].expand(-1, 1, vocab))[:, 0]
     if rows:
         at = accepted.clamp_max(rows - 1)[:, None]
-        if q is None:  # the rejected draft's own id alone
-            q_row = torch.zeros_like(p_row).scatter_(1, drafts.gather(1, at), 1.0)
+        if q is None:  # max(p - one-hot, 0): p with the rejected draft's id zeroed (p <= 1)
+            residual = p_row.scatter(1, drafts.gather(1, at), 0.0)
         else:
-            q_row = q.gather(1, at[:, :, None].expand(-1, 1, vocab))[:, 0]
-        residual = (p_row - q_row).clamp_min(0)
+            residual = (p_row - q.gather(1, at[:, :, None].expand(-1, 1, vocab))[:, 0]).clamp_min(0)
         # max(p - q, 0) is all zero only when p == q, where a rejection has probability 0.
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
         p_row = torch.where((accepted < num_drafts)[:, None], residual, p_row)
