@@ -495,16 +495,19 @@ def test_arrival_bench_times_a_long_prompt_chunked_and_whole(tmp_path):
 
 
 def test_run_meta_names_the_checkout_revision(tmp_path, monkeypatch):
-    """A bench run from a git checkout records its commit (`+changes` with tracked files edited);
-    one from elsewhere records none."""
+    """A bench run from a git checkout records its commit (`+changes` with tracked files edited) as
+    it was when the bench started; one from elsewhere records none."""
     root = Path(meta.__file__).resolve().parents[2]
     if (root / ".git").exists() and shutil.which("git"):
         head = subprocess.run(
             ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         )
-        revision = meta.run_meta("blockspec.bench.bench", torch.device("cpu"), torch.float32)["revision"]
-        assert re.fullmatch(re.escape(head.stdout.strip()) + r"(\+changes)?", revision)
+        assert re.fullmatch(re.escape(head.stdout.strip()) + r"(\+changes)?", meta.source_revision())
+        monkeypatch.setattr(meta, "START_REVISION", "abc1234")  # what the checkout was at the start
+        assert meta.run_meta("blockspec.bench.bench", torch.device("cpu"), torch.float32)["revision"] == "abc1234"
     monkeypatch.setattr(meta, "__file__", str(tmp_path / "site" / "blockspec" / "bench" / "meta.py"))
+    assert meta.source_revision() is None
+    monkeypatch.setattr(meta, "START_REVISION", None)
     assert "revision" not in meta.run_meta("blockspec.bench.bench", torch.device("cpu"), torch.float32)
 
 

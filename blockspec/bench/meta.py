@@ -35,12 +35,17 @@ def source_revision() -> str | None:
     return head.stdout.strip() + ("+changes" if diff.returncode == 1 else "")
 
 
+# Read when a bench starts (it imports this module first), not when it writes its rows: a commit or
+# an edit made while it runs is not the code it ran.
+START_REVISION = source_revision()
+
+
 def run_meta(module: str, device: torch.device, dtype: torch.dtype, **fields) -> dict:
     """{"device", "dtype", **fields, "command"[, "revision"]} of a run of `python -m <module>` with
-    this process's arguments, from the checkout at `source_revision`."""
+    this process's arguments, from the checkout at `START_REVISION`."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     command = " ".join([f"python -m {module}", *map(shlex.quote, sys.argv[1:])])
-    revision = source_revision()
+    revision = START_REVISION
     return {"device": name, "dtype": str(dtype), **fields, "command": command} | (
         {"revision": revision} if revision else {}
     )
